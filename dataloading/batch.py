@@ -1,0 +1,71 @@
+"""Batch types the data plane hands to the trainer (plain tensors, no distributed state)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MediaInputs:
+    """All items of one modality in one micro-batch, packed without padding."""
+
+    features: torch.Tensor  # [sum n_units, feat_dim], items concatenated in order
+    sizes: torch.Tensor  # int64 [n_items, k]: per-item size (image: grid_h, grid_w; audio: n_frames)
+    num_tokens: torch.Tensor  # int64 [n_items]: LLM tokens per item
+    # Flat positions (into the micro-batch's packed row) that receive the encoder outputs,
+    # item after item; len == num_tokens.sum().
+    positions: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "MediaInputs":
+        return MediaInputs(*(t.to(device) for t in (self.features, self.sizes, self.num_tokens, self.positions)))
+
+
+@dataclass
+class MicroBatch:
+    """One packed row: several samples concatenated, each restarting its positions at 0."""
+
+    input_ids: torch.Tensor  # int64 [T]; placeholder tokens where media embeddings go
+    position_ids: torch.Tensor  # int64 [T], restart at 0 at every sample
+    labels: torch.Tensor  # int64 [T]: next-token target at each position, IGNORE_INDEX where no loss
+    cu_seqlens: torch.Tensor  # int32 [n_samples + 1]
+    media: dict[str, MediaInputs] = field(default_factory=dict)
+    sample_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        return MicroBatch(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            labels=self.labels.to(device),
+            cu_seqlens=self.cu_seqlens.to(device),
+            media={m: x.to(device) for m, x in self.media.items()},
+            sample_ids=list(self.sample_ids),
+        )
+
+
+@dataclass
+class StepBatch:
+    """What one data-parallel rank trains on in one optimizer step."""
+
+    step: int
+    micro_batches: list[MicroBatch]
+    # Data problems met while building this step (e.g. {"corrupt_sample": 1}); reported in metrics.
+    problems: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_target_tokens(self) -> int:
+        return sum(mb.num_target_tokens for mb in self.micro_batches)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(mb.num_tokens for mb in self.micro_batches)

@@ -1,0 +1,45 @@
+"""The contract between the data plane and encoder plugins.
+
+``dataloading`` never imports ``omni``: an encoder plugin hands the data plane a
+*processor* (a small picklable object without weights) that turns decoded media into
+the packed encoder input and says how many LLM placeholder tokens an item becomes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+#: Modality names the data format knows, with the file extensions that carry them.
+MODALITY_EXTENSIONS: dict[str, tuple[str, ...]] = {
+    "image": ("jpg", "jpeg", "png", "webp"),
+    "audio": ("wav", "flac"),
+}
+#: Placeholder text per modality, as written in a sample's ``txt`` field.
+PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
+
+
+@dataclass
+class MediaItem:
+    """One preprocessed media item, ready to be packed with others of its modality."""
+
+    features: torch.Tensor  # [n_units, feat_dim]: image patches or audio frames
+    size: tuple[int, ...]  # image: (grid_h, grid_w) in patches; audio: (n_frames,)
+    num_tokens: int  # LLM placeholder tokens this item turns into
+
+
+@runtime_checkable
+class MediaProcessor(Protocol):
+    """Raw decoded media -> encoder input. Implemented by every encoder plugin."""
+
+    modality: str
+
+    def __call__(self, raw: Any) -> MediaItem:
+        """image: uint8 array [H, W, 3]; audio: (float32 waveform [n], sample_rate)."""
+        ...
+
+    def num_tokens_from_meta(self, meta: dict) -> int:
+        """Token count from index metadata alone (image: height/width; audio:
+        num_samples/sample_rate), so planning never decodes media."""
+        ...
