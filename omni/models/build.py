@@ -1,0 +1,68 @@
+"""Build the multimodal model and its media processors from config."""
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from typing import Any, Mapping
+
+from dataloading.media import MediaProcessor
+from omni.errors import ConfigError
+from omni.models.config import EncoderSlot, ModelConfig
+from omni.models.encoders.base import EncoderAnchor
+from omni.models.encoders.registry import build_encoder
+from omni.models.llm import Decoder, DecoderConfig
+from omni.models.multimodal import OmniModel
+from omni.models.projector import Projector
+
+
+def build_llm(cfg: ModelConfig) -> Decoder:
+    if cfg.pretrained:
+        from omni.models.hf_io import load_pretrained
+
+        return load_pretrained(cfg.pretrained)
+    decoder_fields = {f.name for f in fields(DecoderConfig)}
+    return Decoder(DecoderConfig(**{k: v for k, v in asdict(cfg).items() if k in decoder_fields}))
+
+
+def build_encoders(slots: Mapping[str, EncoderSlot]) -> dict[str, tuple[str, EncoderAnchor]]:
+    """modality -> (slot name, encoder). The slot name ("vision") is the user's label; the
+    plugin's modality ("image") is what the data plane and placeholders speak."""
+    by_modality: dict[str, tuple[str, EncoderAnchor]] = {}
+    for slot_name, slot in slots.items():
+        plugin = slot._target_ or slot.name
+        try:
+            enc = build_encoder(plugin, dict(slot.params), pretrained=slot.pretrained)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"encoders.{slot_name}: {exc}") from None
+        if enc.modality in by_modality:
+            raise ConfigError(
+                f"encoders.{slot_name} and encoders.{by_modality[enc.modality][0]} both encode "
+                f"'{enc.modality}'; remove one (e.g. ~encoders.{slot_name})"
+            )
+        by_modality[enc.modality] = (slot_name, enc)
+    return by_modality
+
+
+def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed: int) -> OmniModel:
+    llm = build_llm(cfg)
+    if llm.config.vocab_size < vocab_needed:
+        raise ConfigError(
+            f"the tokenizer has {vocab_needed} tokens but model.vocab_size={llm.config.vocab_size}; "
+            f"set model.vocab_size={vocab_needed} or larger"
+        )
+    built = build_encoders(slots)
+    encoders = {m: enc for m, (_, enc) in built.items()}
+    projectors = {
+        m: Projector(enc.output_dim, llm.config.hidden_size, **_projector_kwargs(slots[name]))
+        for m, (name, enc) in built.items()
+    }
+    frozen = {m for m, (name, _) in built.items() if slots[name].freeze}
+    return OmniModel(llm, encoders, projectors, frozen=frozen)
+
+
+def _projector_kwargs(slot: EncoderSlot) -> dict[str, Any]:
+    return {"hidden_mult": slot.projector.hidden_mult, "activation": slot.projector.activation}
+
+
+def media_processors(model: OmniModel) -> dict[str, MediaProcessor]:
+    """The weight-free preprocessing of each encoder, handed to the data plane."""
+    return {m: type(enc).processor(enc.config) for m, enc in model.encoders.items()}

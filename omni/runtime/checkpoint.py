@@ -1,0 +1,122 @@
+"""Checkpoints: model + optimizer through torch.distributed.checkpoint (sharded, layout-free),
+plus the scheduler, the data-loader state, the step and each rank's RNG.
+
+A checkpoint folder counts only once its `COMPLETE` marker exists, so a run killed while
+saving resumes from the previous one.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from omni.errors import ConfigError
+from omni.runtime.config import CheckpointConfig
+
+MARKER = "COMPLETE"
+PREFIX = "step_"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class Restored:
+    step: int
+    loader_state: dict
+    path: Path
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, rank: int = 0):
+        self.cfg = cfg
+        self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+        self.rank = rank
+
+    # -- discovery -------------------------------------------------------------------------
+    def completed(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        done = [p for p in self.root.glob(f"{PREFIX}*") if (p / MARKER).exists()]
+        return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+
+    def resume_path(self) -> Path | None:
+        """What `checkpoint.resume` points at: None (start fresh) or a completed checkpoint."""
+        choice = self.cfg.resume
+        if choice == "never":
+            return None
+        if choice == "auto":
+            done = self.completed()
+            return done[-1] if done else None
+        path = Path(choice)
+        if not (path / MARKER).exists():
+            raise ConfigError(
+                f"checkpoint.resume={choice} is not a completed checkpoint folder (no {MARKER} file); "
+                f"use checkpoint.resume=auto to pick the latest under {self.root}"
+            )
+        return path
+
+    # -- save / load ---------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer, scheduler, loader_state: dict) -> Path:
+        path = self.root / f"{PREFIX}{step:08d}"
+        if self.rank == 0 and path.exists():
+            shutil.rmtree(path)  # a half-written folder from an interrupted save
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            torch.save(
+                {"step": step, "scheduler": scheduler.state_dict(), "loader": loader_state},
+                path / "trainer_state.pt",
+            )
+        _barrier()
+        if self.rank == 0:
+            (path / MARKER).write_text(json.dumps({"step": step}))
+            self._prune()
+        _barrier()
+        return path
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer, scheduler) -> Restored:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(path / "trainer_state.pt", weights_only=False)
+        scheduler.load_state_dict(extra["scheduler"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.exists():  # absent when resuming on more ranks than were saved
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return Restored(step=int(extra["step"]), loader_state=extra["loader"], path=path)
+
+    def _prune(self) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        for old in self.completed()[: -self.cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,50 @@
+"""Trainer, optimizer and checkpoint knobs (the ``trainer``, ``optim``, ``checkpoint`` groups)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 20
+    # Cosine decay to lr * min_lr_ratio at trainer.max_steps.
+    min_lr_ratio: float = 0.1
+    # Global-norm gradient clipping; 0 disables.
+    clip_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    run_dir: str = "runs/${name}"
+    seed: int = 0
+    # "auto": cuda if available, else cpu.
+    device: str = "auto"
+    # "auto": bf16 autocast on GPU, fp32 on CPU. Or "fp32" / "bf16".
+    precision: str = "auto"
+    log_every: int = 1
+    progress: bool = True
+    tensorboard: bool = False
+    # Held-out greedy-generation evaluation at the end of training.
+    eval_at_end: bool = True
+    eval_samples: int = 64
+    eval_batch_size: int = 32
+    max_new_tokens: int = 32
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every N steps (0: only at the end).
+    every: int = 0
+    # "auto": resume from the latest checkpoint in the run dir if any; "never"; or a checkpoint path.
+    resume: str = "auto"
+    # Folder for checkpoints; None: <trainer.run_dir>/checkpoints.
+    dir: Optional[str] = None
+    # Keep the last N checkpoints (0: keep all).
+    keep_last: int = 2
+    save_at_end: bool = True

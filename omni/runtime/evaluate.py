@@ -1,0 +1,97 @@
+"""Held-out evaluation: greedy generation and exact-match accuracy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from dataloading.batch import MicroBatch
+from omni.models.multimodal import OmniModel
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    num_samples: int
+    examples: list[dict]  # a few (expected, generated) pairs for the log
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: OmniModel, prompts: list[MicroBatch], eos_id: int, max_new_tokens: int, device: torch.device
+) -> list[list[int]]:
+    """Generate for a batch of prompts (each one packed row holding one sample).
+
+    Rows are right-padded; attention is causal, so padding after a row's end never affects
+    it. No KV cache: eval prompts are short and this keeps the model code single-path.
+    """
+    embeds = [model.embed(p.input_ids.to(device), {m: x.to(device) for m, x in p.media.items()}) for p in prompts]
+    lengths = [e.shape[0] for e in embeds]
+    batch, width = len(prompts), max(lengths) + max_new_tokens
+    hidden = embeds[0].shape[1]
+    buf = embeds[0].new_zeros(batch, width, hidden)
+    for i, e in enumerate(embeds):
+        buf[i, : e.shape[0]] = e
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    rows = torch.arange(batch, device=device)
+    for _ in range(max_new_tokens):
+        cur = max(lengths)
+        pos = torch.arange(cur, device=device).expand(batch, cur)
+        out = model.llm(inputs_embeds=buf[:, :cur], position_ids=pos, output_hidden=True)
+        last = out.hidden_states[rows, torch.tensor(lengths, device=device) - 1]
+        next_ids = model.llm.lm_logits(last).argmax(-1)
+        new_embeds = model.llm.embed(next_ids)
+        for i in range(batch):
+            if done[i]:
+                continue
+            tok = int(next_ids[i])
+            if tok == eos_id:
+                done[i] = True
+                continue
+            generated[i].append(tok)
+            buf[i, lengths[i]] = new_embeds[i]
+            lengths[i] += 1
+        if all(done):
+            break
+    return generated
+
+
+def evaluate(
+    model: OmniModel,
+    samples: Iterable[tuple[MicroBatch, str]],
+    tokenizer,
+    device: torch.device,
+    max_new_tokens: int,
+    batch_size: int,
+    limit: int,
+) -> EvalResult:
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    examples: list[dict] = []
+    pending: list[tuple[MicroBatch, str]] = []
+
+    def flush() -> None:
+        nonlocal correct, total
+        outs = greedy_generate(model, [p for p, _ in pending], tokenizer.eos_id, max_new_tokens, device)
+        for (_, expected), ids in zip(pending, outs):
+            text = tokenizer.decode(ids).strip()
+            ok = text == expected.strip()
+            correct += ok
+            total += 1
+            if len(examples) < 8:
+                examples.append({"expected": expected, "generated": text, "match": ok})
+        pending.clear()
+
+    for item in samples:
+        if total + len(pending) >= limit:
+            break
+        pending.append(item)
+        if len(pending) == batch_size:
+            flush()
+    if pending:
+        flush()
+    model.train(was_training)
+    return EvalResult(accuracy=correct / max(1, total), num_samples=total, examples=examples)

@@ -1,0 +1,20 @@
+"""`omni data demo` and `omni data index`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def demo_main(out: str, seed: int = 0, scale: float = 1.0) -> int:
+    from dataloading.demo import write_demo_dataset
+
+    path = write_demo_dataset(Path(out), seed=seed, scale=scale, progress=True)
+    print(f"omni: demo dataset written to {path}; mixture file {Path(path) / 'mixture.yaml'}")
+    return 0
+
+
+def index_main(folder: str, workers: int | None = None) -> int:
+    from dataloading.index import build_index
+
+    index = build_index(Path(folder), workers=workers, progress=True)
+    print(f"omni: {index.summary()}")
+    return 0
