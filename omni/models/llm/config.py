@@ -1,0 +1,249 @@
+"""Configuration of the native decoder backbone, and its translation to / from HF ``config.json``.
+
+One dataclass describes every supported family (Llama, Qwen2, Mixtral, Qwen2-MoE); the family
+only matters when talking to transformers (which config class, which weight names). The
+dataclass is a Hydra structured config, so it uses ``Optional`` / ``Dict`` / ``List`` typing only.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+# transformers falls back to the config class's ``default_theta`` when a config.json has none.
+_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "mixtral": 1000000.0, "qwen2_moe": 10000.0}
+
+
+@dataclass
+class DecoderConfig:
+    family: str = "llama"  # "llama" | "qwen2" | "mixtral" | "qwen2_moe" (selects the HF export format)
+    vocab_size: int = 272
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: Optional[int] = None  # default hidden_size // num_heads
+    rope_theta: float = 10000.0
+    # HF-style scaling dict without ``rope_theta``, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2); Llama's flag also puts one on o_proj
+    num_experts: int = 0  # 0 = dense MLP everywhere
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: Optional[int] = None  # default intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE shared expert (with its sigmoid gate)
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+    initializer_range: float = 0.02
+
+    # ------------------------------------------------------------------ derived values
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim else self.hidden_size // self.num_heads
+
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size if self.moe_intermediate_size else self.intermediate_size
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Qwen2-MoE's rule (Mixtral is the special case step=1, no mlp-only layers)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+    def o_proj_bias(self) -> bool:
+        # Llama's ``attention_bias`` covers all four projections; Qwen2's bias is q/k/v only.
+        return self.family == "llama" and self.attention_bias
+
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"DecoderConfig.family={self.family!r} is not supported; use one of {FAMILIES}.")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"DecoderConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}."
+            )
+        if self.rope_type() not in ROPE_TYPES:
+            raise ValueError(
+                f"DecoderConfig.rope_scaling rope_type={self.rope_type()!r} is not supported; use one of {ROPE_TYPES}."
+            )
+        if self.num_experts > 0 and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"DecoderConfig.num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}."
+            )
+
+    # ------------------------------------------------------------------ HF config.json
+    @classmethod
+    def from_hf(cls, hf: Dict[str, Any]) -> "DecoderConfig":
+        """Build from the contents of an HF ``config.json`` (transformers 4.x or 5.x layout)."""
+        hf = dict(hf)
+        family = hf.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(
+                f"config.json model_type={family!r} is not supported; supported: {FAMILIES}."
+            )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json hidden_act={act!r} is not supported; only 'silu' (SwiGLU) is.")
+        if hf.get("mlp_bias"):
+            raise ValueError("config.json mlp_bias=true is not supported; the MLP has no biases here.")
+        if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window") is not None):
+            raise ValueError(
+                f"config.json sliding-window attention (sliding_window={hf.get('sliding_window')}) is not "
+                "supported; set use_sliding_window=false / sliding_window=null if the model does not need it."
+            )
+        theta, scaling = _rope_from_hf(hf, family)
+        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+        head_dim = hf.get("head_dim")
+        c = cls(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim if head_dim and head_dim != hidden // heads else None,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            initializer_range=hf.get("initializer_range", 0.02),
+        )
+        if family == "llama":
+            c.attention_bias = bool(hf.get("attention_bias", False))
+        elif family == "qwen2":
+            c.attention_bias = True  # Qwen2 always has q/k/v biases
+        elif family == "mixtral":
+            c.num_experts = hf.get("num_local_experts", 8)
+            c.num_experts_per_tok = hf.get("num_experts_per_tok", 2)
+            c.moe_intermediate_size = hf["intermediate_size"]
+            c.norm_topk_prob = True  # Mixtral always renormalises the top-k weights
+            c.router_aux_loss_coef = hf.get("router_aux_loss_coef", 0.001)
+        else:  # qwen2_moe
+            c.attention_bias = bool(hf.get("qkv_bias", True))
+            c.num_experts = hf.get("num_experts", 60)
+            c.num_experts_per_tok = hf.get("num_experts_per_tok", 4)
+            c.moe_intermediate_size = hf.get("moe_intermediate_size", 1408)
+            c.shared_expert_intermediate_size = hf.get("shared_expert_intermediate_size", 5632)
+            c.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+            c.router_aux_loss_coef = hf.get("router_aux_loss_coef", 0.001)
+            c.decoder_sparse_step = hf.get("decoder_sparse_step", 1)
+            c.mlp_only_layers = list(hf.get("mlp_only_layers") or [])
+        c.validate()
+        return c
+
+    def to_hf(self) -> Dict[str, Any]:
+        """``config.json`` contents for ``self.family`` (transformers 5.x layout, readable by 4.x too)."""
+        self.validate()
+        f = self.family
+        if f in ("llama", "qwen2") and self.num_experts > 0:
+            raise ValueError(f"family={f!r} has no MoE layers; set family='mixtral' or 'qwen2_moe' for num_experts>0.")
+        if f in MOE_FAMILIES and self.num_experts == 0:
+            raise ValueError(f"family={f!r} needs num_experts>0; use family='llama' or 'qwen2' for a dense model.")
+        if f == "mixtral" and (
+            self.attention_bias or self.shared_expert_intermediate_size or not self.norm_topk_prob
+            or self.decoder_sparse_step != 1 or self.mlp_only_layers
+        ):
+            raise ValueError(
+                "family='mixtral' cannot express attention_bias, a shared expert, norm_topk_prob=False or dense "
+                "layers; use family='qwen2_moe'."
+            )
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling:
+            rope.update({k: v for k, v in self.rope_scaling.items() if k != "type"})
+            rope["rope_type"] = self.rope_type()
+            if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+                rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        hf: Dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[f]],
+            "model_type": f,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.expert_intermediate_size() if f == "mixtral" else self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.resolved_head_dim(),
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "rope_parameters": rope,
+            # 4.x readers look for these two at the top level.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+            "attention_dropout": 0.0,
+            "use_cache": True,
+        }
+        if f == "llama":
+            hf.update(attention_bias=self.attention_bias, mlp_bias=False)
+        elif f == "qwen2":
+            hf.update(use_sliding_window=False, sliding_window=None)
+        elif f == "mixtral":
+            hf.update(
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                router_jitter_noise=0.0,
+                sliding_window=None,
+            )
+        else:
+            hf.update(
+                qkv_bias=self.attention_bias,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.expert_intermediate_size(),
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                use_sliding_window=False,
+            )
+        return hf
+
+
+def _rope_from_hf(hf: Dict[str, Any], family: str):
+    """(rope_theta, rope_scaling) from either the 5.x ``rope_parameters`` or the 4.x
+    ``rope_theta`` + ``rope_scaling`` layout."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    params = copy.deepcopy(dict(params))
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("config.json rope_parameters nested per layer type is not supported; use one global dict.")
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_THETA[family]
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    prf = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor")
+    if prf not in (None, 1, 1.0):
+        raise ValueError(f"config.json partial_rotary_factor={prf} is not supported; only full rotary (1.0) is.")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"config.json rope_type={rope_type!r} is not supported; use one of {ROPE_TYPES}.")
+    if rope_type == "default":
+        return theta, None
+    if "original_max_position_embeddings" in hf and rope_type in ("llama3", "yarn", "longrope"):
+        # A top-level value (Phi3 style) takes priority, as in transformers.
+        params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+    return theta, {"rope_type": rope_type, **params}

@@ -1,0 +1,147 @@
+"""The native decoder: embeddings -> N pre-norm blocks -> final norm -> LM head.
+
+Input is packed: a row may hold several documents, each starting where ``position_ids == 0``.
+Attention never crosses a document (``segment_attention``) and RoPE uses ``position_ids``, so a
+packed row computes exactly what running each document alone would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import segment_ids_from_position_ids
+from .config import DecoderConfig
+from .layers import DecoderBlock, RMSNorm
+from .moe import Experts, Router
+from .rope import RotaryEmbedding
+
+
+@dataclass
+class DecoderOutput:
+    logits: Optional[torch.Tensor] = None  # [B, T, V], None when output_hidden=True
+    hidden_states: Optional[torch.Tensor] = None  # final-normed [B, T, H] when output_hidden=True
+    aux_loss: Optional[torch.Tensor] = None  # summed MoE router losses (coefficients applied); None if dense
+
+
+def as_decoder_config(config: Any) -> DecoderConfig:
+    """Accept the dataclass, a plain dict, or a Hydra/OmegaConf node of it."""
+    if isinstance(config, DecoderConfig):
+        return config
+    if isinstance(config, dict):
+        return DecoderConfig(**config)
+    try:
+        from omegaconf import DictConfig, OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        DictConfig = None
+    if DictConfig is not None and isinstance(config, DictConfig):
+        obj = OmegaConf.to_object(config)
+        return obj if isinstance(obj, DecoderConfig) else DecoderConfig(**obj)
+    raise TypeError(f"expected a DecoderConfig, got {type(config).__name__}")
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        config = as_decoder_config(config)
+        config.validate()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied: no separate head, ``lm_logits`` reads the embedding matrix.
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, initializer_range) for every matrix, zeros for biases, ones for norms.
+        Visits modules in registration order, so the result depends only on the torch seed."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, nn.Embedding):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+            elif isinstance(m, Router):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, Experts):
+                m.w_gate_up.normal_(0.0, std)
+                m.w_down.normal_(0.0, std)
+        self.rotary.reset_parameters()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden: bool = False,
+    ) -> DecoderOutput:
+        """input_ids [B, T] (or [T], treated as B=1) or inputs_embeds [B, T, H]; position_ids [B, T]
+        or [T] (default: 0..T-1, one document per row)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Decoder.forward needs exactly one of input_ids or inputs_embeds.")
+        if inputs_embeds is None:
+            h = self.embed(input_ids[None] if input_ids.dim() == 1 else input_ids)
+        else:
+            h = inputs_embeds[None] if inputs_embeds.dim() == 2 else inputs_embeds
+        b, t = h.shape[:2]
+        if position_ids is None:
+            # One document per row: plain causal attention, no mask needed.
+            position_ids = torch.arange(t, device=h.device).expand(b, t)
+            segment_ids = None
+        else:
+            position_ids = position_ids[None] if position_ids.dim() == 1 else position_ids
+            position_ids = position_ids.expand(b, t)
+            segment_ids = segment_ids_from_position_ids(position_ids)
+        cos_sin = self.rotary(position_ids, h.dtype)
+
+        aux_loss = None
+        for layer in self.layers:
+            h, aux = layer(h, cos_sin, segment_ids)
+            if aux is not None:
+                aux_loss = aux if aux_loss is None else aux_loss + aux
+        h = self.norm(h)
+        if output_hidden:
+            return DecoderOutput(logits=None, hidden_states=h, aux_loss=aux_loss)
+        return DecoderOutput(logits=self.lm_logits(h), hidden_states=None, aux_loss=aux_loss)
+
+    def num_active_params(self) -> int:
+        """Parameters one token multiplies through (the embedding lookup is free, the LM head is
+        not; a MoE layer counts only its top-k experts)."""
+        c = self.config
+        h, d = c.hidden_size, c.resolved_head_dim()
+        attn = h * c.num_heads * d * 2 + h * c.num_kv_heads * d * 2
+        total = h * c.vocab_size
+        for i in range(c.num_layers):
+            total += attn
+            if c.is_moe_layer(i):
+                total += h * c.num_experts + c.num_experts_per_tok * 3 * h * c.expert_intermediate_size()
+                if c.shared_expert_intermediate_size:
+                    total += 3 * h * c.shared_expert_intermediate_size + h
+            else:
+                total += 3 * h * c.intermediate_size
+        return total
+
+    def num_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token for MFU: 6 * active params (forward 2, backward 4) plus the
+        attention score/value matmuls, 12 * layers * heads * head_dim * seq_len (PaLM's
+        convention, not halved for causality, so MFU compares with other frameworks)."""
+        c = self.config
+        attn = 12 * c.num_layers * c.num_heads * c.resolved_head_dim() * seq_len
+        return float(6 * self.num_active_params() + attn)

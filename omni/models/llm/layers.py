@@ -1,0 +1,103 @@
+"""Building blocks of the decoder: RMSNorm, GQA attention, SwiGLU MLP, and the pre-norm block.
+
+Projections stay separate ``nn.Linear`` modules named as in HF checkpoints (q_proj, k_proj, ...):
+the checkpoint mapping is then a prefix change, and tensor parallelism can shard q/k/v/gate/up
+column-wise and o/down row-wise without splitting fused weights.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import segment_attention
+from .config import DecoderConfig
+from .moe import MoE
+from .rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (bf16 mean-of-squares loses too much), scale in the input dtype, as HF does.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped KV heads; packed rows are separated by ``segment_ids``."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.resolved_head_dim()
+        h, qkv_bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_proj_bias())
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: Tuple[torch.Tensor, torch.Tensor],
+        segment_ids: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        # Head counts come from the weights, so a tensor-parallel shard (fewer local heads) works too.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, k, *cos_sin)
+        out = segment_attention(q, k, v, segment_ids, causal=True, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The MLP is an ``MoE``
+    on sparse layers (see ``DecoderConfig.is_moe_layer``) and a dense ``MLP`` elsewhere."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MoE(config) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: Tuple[torch.Tensor, torch.Tensor],
+        segment_ids: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns (hidden, aux_loss); aux_loss is None on dense layers."""
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, segment_ids)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            out, aux = self.mlp(h)
+            return x + out, aux
+        return x + self.mlp(h), None
