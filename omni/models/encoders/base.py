@@ -1,0 +1,290 @@
+"""EncoderAnchor: the protocol every encoder plugin implements, plus the shared pieces.
+
+An encoder plugin is an ``nn.Module`` subclass of :class:`EncoderAnchor` that brings
+
+- ``modality`` and a ``Config`` dataclass (plain types, so Hydra/OmegaConf can back it);
+- a weight-free, picklable *processor* (raw media -> :class:`~dataloading.media.MediaItem`)
+  that data-loading workers run, and that counts tokens from index metadata alone;
+- ``forward(features, sizes)`` on *packed* input: the items of a micro-batch concatenated
+  along the first axis, never padded to a common size; attention stays inside each item;
+- ``cost_coefficients()`` for the planner's cost model (FLOPs ~ alpha*n^2 + beta*n);
+- ``from_pretrained(dir)`` for transformers checkpoints (config.json + safetensors).
+
+Also here: the helpers the built-in encoders share (checkpoint reading, packed self-attention,
+activation functions), so no encoder carries its own copy.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni.models.attention import segment_attention, segment_ids_from_cu_seqlens
+
+
+class EncoderAnchor(nn.Module):
+    """Base class of all encoder plugins. See the module docstring for the contract."""
+
+    modality: ClassVar[str]
+    Config: ClassVar[type]
+    output_dim: int
+
+    # --- transformers-checkpoint loading hooks (used by the generic ``from_pretrained``) ---
+    #: model_type values in config.json this encoder can load.
+    hf_model_types: ClassVar[Tuple[str, ...]] = ()
+    #: key prefixes under which the encoder's weights may sit, tried in order.
+    hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("",)
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+
+    # --- config ---------------------------------------------------------------------------
+    @classmethod
+    def build_config(cls, params: Optional[Mapping[str, Any]] = None) -> Any:
+        """``params`` (dict, DictConfig or a ready ``Config``) -> ``Config``.
+
+        An unknown key is a ``ValueError`` naming the key, the encoder and the valid keys.
+        """
+        if isinstance(params, cls.Config):
+            return params
+        params = _plain(params or {})
+        if not isinstance(params, dict):
+            raise ValueError(f"{cls.__name__}: encoder params must be a mapping, got {type(params).__name__}")
+        names = [f.name for f in dataclasses.fields(cls.Config)]
+        for key in params:
+            if key not in names:
+                raise ValueError(
+                    f"unknown config key '{key}' for encoder {cls.__name__} ({cls.modality}); "
+                    f"valid keys: {', '.join(names)}"
+                )
+        return cls.Config(**params)
+
+    # --- the plugin contract ----------------------------------------------------------------
+    @classmethod
+    def processor(cls, config: Any):
+        """A picklable, weight-free :class:`~dataloading.media.MediaProcessor` for ``config``."""
+        raise NotImplementedError
+
+    def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        """features [sum n_units, feat_dim], sizes int64 [n_items, k] -> [sum num_tokens, output_dim]."""
+        raise NotImplementedError
+
+    def cost_coefficients(self) -> Tuple[float, float]:
+        """(alpha, beta): forward FLOPs of one item of n tokens ~ alpha*n^2 + beta*n."""
+        raise NotImplementedError
+
+    # --- checkpoints ------------------------------------------------------------------------
+    @classmethod
+    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
+        """config.json contents -> ``Config`` params. Default: the fields ``Config`` shares."""
+        names = {f.name for f in dataclasses.fields(cls.Config)}
+        return {k: v for k, v in hf_config.items() if k in names}
+
+    @classmethod
+    def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
+        """preprocessor_config.json contents (when the checkpoint has one) -> ``Config`` params."""
+        return {}
+
+    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Turn a checkpoint tensor into the shape of our parameter ``name`` (default: as is)."""
+        return tensor
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides: Any) -> "EncoderAnchor":
+        """Load a transformers checkpoint directory; ``overrides`` are ``Config`` params
+        (e.g. a preprocessing budget) applied on top of config.json."""
+        hf_config = read_hf_config(path)
+        model_type = hf_config.get("model_type")
+        if model_type not in cls.hf_model_types:
+            raise ValueError(
+                f"{path}: config.json has model_type {model_type!r}, but {cls.__name__} loads "
+                f"{' / '.join(cls.hf_model_types)} checkpoints; pick the matching encoder"
+            )
+        params = cls.params_from_hf_config(hf_config)
+        pp_file = os.path.join(os.fspath(path), "preprocessor_config.json")
+        if os.path.isfile(pp_file):
+            with open(pp_file) as f:
+                params.update(cls.params_from_preprocessor_config(json.load(f)))
+        params.update(_plain(dict(overrides)))
+        config = cls.build_config(params)
+        with torch.device("meta"):
+            model = cls(config)
+        wanted = model.state_dict()
+        reader = CheckpointReader(path)
+        anchor = next(iter(wanted))
+        prefix = next((p for p in cls.hf_weight_prefixes if p + anchor in reader), None)
+        if prefix is None:
+            tried = ", ".join(repr(p + anchor) for p in cls.hf_weight_prefixes)
+            raise ValueError(f"{path}: no {cls.__name__} weights found (looked for {tried})")
+        missing = [k for k in wanted if prefix + k not in reader]
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks {len(missing)} {cls.__name__} weights, e.g. {prefix + missing[0]}")
+        dtype = torch.get_default_dtype()
+        state = {}
+        for name, ref in wanted.items():
+            t = model.convert_hf_tensor(name, reader.get(prefix + name))
+            if tuple(t.shape) != tuple(ref.shape):
+                raise ValueError(
+                    f"{path}: weight {prefix + name} has shape {tuple(t.shape)}, "
+                    f"expected {tuple(ref.shape)} from config.json"
+                )
+            state[name] = t.to(dtype) if t.is_floating_point() else t
+        model.load_state_dict(state, strict=True, assign=True)
+        return model
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint reading
+
+
+def read_hf_config(path: str) -> Dict[str, Any]:
+    """config.json of a checkpoint directory, with clear errors for a bad path."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"encoder checkpoint directory {path!r} does not exist (give a local transformers checkpoint dir)")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{cfg_file} not found: {path!r} is not a transformers checkpoint directory")
+    with open(cfg_file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a checkpoint dir: model.safetensors, a sharded
+    model.safetensors.index.json, or (fallback) pytorch_model.bin."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        single = os.path.join(self.path, "model.safetensors")
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        binary = os.path.join(self.path, "pytorch_model.bin")
+        self._files: Dict[str, str] = {}
+        self._bin: Optional[Dict[str, torch.Tensor]] = None
+        if os.path.isfile(single):
+            self._add_safetensors(single)
+        elif os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._files = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+        elif os.path.isfile(binary):
+            self._bin = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            raise FileNotFoundError(
+                f"no weights in {self.path!r}: expected model.safetensors, "
+                "model.safetensors.index.json or pytorch_model.bin"
+            )
+
+    def _add_safetensors(self, file: str) -> None:
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt") as f:
+            for k in f.keys():
+                self._files[k] = file
+
+    def __contains__(self, key: str) -> bool:
+        return key in (self._bin if self._bin is not None else self._files)
+
+    def get(self, key: str) -> torch.Tensor:
+        if self._bin is not None:
+            return self._bin[key]
+        from safetensors import safe_open
+
+        with safe_open(self._files[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+
+def _plain(obj: Any) -> Any:
+    """DictConfig/ListConfig (or any mapping/sequence) -> plain dict/list, recursively."""
+    if isinstance(obj, (str, bytes)):
+        return obj
+    if isinstance(obj, Mapping) or (hasattr(obj, "items") and hasattr(obj, "keys")):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) or type(obj).__name__ == "ListConfig":
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# shared model pieces
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+_ACTIVATIONS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Activation by its transformers name (the subset encoders use)."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_ACTIVATIONS)}") from None
+
+
+def packed_segment_ids(tokens_per_item: Sequence[int], device: torch.device) -> Optional[torch.Tensor]:
+    """Segment id per token for packed items, or None when there is a single item (no mask)."""
+    if len(tokens_per_item) <= 1:
+        return None
+    cu = torch.tensor([0, *tokens_per_item], dtype=torch.int64).cumsum(0)
+    return segment_ids_from_cu_seqlens(cu, int(cu[-1])).to(device)
+
+
+def packed_self_attention(
+    x: torch.Tensor,
+    q_proj: nn.Linear,
+    k_proj: nn.Linear,
+    v_proj: nn.Linear,
+    out_proj: nn.Linear,
+    num_heads: int,
+    segment_ids: Optional[torch.Tensor],
+    prescale_q: bool = False,
+) -> torch.Tensor:
+    """Bidirectional multi-head self-attention over packed tokens x [T, D]; tokens attend only
+    within their segment. ``prescale_q`` multiplies q by head_dim**-0.5 before the product (the
+    order Whisper uses) instead of scaling the scores."""
+    t, d = x.shape
+    hd = d // num_heads
+    q = q_proj(x).view(t, num_heads, hd).transpose(0, 1)[None]
+    k = k_proj(x).view(t, num_heads, hd).transpose(0, 1)[None]
+    v = v_proj(x).view(t, num_heads, hd).transpose(0, 1)[None]
+    scale = None
+    if prescale_q:
+        q = q * hd**-0.5
+        scale = 1.0
+    seg = None if segment_ids is None else segment_ids[None]
+    o = segment_attention(q, k, v, seg, causal=False, scale=scale)
+    return out_proj(o[0].transpose(0, 1).reshape(t, d))
+
+
+def transformer_flops(num_layers: int, d: int, ffn: int) -> Tuple[float, float]:
+    """(alpha, beta) of a pre-norm transformer stack: per layer 4*n^2*d for QK^T and AV,
+    8*n*d^2 for the q/k/v/out projections, 4*n*d*ffn for the MLP (2 FLOPs per MAC)."""
+    return float(4 * num_layers * d), float(num_layers * (8 * d * d + 4 * d * ffn))
+
+
+def check_sizes(name: str, features: torch.Tensor, units_per_item: Iterable[int]) -> List[int]:
+    units = [int(u) for u in units_per_item]
+    if sum(units) != features.shape[0]:
+        raise ValueError(
+            f"{name}: sizes describe {sum(units)} input units but features has {features.shape[0]} rows"
+        )
+    return units

@@ -1,0 +1,129 @@
+"""Finding encoder plugins by name.
+
+Three ways, tried in order:
+
+1. built-ins (``siglip``, ``whisper``): always available, also when omni is not pip-installed;
+2. installed packages that declare an entry point in the ``omni.encoders`` group, e.g. in their
+   pyproject.toml::
+
+       [project.entry-points."omni.encoders"]
+       my_vit = "my_pkg.vit:MyViTEncoder"
+
+3. a dotted class path, ``pkg.mod:Class`` or ``pkg.mod.Class`` (Hydra ``_target_`` style).
+
+Built-ins win over an entry point of the same name from another package.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+from importlib import metadata
+from typing import Any, Dict, List, Mapping, Optional
+
+from omni.models.encoders.base import EncoderAnchor
+
+ENTRY_POINT_GROUP = "omni.encoders"
+BUILTIN_ORIGIN = "omni (built-in)"
+_BUILTINS: Dict[str, str] = {
+    "siglip": "omni.models.encoders.siglip:SiglipEncoder",
+    "whisper": "omni.models.encoders.whisper:WhisperEncoder",
+}
+_REQUIRED = ("modality", "Config", "build_config", "processor", "forward", "cost_coefficients", "from_pretrained")
+
+
+def _entry_points() -> Dict[str, List[metadata.EntryPoint]]:
+    """Plugin entry points by name (excluding omni's own declarations of its built-ins)."""
+    found: Dict[str, List[metadata.EntryPoint]] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if _BUILTINS.get(ep.name) == ep.value.replace(" ", ""):
+            continue  # omni itself, pip-installed
+        if ep.name in _BUILTINS:
+            warnings.warn(
+                f"{_origin(ep)} declares encoder '{ep.name}', which is a built-in name; the built-in is used "
+                "(give the plugin a different name or use its dotted class path)",
+                stacklevel=3,
+            )
+            continue
+        if not any(e.value == ep.value for e in found.get(ep.name, [])):
+            found.setdefault(ep.name, []).append(ep)
+    return found
+
+
+def _origin(ep: metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return f"entry point {ENTRY_POINT_GROUP} ({ep.value})"
+    return f"entry point {ENTRY_POINT_GROUP} from package {dist.metadata['Name']} {dist.version}"
+
+
+def available_encoders() -> Dict[str, str]:
+    """name -> where it comes from."""
+    out = {name: BUILTIN_ORIGIN for name in _BUILTINS}
+    for name, eps in sorted(_entry_points().items()):
+        out[name] = "; ".join(_origin(ep) for ep in eps)
+    return out
+
+
+def _check(cls: Any, what: str) -> type:
+    if isinstance(cls, type) and issubclass(cls, EncoderAnchor):
+        return cls
+    missing = [a for a in _REQUIRED if not hasattr(cls, a)]
+    if not isinstance(cls, type) or missing:
+        detail = f"missing {', '.join(missing)}" if missing else "not a class"
+        raise ValueError(f"{what} is not an encoder plugin ({detail}); subclass omni.models.encoders.EncoderAnchor")
+    return cls
+
+
+def _import_dotted(path: str) -> Any:
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"bad encoder class path {path!r}; expected 'pkg.mod:Class' or 'pkg.mod.Class'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import encoder class {path!r}: {e}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"cannot import encoder class {path!r}: {module_name} has no {attr!r}") from None
+    return obj
+
+
+def get_encoder_class(name: str) -> type:
+    """Encoder class for a registered name or a dotted class path."""
+    if name in _BUILTINS:
+        return _check(_import_dotted(_BUILTINS[name]), f"built-in encoder '{name}'")
+    eps = _entry_points()
+    if name in eps:
+        if len(eps[name]) > 1:
+            where = ", ".join(_origin(ep) for ep in eps[name])
+            raise ValueError(
+                f"encoder '{name}' is declared by several packages ({where}); "
+                "uninstall one or give a dotted class path"
+            )
+        ep = eps[name][0]
+        try:
+            cls = ep.load()
+        except Exception as e:  # a broken plugin: say which one
+            raise ValueError(f"cannot load encoder '{name}' ({_origin(ep)}, {ep.value}): {e}") from e
+        return _check(cls, f"encoder '{name}' ({ep.value})")
+    if "." in name or ":" in name:
+        return _check(_import_dotted(name), repr(name))
+    names = ", ".join([*_BUILTINS, *sorted(eps)])
+    raise ValueError(
+        f"unknown encoder '{name}'; registered encoders: {names} (install a plugin package that declares "
+        f"an `{ENTRY_POINT_GROUP}` entry point, or give a dotted class path)"
+    )
+
+
+def build_encoder(name: str, params: Optional[Mapping[str, Any]] = None, pretrained: Optional[str] = None) -> EncoderAnchor:
+    """Build an encoder: random init from ``params``, or load ``pretrained`` (a transformers
+    checkpoint dir) with ``params`` as overrides of its config."""
+    cls = get_encoder_class(name)
+    if pretrained:
+        return cls.from_pretrained(pretrained, **dict(params or {}))
+    return cls(cls.build_config(params))

@@ -1,0 +1,276 @@
+"""SigLIP-compatible vision encoder on packed, variable-size images (NaViT style).
+
+Each image keeps (roughly) its own aspect ratio and resolution: the processor resizes it so
+that height and width are multiples of ``patch_size`` within a patch budget, and cuts it into
+patches. Images of different grids are packed into one sequence; attention stays inside each
+image. The learned position table of the pretrained (image_size/patch)^2 grid is interpolated to
+each image's grid exactly as transformers' ``interpolate_pos_encoding=True`` does.
+
+Weights load from a ``SiglipVisionModel`` or a full ``SiglipModel`` checkpoint directory; the
+patch Conv2d (stride == kernel) becomes a Linear over flattened (channel, row, col) patches.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dataloading.media import MediaItem
+from omni.models.encoders.base import (
+    EncoderAnchor,
+    activation,
+    check_sizes,
+    packed_segment_ids,
+    packed_self_attention,
+    transformer_flops,
+)
+
+
+@dataclass
+class SiglipEncoderConfig:
+    """Defaults follow transformers' SiglipVisionConfig (google/siglip-base-patch16-224)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224
+    patch_size: int = 16
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+    # preprocessing
+    max_patches: Optional[int] = None  # patch budget per image; None: (image_size // patch_size) ** 2
+    min_patches: int = 1  # smaller images are scaled up to at least this many patches
+    image_mean: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    image_std: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.image_size, (list, tuple)):
+            if len(set(self.image_size)) != 1:
+                raise ValueError(f"SiglipEncoder needs a square image_size, got {self.image_size}")
+            self.image_size = int(self.image_size[0])
+        if isinstance(self.patch_size, (list, tuple)):
+            if len(set(self.patch_size)) != 1:
+                raise ValueError(f"SiglipEncoder needs a square patch_size, got {self.patch_size}")
+            self.patch_size = int(self.patch_size[0])
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.max_patches is None:
+            self.max_patches = (self.image_size // self.patch_size) ** 2
+        if not 1 <= self.min_patches <= self.max_patches:
+            raise ValueError(f"need 1 <= min_patches ({self.min_patches}) <= max_patches ({self.max_patches})")
+        self.image_mean = [float(v) for v in self.image_mean]
+        self.image_std = [float(v) for v in self.image_std]
+        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
+            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        activation(self.hidden_act)  # fail early on an unknown name
+
+
+def patch_grid(height: int, width: int, patch: int, max_patches: int, min_patches: int) -> Tuple[int, int]:
+    """The (grid_h, grid_w) an image of height x width is resized to.
+
+    Start from the nearest multiples of ``patch`` (at least one patch per side); if the grid has
+    more than ``max_patches`` patches scale it down keeping the aspect ratio (floor), if fewer
+    than ``min_patches`` scale it up (ceil). The budget wins over the minimum. Pure integer /
+    float arithmetic on (height, width), so the processor and the planner always agree.
+    """
+    if height < 1 or width < 1:
+        raise ValueError(f"image has no pixels ({height}x{width})")
+    gh = max(1, round(height / patch))
+    gw = max(1, round(width / patch))
+    if gh * gw > max_patches:
+        s = math.sqrt(max_patches * patch * patch / (height * width))
+        gh = max(1, math.floor(height * s / patch))
+        gw = max(1, math.floor(width * s / patch))
+    elif gh * gw < min_patches:
+        s = math.sqrt(min_patches * patch * patch / (height * width))
+        gh = max(1, math.ceil(height * s / patch))
+        gw = max(1, math.ceil(width * s / patch))
+    while gh * gw > max_patches:  # rounding or an extreme aspect ratio: shrink the longer side
+        if gw >= gh:
+            gw = min(gw - 1, max(1, max_patches // gh))
+        else:
+            gh = min(gh - 1, max(1, max_patches // gw))
+    return gh, gw
+
+
+class SiglipProcessor:
+    """uint8 [H, W, C] image -> patches [grid_h*grid_w, C*patch*patch] (rows of patches in
+    raster order; each patch flattened as (channel, row, col), the order of the Conv2d weight).
+
+    Resizing (only when the size is not already the target) uses PIL bicubic, like
+    transformers' SiglipImageProcessor; then x/255, then (x - mean) / std.
+    """
+
+    modality = "image"
+
+    def __init__(self, config: SiglipEncoderConfig):
+        self.patch_size = config.patch_size
+        self.num_channels = config.num_channels
+        self.max_patches = config.max_patches
+        self.min_patches = config.min_patches
+        self.mean = np.asarray(config.image_mean, dtype=np.float32)
+        self.std = np.asarray(config.image_std, dtype=np.float32)
+
+    def grid(self, height: int, width: int) -> Tuple[int, int]:
+        return patch_grid(int(height), int(width), self.patch_size, self.max_patches, self.min_patches)
+
+    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
+        gh, gw = self.grid(meta["height"], meta["width"])
+        return gh * gw
+
+    def __call__(self, raw: Any) -> MediaItem:
+        img = np.asarray(raw)
+        if img.ndim == 2:
+            img = np.repeat(img[:, :, None], self.num_channels, axis=2)
+        if img.ndim != 3 or img.shape[2] not in (self.num_channels, 4):
+            raise ValueError(f"image must be an array [H, W, {self.num_channels}], got shape {tuple(img.shape)}")
+        img = img[:, :, : self.num_channels]
+        if img.dtype != np.uint8:
+            raise ValueError(f"image must be uint8, got {img.dtype}")
+        h, w = img.shape[:2]
+        gh, gw = self.grid(h, w)
+        p = self.patch_size
+        if (h, w) != (gh * p, gw * p):
+            from PIL import Image
+
+            img = np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize((gw * p, gh * p), Image.BICUBIC))
+        x = (img.astype(np.float32) * np.float32(1 / 255) - self.mean) / self.std  # [H, W, C]
+        c = self.num_channels
+        patches = x.reshape(gh, p, gw, p, c).transpose(0, 2, 4, 1, 3).reshape(gh * gw, c * p * p)
+        return MediaItem(
+            features=torch.from_numpy(np.ascontiguousarray(patches)), size=(gh, gw), num_tokens=gh * gw
+        )
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, config: SiglipEncoderConfig):
+        super().__init__()
+        d, p = config.hidden_size, config.patch_size
+        self.patch_embedding = nn.Linear(config.num_channels * p * p, d)
+        self.position_embedding = nn.Embedding((config.image_size // p) ** 2, d)
+        nn.init.normal_(self.position_embedding.weight, std=d**-0.5)
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: SiglipEncoderConfig):
+        super().__init__()
+        self.act = activation(config.hidden_act)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: SiglipEncoderConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        return packed_self_attention(
+            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, segment_ids
+        )
+
+
+class _Layer(nn.Module):
+    def __init__(self, config: SiglipEncoderConfig):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = _Attention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = _MLP(config)
+
+    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), segment_ids)
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, config: SiglipEncoderConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+
+
+class SiglipEncoder(EncoderAnchor):
+    """Packed SigLIP vision tower; output: post-layernorm hidden state, one token per patch.
+
+    Parameter names equal transformers' SiglipVisionModel (without its pooling head), so a
+    checkpoint loads key by key.
+    """
+
+    modality: ClassVar[str] = "image"
+    Config: ClassVar[type] = SiglipEncoderConfig
+    hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip_vision_model", "siglip")
+    hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("vision_model.", "")
+
+    def __init__(self, config: SiglipEncoderConfig):
+        super().__init__(config)
+        self.output_dim = config.hidden_size
+        self.embeddings = _Embeddings(config)
+        self.encoder = _Stack(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    @classmethod
+    def processor(cls, config: SiglipEncoderConfig) -> SiglipProcessor:
+        return SiglipProcessor(cls.build_config(config))
+
+    @classmethod
+    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
+        if hf_config.get("model_type") == "siglip":  # full SigLIP: the vision tower's config
+            hf_config = hf_config.get("vision_config") or {}
+        return super().params_from_hf_config(hf_config)
+
+    @classmethod
+    def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
+        return {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}
+
+    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
+            return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
+        return tensor
+
+    def position_embeddings(self, grid_h: int, grid_w: int) -> torch.Tensor:
+        """[grid_h*grid_w, D]: the learned table, bicubically interpolated to the grid as
+        transformers' SiglipVisionEmbeddings.interpolate_pos_encoding does."""
+        table = self.embeddings.position_embedding.weight
+        n, d = table.shape
+        if grid_h * grid_w == n and grid_h == grid_w:
+            return table
+        side = math.isqrt(n)
+        grid = table.reshape(1, side, side, d).permute(0, 3, 1, 2)
+        grid = F.interpolate(grid, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
+        return grid.permute(0, 2, 3, 1).reshape(grid_h * grid_w, d)
+
+    def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        if sizes.shape[0] == 0:
+            return self.post_layernorm(features.new_zeros(0, self.output_dim, dtype=self.post_layernorm.weight.dtype))
+        grids = [(int(h), int(w)) for h, w in sizes.tolist()]
+        tokens = check_sizes("SiglipEncoder", features, (h * w for h, w in grids))
+        x = self.embeddings.patch_embedding(features.to(self.embeddings.patch_embedding.weight.dtype))
+        cache: Dict[Tuple[int, int], torch.Tensor] = {}
+        for g in grids:
+            if g not in cache:
+                cache[g] = self.position_embeddings(*g)
+        x = x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype)
+        seg = packed_segment_ids(tokens, x.device)
+        for layer in self.encoder.layers:
+            x = layer(x, seg)
+        return self.post_layernorm(x)
+
+    def cost_coefficients(self) -> Tuple[float, float]:
+        c = self.config
+        alpha, beta = transformer_flops(c.num_hidden_layers, c.hidden_size, c.intermediate_size)
+        beta += 2.0 * c.num_channels * c.patch_size**2 * c.hidden_size  # patch embedding
+        return alpha, beta

@@ -1,0 +1,316 @@
+"""Whisper-encoder-compatible audio encoder on packed, variable-length clips.
+
+Unlike transformers' WhisperEncoder, clips are *not* padded to 30 s: each clip yields the
+log-mel frames of its own samples, several clips are packed into one sequence, the two
+convolutions run without bleeding across clips, each clip gets positions 0..n-1 of the
+(sinusoidal) position table, and attention stays inside each clip.
+
+Clips longer than ``max_frames`` mel frames (default 2 * max_source_positions, i.e. 30 s for
+Whisper) are rejected with a clear error by the processor (and by the token count from
+metadata); they are not chunked. Split long recordings upstream.
+"""
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dataloading.media import MediaItem
+from omni.models.encoders.base import (
+    EncoderAnchor,
+    activation,
+    check_sizes,
+    packed_segment_ids,
+    packed_self_attention,
+    transformer_flops,
+)
+
+
+@dataclass
+class WhisperEncoderConfig:
+    """Defaults follow transformers' WhisperConfig (whisper-tiny-sized encoder)."""
+
+    num_mel_bins: int = 80
+    d_model: int = 384
+    encoder_layers: int = 4
+    encoder_attention_heads: int = 6
+    encoder_ffn_dim: int = 1536
+    max_source_positions: int = 1500
+    activation_function: str = "gelu"
+    # preprocessing (WhisperFeatureExtractor's names)
+    sampling_rate: int = 16000
+    n_fft: int = 400
+    hop_length: int = 160
+    max_frames: Optional[int] = None  # longest clip in mel frames; None: 2 * max_source_positions
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.encoder_attention_heads:
+            raise ValueError(
+                f"d_model {self.d_model} is not a multiple of encoder_attention_heads {self.encoder_attention_heads}"
+            )
+        if self.max_frames is None:
+            self.max_frames = 2 * self.max_source_positions
+        if not 1 <= self.max_frames <= 2 * self.max_source_positions:
+            raise ValueError(
+                f"max_frames {self.max_frames} must be in [1, 2 * max_source_positions = {2 * self.max_source_positions}]"
+            )
+        activation(self.activation_function)
+
+
+def output_frames(n_frames: int) -> int:
+    """Tokens after the stride-2 conv (kernel 3, padding 1) over ``n_frames`` mel frames."""
+    return (n_frames - 1) // 2 + 1
+
+
+#: Above this many filter weights (very unusual rate pairs) resample() gathers taps per output.
+_POLYPHASE_MAX_WEIGHTS = 1 << 22
+
+
+def resample(wave: np.ndarray, orig_sr: int, new_sr: int, zero_crossings: int = 6, rolloff: float = 0.99) -> np.ndarray:
+    """Band-limited resampling with a Hann-windowed sinc; returns ceil(n * new_sr / orig_sr) samples.
+
+    Output sample j sits at input time t_j = j * orig_sr / new_sr and is sum_k x[k] h(t_j - k),
+    h a low-pass at ``rolloff`` times the lower Nyquist frequency, windowed to
+    ``zero_crossings`` zero crossings each side; samples outside the clip count as zero.
+    """
+    x = torch.as_tensor(np.asarray(wave, dtype=np.float32))
+    n = x.numel()
+    g = math.gcd(orig_sr, new_sr)
+    orig, new = orig_sr // g, new_sr // g
+    n_out = -(-n * new // orig)
+    fc = 0.5 * rolloff * min(1.0, new / orig)  # cutoff, cycles per input sample
+    half = zero_crossings / (2 * fc)  # window half-width in input samples
+    k = math.ceil(half)
+    offs = torch.arange(-k + 1, k + 1, dtype=torch.int64)
+    # t_j = base_j + phase_j / new with phase_j = (j * orig) % new: only `new` distinct filters.
+    t = torch.arange(new, dtype=torch.float64)[:, None] / new - offs[None, :].to(torch.float64)
+    table = (2 * fc * torch.sinc(2 * fc * t) * torch.cos(math.pi * t / (2 * half)).square() * (t.abs() <= half))
+    table = table.to(torch.float32)  # [new, 2k]
+    if new * (orig + 2 * k) <= _POLYPHASE_MAX_WEIGHTS:
+        # Polyphase: output m*new + i is a stride-`orig` conv of x with phase i's filter.
+        weight = torch.zeros(new, orig + 2 * k, dtype=torch.float32)
+        shift = torch.arange(new) * orig // new  # whole input samples before phase i's time
+        cols = shift[:, None] + torch.arange(2 * k)[None, :]
+        weight.scatter_(1, cols, table[torch.arange(new) * orig % new])
+        xp = F.pad(x[None, None], (k - 1, k + orig + 1))
+        y = F.conv1d(xp, weight[:, None, :], stride=orig)[0]  # [new, n // orig + 1]
+        return y.T.reshape(-1)[:n_out].contiguous().numpy()
+    out = torch.empty(n_out, dtype=torch.float32)
+    step = 1 << 15
+    for start in range(0, n_out, step):
+        j = torch.arange(start, min(start + step, n_out), dtype=torch.int64)
+        idx = (j * orig // new)[:, None] + offs[None, :]
+        valid = (idx >= 0) & (idx < n)
+        taps = torch.where(valid, x[idx.clamp(0, max(n - 1, 0))], 0.0)
+        out[start : start + j.numel()] = (taps * table[j * orig % new]).sum(1)
+    return out.numpy()
+
+
+class WhisperProcessor:
+    """(float32 waveform [n], sample_rate) -> log-mel frames [n // hop_length, num_mel_bins].
+
+    The same computation as transformers' WhisperFeatureExtractor (torch path: centred
+    reflect-padded STFT with a periodic Hann window, drop the last frame, power spectrum,
+    Slaney mel filters up to 8 kHz, log10 clamped at 1e-10, floor at max - 8, (x + 4) / 4) on
+    the clip's own samples, without padding to 30 s. So the dynamic-range floor uses the clip's
+    own maximum. Other sample rates are resampled (:func:`resample`); stereo is averaged.
+    """
+
+    modality = "audio"
+
+    def __init__(self, config: WhisperEncoderConfig):
+        from transformers.audio_utils import mel_filter_bank  # only here: workers get the array
+
+        self.sampling_rate = config.sampling_rate
+        self.n_fft = config.n_fft
+        self.hop_length = config.hop_length
+        self.num_mel_bins = config.num_mel_bins
+        self.max_frames = config.max_frames
+        self.mel_filters = mel_filter_bank(
+            num_frequency_bins=1 + config.n_fft // 2,
+            num_mel_filters=config.num_mel_bins,
+            min_frequency=0.0,
+            max_frequency=8000.0,
+            sampling_rate=config.sampling_rate,
+            norm="slaney",
+            mel_scale="slaney",
+        )
+
+    def num_frames(self, num_samples: int, sample_rate: int) -> int:
+        """Mel frames of a clip, after resampling to ``sampling_rate``; raises for clips that
+        are too short for the STFT or longer than ``max_frames``."""
+        n = int(num_samples)
+        if int(sample_rate) != self.sampling_rate:
+            n = -(-n * self.sampling_rate // int(sample_rate))
+        if n <= self.n_fft // 2:
+            raise ValueError(
+                f"audio clip too short: {n} samples at {self.sampling_rate} Hz; "
+                f"need more than n_fft/2 = {self.n_fft // 2}"
+            )
+        frames = n // self.hop_length
+        if frames > self.max_frames:
+            raise ValueError(
+                f"audio clip too long: {frames} mel frames ({n / self.sampling_rate:.2f} s) > max_frames "
+                f"{self.max_frames} ({self.max_frames * self.hop_length / self.sampling_rate:.2f} s); "
+                "split it into shorter clips upstream or raise max_frames (at most 2 * max_source_positions)"
+            )
+        return frames
+
+    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
+        return output_frames(self.num_frames(meta["num_samples"], meta["sample_rate"]))
+
+    def log_mel(self, wave: np.ndarray) -> torch.Tensor:
+        """[n] float32 samples at ``sampling_rate`` -> [num_mel_bins, n // hop_length]."""
+        x = torch.from_numpy(np.ascontiguousarray(wave)).to(torch.float32)
+        window = torch.hann_window(self.n_fft)
+        stft = torch.stft(x, self.n_fft, self.hop_length, window=window, return_complex=True)
+        magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+        mel = torch.from_numpy(self.mel_filters).to(torch.float32).T @ magnitudes
+        log_spec = torch.clamp(mel, min=1e-10).log10()
+        log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+        return (log_spec + 4.0) / 4.0
+
+    def __call__(self, raw: Any) -> MediaItem:
+        try:
+            wave, sample_rate = raw
+        except (TypeError, ValueError):
+            raise ValueError("audio input must be a (waveform, sample_rate) pair") from None
+        wave = np.asarray(wave, dtype=np.float32)
+        if wave.ndim == 2:  # [n, channels]
+            wave = wave.mean(axis=1)
+        if wave.ndim != 1:
+            raise ValueError(f"waveform must be [n] or [n, channels], got shape {tuple(wave.shape)}")
+        frames = self.num_frames(wave.shape[0], sample_rate)
+        if int(sample_rate) != self.sampling_rate:
+            wave = resample(wave, int(sample_rate), self.sampling_rate)
+        feats = self.log_mel(wave).T.contiguous()  # [frames, mel]
+        assert feats.shape[0] == frames
+        return MediaItem(features=feats, size=(frames,), num_tokens=output_frames(frames))
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's sinusoidal position table [length, channels] (sin half, then cos half)."""
+    inc = math.log(max_timescale) / (channels // 2 - 1)
+    inv = torch.exp(-inc * torch.arange(channels // 2))
+    t = torch.arange(length)[:, None] * inv[None, :]
+    return torch.cat([t.sin(), t.cos()], dim=1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: WhisperEncoderConfig):
+        super().__init__()
+        d = config.d_model
+        self.num_heads = config.encoder_attention_heads
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d)
+        self.q_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        return packed_self_attention(
+            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, segment_ids, prescale_q=True
+        )
+
+
+class _Layer(nn.Module):
+    def __init__(self, config: WhisperEncoderConfig):
+        super().__init__()
+        d = config.d_model
+        self.self_attn = _Attention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.act = activation(config.activation_function)
+        self.fc1 = nn.Linear(d, config.encoder_ffn_dim)
+        self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), segment_ids)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class WhisperEncoder(EncoderAnchor):
+    """Packed Whisper audio encoder; output: final-layernorm hidden states, one token per two
+    mel frames. Parameter names equal transformers' WhisperEncoder."""
+
+    modality: ClassVar[str] = "audio"
+    Config: ClassVar[type] = WhisperEncoderConfig
+    hf_model_types: ClassVar[Tuple[str, ...]] = ("whisper",)
+    hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("model.encoder.", "encoder.", "")
+
+    def __init__(self, config: WhisperEncoderConfig):
+        super().__init__(config)
+        d = config.d_model
+        self.output_dim = d
+        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(config.max_source_positions, d)
+        with torch.no_grad():
+            self.embed_positions.weight.copy_(sinusoids(config.max_source_positions, d))
+        self.embed_positions.requires_grad_(False)  # fixed, as in Whisper
+        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.encoder_layers))
+        self.layer_norm = nn.LayerNorm(d)
+
+    @classmethod
+    def processor(cls, config: WhisperEncoderConfig) -> WhisperProcessor:
+        return WhisperProcessor(cls.build_config(config))
+
+    @classmethod
+    def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
+        return {k: int(pp_config[k]) for k in ("sampling_rate", "n_fft", "hop_length") if k in pp_config}
+
+    def _layout(self, frames: List[int], device: torch.device) -> Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Lay the clips out in one zero-separated row so that one conv call equals per-clip
+        convs: each clip starts at an even offset and is followed by >= 1 zero frame.
+        Returns (row length, input index per frame, output index per token, position per token)."""
+        slots = [t + (2 if t % 2 == 0 else 1) for t in frames]
+        starts = np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(np.int64)
+        lens = np.asarray(frames, dtype=np.int64)
+        outs = (lens - 1) // 2 + 1
+        in_idx = np.repeat(starts, lens) + _local(lens)
+        pos = _local(outs)
+        out_idx = np.repeat(starts // 2, outs) + pos
+        as_t = lambda a: torch.from_numpy(a).to(device)
+        return int(sum(slots)), as_t(in_idx), as_t(out_idx), as_t(pos)
+
+    def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        if sizes.shape[0] == 0:
+            return self.layer_norm(features.new_zeros(0, self.output_dim, dtype=self.layer_norm.weight.dtype))
+        frames = check_sizes("WhisperEncoder", features, sizes[:, 0].tolist())
+        tokens = [output_frames(t) for t in frames]
+        if max(tokens, default=0) > self.config.max_source_positions:
+            raise ValueError(
+                f"WhisperEncoder: a clip of {max(frames)} mel frames exceeds max_source_positions "
+                f"{self.config.max_source_positions} (at most {2 * self.config.max_source_positions} frames)"
+            )
+        if min(frames, default=1) < 1:
+            raise ValueError("WhisperEncoder: every clip needs at least one mel frame")
+        length, in_idx, out_idx, pos = self._layout(frames, features.device)
+        dtype = self.conv1.weight.dtype
+        row = features.new_zeros(length, features.shape[1], dtype=dtype).index_copy(0, in_idx, features.to(dtype))
+        mask = torch.zeros(length, dtype=dtype, device=features.device).index_fill(0, in_idx, 1.0)
+        h = F.gelu(self.conv1(row.T[None])) * mask  # zero the separators again
+        h = F.gelu(self.conv2(h))[0].T  # [ceil(length/2), D]
+        x = h.index_select(0, out_idx) + self.embed_positions(pos)
+        seg = packed_segment_ids(tokens, x.device)
+        for layer in self.layers:
+            x = layer(x, seg)
+        return self.layer_norm(x)
+
+    def cost_coefficients(self) -> Tuple[float, float]:
+        c = self.config
+        alpha, beta = transformer_flops(c.encoder_layers, c.d_model, c.encoder_ffn_dim)
+        # conv1 runs on 2 frames per token (2*3*mel*d FLOPs each), conv2 once per token.
+        beta += 2 * 2.0 * 3 * c.num_mel_bins * c.d_model + 2.0 * 3 * c.d_model * c.d_model
+        return alpha, beta
+
+
+def _local(lengths: np.ndarray) -> np.ndarray:
+    """0..l-1 for each l in ``lengths``, concatenated."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total, dtype=np.int64) - starts
