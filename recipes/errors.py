@@ -1,12 +1,19 @@
-"""Which exceptions are the user's to fix (printed as one line) rather than Omni bugs."""
+"""Which exceptions are the user's to fix (printed as one line) rather than Omni bugs, and
+how to phrase them."""
 from __future__ import annotations
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
+import difflib
+import re
+
+from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from dataloading.errors import DataError
 from omni.errors import UserError
 from parallel.layout import LayoutError
+from omni.models.config import EncoderSlot
+from recipes.schema import OmniConfig
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     UserError,
@@ -18,7 +25,44 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def _schema_keys(parts: list[str]) -> list[str] | None:
+    """Keys of the schema node at `parts` (encoder slots have the EncoderSlot keys)."""
+    node = OmegaConf.structured(OmniConfig)
+    for i, part in enumerate(parts):
+        if parts[:1] == ["encoders"] and i == 1:
+            node = OmegaConf.structured(EncoderSlot)
+            continue
+        if not OmegaConf.is_dict(node) or part not in node:
+            return None
+        node = node[part]
+    return [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else None
+
+
+def _unknown_key_message(override: str) -> str:
+    key = override.split("=", 1)[0].lstrip("+~")
+    parts = key.split(".")
+    # The first component that does not exist is the misspelt one.
+    for depth in range(len(parts)):
+        valid = _schema_keys(parts[:depth])
+        if valid is None:
+            break
+        if parts[depth] not in valid and not (depth == 1 and parts[0] == "encoders"):
+            prefix = ".".join(parts[:depth] + [""])
+            close = difflib.get_close_matches(parts[depth], valid, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            return f"unknown config key '{key}'; {hint}valid keys under '{prefix or '<root>'}': {', '.join(valid)}"
+    return f"unknown config key '{key}'; see `omni train --cfg job` for the keys"
+
+
 def one_line(exc: BaseException) -> str:
-    """Hydra/OmegaConf messages span lines (key, full key, object type): keep them on one."""
-    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    cause = exc.__cause__
+    if isinstance(exc, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        m = re.search(r"(?:Could not override|Error merging override) '?([^' ]+)'?", str(exc))
+        if m and isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+            return _unknown_key_message(m.group(1))
+        if m:
+            return f"{m.group(1)}: {str(cause).splitlines()[0]}"
+    text = str(exc).split("Config search path:")[0]
+    # Hydra/OmegaConf messages span lines (key, full key, object type): keep them on one.
+    text = " ".join(part.strip() for part in text.splitlines() if part.strip())
     return text or type(exc).__name__

@@ -1,0 +1,97 @@
+"""`omni train`: compose the config, build layout, tokenizer, model and data, then run."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from recipes.compose import compose_config
+from recipes.schema import OmniConfig
+
+
+def train_main(overrides: list[str], print_cfg: bool = False) -> int:
+    dcfg = compose_config(overrides)
+    if print_cfg:
+        print(OmegaConf.to_yaml(dcfg))
+        return 0
+    cfg: OmniConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
+    run(cfg)
+    return 0
+
+
+def run(cfg: OmniConfig):
+    """Build everything from a composed config and train; returns the trainer's FitResult."""
+    from dataloading.constructor import EvalSet
+    from dataloading.loader import build_loader
+    from dataloading.tokenizer import load_tokenizer
+    from omni.models.build import build_model, media_processors
+    from omni.runtime.trainer import Trainer
+    from parallel.layout import init_layout, shutdown
+
+    layout = init_layout(cfg.parallel, device=cfg.trainer.device)
+    try:
+        show = cfg.trainer.progress and layout.is_main
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        torch.manual_seed(cfg.trainer.seed)
+        model = build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
+        processors = media_processors(model)
+        mixture, eval_dir = cfg.data.mixture, cfg.data.eval_dir
+        if mixture is None:
+            from dataloading.demo import ensure_demo_dataset
+
+            # Rank 0 generates the demo data on first use; the others then find it in the cache.
+            if layout.is_main:
+                ensure_demo_dataset(scale=cfg.data.demo_scale, progress=show)
+            _barrier()
+            root = ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False)
+            mixture, eval_dir = str(root / "mixture.yaml"), eval_dir or str(root / "eval")
+        loader = build_loader(
+            mixture,
+            tokenizer,
+            processors,
+            seed=cfg.trainer.seed,
+            global_batch_size=cfg.data.global_batch_size,
+            dp_size=layout.dp_size,
+            dp_rank=layout.dp_rank,
+            micro_batch_tokens=cfg.data.micro_batch_tokens,
+            on_error=cfg.data.on_error,
+            max_skip_fraction=cfg.data.max_skip_fraction,
+            prefetch=cfg.data.prefetch,
+            progress=show,
+        )
+        run_dir = Path(cfg.trainer.run_dir)
+        if layout.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            n_params = sum(p.numel() for p in model.parameters())
+            print(f"omni: {cfg.name}: {n_params / 1e6:.2f}M parameters, data {mixture}, run dir {run_dir}", flush=True)
+
+        def eval_samples():
+            return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples)
+
+        trainer = Trainer(
+            model,
+            loader,
+            layout,
+            cfg.trainer,
+            cfg.optim,
+            cfg.checkpoint,
+            tokenizer=tokenizer,
+            eval_samples=eval_samples if (cfg.trainer.eval_at_end and eval_dir) else None,
+        )
+        try:
+            return trainer.fit()
+        finally:
+            loader.close()
+    finally:
+        shutdown()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
