@@ -1,0 +1,204 @@
+"""A small, learnable, multi-source demo dataset (shards + indices + mixture.yaml).
+
+Three sources a tiny model can learn in minutes, so an end-to-end run shows falling loss
+and correct answers:
+
+- ``shapes``: PNG of a coloured circle/square/triangle in one quadrant of a dark image of
+  varying size -> "a red circle at the top left" (10% show two images, numbered fields);
+- ``tones``: 16 kHz WAV of a low/mid/high, short/long tone -> "a high short tone";
+- ``text``: counting, alphabet and repeated-word sequences with long-tailed lengths
+  (language modelling, no response).
+
+``eval/`` holds held-out samples of shapes and tones drawn from the same distribution with
+another random stream (every class is seen in training). Everything is a function of the
+seed: two runs give byte-identical shards.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+COLORS = {"red": (220, 50, 50), "green": (50, 190, 70), "blue": (60, 100, 235), "yellow": (235, 210, 50)}
+SHAPES = ("circle", "square", "triangle")
+POSITIONS = ("top left", "top right", "bottom left", "bottom right")
+SIDES = (32, 40, 48, 56, 64)  # multiples of 8, drawn independently: images are often non-square
+IMAGE_PROMPTS = ("<image>\nDescribe the image.", "<image>\nWhat is in the picture?",
+                 "Describe the image.\n<image>", "<image>\nWhat do you see?")
+TWO_IMAGE_PROMPTS = ("<image>\n<image>\nDescribe both images.", "First: <image> Second: <image>\nDescribe them.")
+
+SAMPLE_RATE = 16_000
+PITCHES = {"low": 220.0, "mid": 440.0, "high": 880.0}
+LENGTHS = {"short": 0.3, "long": 0.8}
+AUDIO_PROMPTS = ("<audio>\nWhat do you hear?", "<audio>\nDescribe the sound.", "Listen: <audio>\nWhat is it?")
+
+WORDS = ("cat", "dog", "sun", "tree", "blue", "red", "one", "two", "up", "down", "left", "right")
+MAX_TEXT_CHARS = 900  # keeps every text sample under a 1024-token byte-level budget
+
+SIZES = {"shapes": 2000, "tones": 1500, "text": 1500}
+WEIGHTS = {"shapes": 0.4, "tones": 0.35, "text": 0.25}
+EVAL_SIZES = {"shapes": 32, "tones": 32}
+SHARDS_PER_SOURCE = 4
+_TAGS = {"shapes": 1, "tones": 2, "text": 3}
+
+
+def _rng(seed: int, source: str, split: int) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFF_FFFF, _TAGS[source], split])
+
+
+# ---- shapes -----------------------------------------------------------------------------
+def _shape_png(rng: np.random.Generator) -> tuple[bytes, str]:
+    from PIL import Image, ImageDraw
+
+    color, shape, where = (str(rng.choice(list(COLORS))), str(rng.choice(SHAPES)), str(rng.choice(POSITIONS)))
+    h, w = int(rng.choice(SIDES)), int(rng.choice(SIDES))
+    bg = tuple(int(c) for c in rng.integers(0, 40, 3))
+    im = Image.new("RGB", (w, h), bg)
+    cw, ch = w / 2, h / 2
+    size = min(cw, ch) * rng.uniform(0.55, 0.8)
+    cx = cw / 2 + (cw if "right" in where else 0) + rng.uniform(-1, 1) * (cw - size) / 4
+    cy = ch / 2 + (ch if "bottom" in where else 0) + rng.uniform(-1, 1) * (ch - size) / 4
+    fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLORS[color])
+    r = size / 2
+    box = (cx - r, cy - r, cx + r, cy + r)
+    draw = ImageDraw.Draw(im)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    buf = io.BytesIO()
+    im.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue(), f"a {color} {shape} at the {where}"
+
+
+def _shapes(rng: np.random.Generator, n: int, key) -> Iterator[dict]:
+    for i in range(n):
+        if rng.random() < 0.1:
+            (a, ca), (b, cb) = _shape_png(rng), _shape_png(rng)
+            yield {"__key__": key(i), "txt": str(rng.choice(TWO_IMAGE_PROMPTS)), "0.png": a, "1.png": b,
+                   "response.txt": f"{ca}, then {cb}"}
+        else:
+            png, caption = _shape_png(rng)
+            yield {"__key__": key(i), "txt": str(rng.choice(IMAGE_PROMPTS)), "png": png, "response.txt": caption}
+
+
+# ---- tones ------------------------------------------------------------------------------
+def _tone_wav(rng: np.random.Generator) -> tuple[bytes, str]:
+    import soundfile
+
+    pitch, length = str(rng.choice(list(PITCHES))), str(rng.choice(list(LENGTHS)))
+    freq = PITCHES[pitch] * (1 + rng.uniform(-0.03, 0.03))
+    n = int(LENGTHS[length] * rng.uniform(0.9, 1.1) * SAMPLE_RATE)
+    t = np.arange(n) / SAMPLE_RATE
+    wave = rng.uniform(0.3, 0.6) * np.sin(2 * np.pi * freq * t + rng.uniform(0, 2 * np.pi))
+    wave += rng.uniform(0.005, 0.03) * rng.standard_normal(n)
+    ramp = min(n // 2, SAMPLE_RATE // 100)  # 10 ms fades: no clicks
+    env = np.ones(n)
+    env[:ramp], env[n - ramp:] = np.linspace(0, 1, ramp), np.linspace(1, 0, ramp)
+    buf = io.BytesIO()
+    soundfile.write(buf, np.clip(wave * env, -1, 1), SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue(), f"a {pitch} {length} tone"
+
+
+def _tones(rng: np.random.Generator, n: int, key) -> Iterator[dict]:
+    for i in range(n):
+        wav, caption = _tone_wav(rng)
+        yield {"__key__": key(i), "txt": str(rng.choice(AUDIO_PROMPTS)), "wav": wav, "response.txt": caption}
+
+
+# ---- text -------------------------------------------------------------------------------
+def _text_line(rng: np.random.Generator) -> str:
+    units = int(np.clip(round(rng.lognormal(mean=math.log(24), sigma=0.9)), 4, 400))
+    kind = rng.integers(3)
+    if kind == 0:  # counting with a fixed stride
+        start, stride = int(rng.integers(0, 50)), int(rng.integers(1, 4))
+        words = [str(start + stride * k) for k in range(units)]
+    elif kind == 1:  # the alphabet, wrapping around
+        first = int(rng.integers(26))
+        words = [chr(ord("a") + (first + k) % 26) for k in range(units)]
+    else:  # a short word pattern repeated
+        pattern = [str(w) for w in rng.choice(WORDS, size=int(rng.integers(2, 5)))]
+        words = [pattern[k % len(pattern)] for k in range(units)]
+    text = " ".join(words)
+    return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS].rsplit(" ", 1)[0]
+
+
+def _texts(rng: np.random.Generator, n: int, key) -> Iterator[dict]:
+    for i in range(n):
+        yield {"__key__": key(i), "txt": _text_line(rng)}
+
+
+_MAKERS = {"shapes": _shapes, "tones": _tones, "text": _texts}
+
+
+# ---- writing ----------------------------------------------------------------------------
+def _progress(it: Iterator[dict], total: int, desc: str, show: bool) -> Iterator[dict]:
+    from tqdm import tqdm
+
+    return iter(tqdm(it, total=total, desc=desc, unit="sample", disable=not show))
+
+
+def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, progress: bool = True) -> Path:
+    """Write the demo dataset into ``out_dir`` and return it; the mixture is ``out_dir/mixture.yaml``."""
+    from dataloading.index import build_index
+    from dataloading.shards import write_shards
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, size in SIZES.items():
+        n = max(SHARDS_PER_SOURCE, int(round(size * scale)))
+        per_shard = math.ceil(n / SHARDS_PER_SOURCE)
+        samples = _MAKERS[name](_rng(seed, name, 0), n, lambda i: f"{i:06d}")
+        write_shards(_progress(samples, n, name, progress), out / name, name, per_shard)
+        build_index(out / name, workers=1, progress=False)
+    for name, n in EVAL_SIZES.items():
+        # Keys carry the source name: both eval sources share one indexed folder.
+        samples = _MAKERS[name](_rng(seed, name, 1), n, lambda i, name=name: f"{name}-{i:06d}")
+        write_shards(samples, out / "eval" / name, f"eval-{name}", n)
+    build_index(out / "eval", workers=1, progress=False)
+    lines = ["# Omni demo mixture (written by dataloading.demo; paths are relative to this file)", "sources:"]
+    lines += [f"  - name: {name}\n    path: {name}\n    weight: {WEIGHTS[name]}" for name in SIZES]
+    lines += ["eval: eval", ""]
+    (out / "mixture.yaml").write_text("\n".join(lines))
+    return out
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v1"
+
+
+def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,
+                        progress: bool = True) -> Path:
+    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v1``
+    (``~/.cache/omni/demo-v1`` without OMNI_CACHE); a non-default seed or scale gets its own
+    folder (``demo-v1-seed1-x0.5``). Generation goes to a temp folder that is renamed into
+    place, so a crashed or concurrent run never leaves half a dataset."""
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    if seed != 0 or scale != 1.0:
+        root = root.with_name(f"{root.name}-seed{seed}-x{scale:g}")
+    done = root / ".complete"
+    if done.exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_demo_dataset(tmp, seed=seed, scale=scale, progress=progress)
+        (tmp / ".complete").write_text("ok\n")
+        if root.exists() and not done.exists():
+            shutil.rmtree(root)  # left over by an old, non-atomic writer
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not done.exists():  # not another process's finished copy: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root

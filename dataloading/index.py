@@ -1,0 +1,238 @@
+"""The metadata index of a folder of shards, so planning never opens a tar.
+
+Stored beside the shards as ``FOLDER/omni_index.jsonl``: line 1 is a header (format
+version, every shard's size and sample count, problems met), then one JSON object per
+sample::
+
+    {"key": "000123", "shard": "shapes-000000.tar", "pos": 123, "text_bytes": 27,
+     "response_bytes": 28, "media": [["image", {"height": 48, "width": 64}]]}
+
+``response_bytes`` is null when the sample has no ``response.txt``. Media metadata is read
+from file headers only (PIL / soundfile), never by decoding pixels or samples.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dataloading.errors import ON_ERROR_POLICIES, DataError
+from dataloading.sample import parse_fields, read_meta
+from dataloading.shards import Shard, SourceReader, list_shards
+
+log = logging.getLogger("omni.data")
+
+INDEX_NAME = "omni_index.jsonl"
+INDEX_FORMAT, INDEX_VERSION = "omni-index", 1
+
+
+@dataclass(slots=True)
+class SampleMeta:
+    key: str
+    shard: str  # path relative to the indexed folder
+    pos: int  # position of the sample in its shard
+    text_bytes: int
+    response_bytes: int | None  # None: no response.txt (language modelling sample)
+    media: list[tuple[str, dict]]  # (modality, header metadata), placeholder order
+
+
+class SourceIndex:
+    """The samples of one indexed folder (one mixture source, or an eval folder)."""
+
+    def __init__(self, folder: str | Path, samples: list[SampleMeta], header: dict | None = None):
+        self.folder = Path(folder)
+        self.samples = samples
+        self.header = header or {}
+        self._locate: dict[str, tuple[str, int]] | None = None
+
+    @property
+    def problems(self) -> dict[str, int]:
+        return dict(self.header.get("problems", {}))
+
+    @property
+    def bad_shards(self) -> dict[str, str]:
+        return dict(self.header.get("bad_shards", {}))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> SampleMeta:
+        return self.samples[i]
+
+    @property
+    def locate(self) -> dict[str, tuple[str, int]]:
+        if self._locate is None:
+            self._locate = {s.key: (s.shard, s.pos) for s in self.samples}
+        return self._locate
+
+    def reader(self, name: str) -> SourceReader:
+        return SourceReader(name, self.folder, self.locate)
+
+    def summary(self) -> str:
+        """One line for the CLI: what was indexed and what was left out (by name)."""
+        shards = self.header.get("shards", {})
+        line = f"{len(self)} samples in {len(shards)} shards indexed in {self.folder / INDEX_NAME}"
+        if self.problems:
+            line += f"; left out {self.problems}"
+            if self.bad_shards:
+                line += f", bad shards: {', '.join(sorted(self.bad_shards))}"
+        return line
+
+
+def _scan_shard(job: tuple[str, str]) -> dict:
+    """Index one shard (runs in a pool worker): samples, sample problems, or a shard error."""
+    folder, rel = job
+    path = Path(folder) / rel
+    out = {"shard": rel, "bytes": path.stat().st_size, "samples": [], "problems": [], "error": None}
+    try:
+        shard = Shard(path)
+    except DataError as e:
+        out["error"] = str(e)
+        return out
+    try:
+        for pos, (key, fields) in enumerate(shard):
+            try:
+                raw = parse_fields(f"{key} (shard {rel})", fields)
+                media = read_meta(raw)
+            except DataError as e:
+                out["problems"].append((e.kind, str(e)))
+                continue
+            out["samples"].append({
+                "key": key, "shard": rel, "pos": pos, "text_bytes": len(raw.text.encode("utf-8")),
+                "response_bytes": None if raw.response is None else len(raw.response.encode("utf-8")),
+                "media": [[m, meta] for m, meta in media]})
+    except DataError as e:
+        out["error"] = str(e)
+    finally:
+        shard.close()
+    return out
+
+
+def build_index(folder: str | Path, workers: int | None = None, progress: bool = True,
+                on_error: str = "skip") -> SourceIndex:
+    """Scan every ``*.tar`` under ``folder`` and write ``folder/omni_index.jsonl``.
+
+    Bad shards and bad samples are left out of the index, counted in its header and logged
+    with their names; with ``on_error="stop"`` the first one raises a DataError instead.
+    """
+    from tqdm import tqdm
+
+    folder = Path(folder)
+    if on_error not in ON_ERROR_POLICIES:
+        raise DataError(f"on_error={on_error!r} is not a policy; use one of {ON_ERROR_POLICIES}", kind="config")
+    if not folder.is_dir():
+        raise DataError(f"data folder {folder}: no such directory; check the path", kind="config")
+    rels = [str(p.relative_to(folder)) for p in list_shards(folder)]
+    if not rels:
+        raise DataError(f"data folder {folder}: no *.tar shards found; point it at a folder of webdataset "
+                        "shards (see docs/data.md)", kind="config")
+    workers = max(1, min(workers or os.cpu_count() or 1, len(rels)))
+    jobs = [(str(folder), r) for r in rels]
+    bar = tqdm(total=len(rels), desc=f"index {folder}", unit="shard", disable=not progress)
+    results = []
+    if workers == 1:
+        for job in jobs:
+            results.append(_scan_shard(job))
+            bar.update()
+    else:
+        # fork: workers need no torch and start in milliseconds; spawn would re-import it.
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        with ctx.Pool(workers) as pool:
+            for res in pool.imap(_scan_shard, jobs):
+                results.append(res)
+                bar.update()
+    bar.close()
+
+    samples: list[dict] = []
+    shards, bad_shards, problems, examples, first = {}, {}, {}, {}, None
+    seen_keys: dict[str, str] = {}
+
+    def problem(kind: str, msg: str) -> None:
+        nonlocal first
+        problems[kind] = problems.get(kind, 0) + 1
+        examples.setdefault(kind, msg)
+        first = first or DataError(msg, kind=kind)
+
+    for res in results:
+        shards[res["shard"]] = {"bytes": res["bytes"], "samples": len(res["samples"])}
+        if res["error"]:
+            bad_shards[res["shard"]] = res["error"]
+            problem("corrupt_shard", res["error"])
+        for kind, msg in res["problems"]:
+            problem(kind, msg)
+        for s in res["samples"]:
+            # Sample ids are "<source>/<key>", so a key must be unique in its folder.
+            other = seen_keys.get(s["key"])
+            if other is not None:
+                problem("duplicate_key", f"sample key {s['key']!r} is in shards {other} and {s['shard']}; keys "
+                                         f"must be unique per folder (e.g. prefix them with the shard name)")
+                continue
+            seen_keys[s["key"]] = s["shard"]
+            samples.append(s)
+    if first is not None and on_error == "stop":
+        raise first
+    for kind, n in problems.items():
+        log.warning("index %s: left out %d sample(s)/shard(s) with %s, e.g. %s", folder, n, kind, examples[kind])
+
+    header = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "num_samples": len(samples), "shards": shards,
+              "bad_shards": bad_shards, "problems": problems, "examples": examples}
+    tmp = folder / f".{INDEX_NAME}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        for s in samples:
+            f.write(json.dumps(s, separators=(",", ":")) + "\n")
+    os.replace(tmp, folder / INDEX_NAME)  # atomic: readers never see half an index
+    return SourceIndex(folder, [_meta(s) for s in samples], header)
+
+
+def _meta(d: dict) -> SampleMeta:
+    return SampleMeta(d["key"], d["shard"], d["pos"], d["text_bytes"], d["response_bytes"],
+                      [(m, meta) for m, meta in d["media"]])
+
+
+def _stale_reason(folder: Path, header: dict) -> str | None:
+    recorded = header.get("shards", {})
+    current = {str(p.relative_to(folder)): p for p in list_shards(folder)}
+    for rel in sorted(set(recorded) | set(current)):
+        if rel not in current:
+            return f"shard {rel} was removed"
+        if rel not in recorded:
+            return f"shard {rel} is new"
+        if current[rel].stat().st_size != recorded[rel]["bytes"]:
+            return f"shard {rel} changed size"
+    return None
+
+
+def load_index(folder: str | Path, build_if_missing: bool = False, progress: bool = True) -> SourceIndex:
+    """Load ``folder``'s index; a missing or stale one is built (if asked) or a DataError."""
+    folder = Path(folder)
+    path = folder / INDEX_NAME
+    fix = f"build it with `omni data index {folder}`"
+    if not path.exists():
+        if build_if_missing:
+            return build_index(folder, progress=progress)
+        if not folder.is_dir():
+            raise DataError(f"data folder {folder}: no such directory; check the path", kind="config")
+        raise DataError(f"data folder {folder} has no index ({INDEX_NAME}); {fix}", kind="missing_index")
+    with open(path) as f:
+        try:
+            header = json.loads(f.readline())
+            samples = [_meta(json.loads(line)) for line in f if line.strip()]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"index {path} is unreadable ({e}); re{fix[1:]}", kind="bad_index") from None
+    if header.get("format") != INDEX_FORMAT or header.get("version") != INDEX_VERSION:
+        raise DataError(f"index {path} has format {header.get('format')} v{header.get('version')}, expected "
+                        f"{INDEX_FORMAT} v{INDEX_VERSION}; re{fix[1:]}", kind="bad_index")
+    stale = _stale_reason(folder, header)
+    if stale:
+        if build_if_missing:
+            log.warning("index %s is stale (%s): rebuilding", path, stale)
+            return build_index(folder, progress=progress)
+        raise DataError(f"index {path} is stale ({stale}); re{fix[1:]}", kind="stale_index")
+    if header.get("problems"):
+        log.warning("index %s: %d sample(s)/shard(s) were left out when it was built: %s; bad shards: %s",
+                    path, sum(header["problems"].values()), header["problems"], sorted(header.get("bad_shards", {})))
+    return SourceIndex(folder, samples, header)

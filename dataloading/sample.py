@@ -1,0 +1,173 @@
+"""One raw sample: its fields, their validation, media decoding and header-only metadata.
+
+A sample is the files of a webdataset shard that share a key (see docs/data.md):
+``txt`` (required), ``response.txt`` (optional), ``json`` (optional) and media: one item as
+a plain extension (``png``) or several as numbered fields (``0.png``, ``1.wav``, ...), the
+i-th placeholder of ``txt`` taking field i.
+"""
+from __future__ import annotations
+
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dataloading.errors import DataError
+from dataloading.media import MODALITY_EXTENSIONS, PLACEHOLDERS
+from dataloading.tokenizer import split_placeholders
+
+_MODALITY_OF_EXT = {ext: m for m, exts in MODALITY_EXTENSIONS.items() for ext in exts}
+_MODALITY_OF_PLACEHOLDER = {p: m for m, p in PLACEHOLDERS.items()}
+_NUMBERED = re.compile(r"^(\d+)\.([A-Za-z0-9]+)$")
+_FORMAT_HINT = "see docs/data.md (sample format)"
+
+
+@dataclass
+class RawSample:
+    """Fields parsed and checked for consistency; media still encoded bytes."""
+
+    sample_id: str
+    text: str
+    response: str | None
+    media: list[tuple[str, str, bytes]]  # (modality, field name, encoded bytes), placeholder order
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DecodedSample:
+    sample_id: str
+    text: str
+    response: str | None
+    # image: uint8 [H, W, 3]; audio: (float32 mono waveform [n], sample_rate)
+    media: list[tuple[str, Any]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def placeholder_modalities(text: str) -> list[str]:
+    return [_MODALITY_OF_PLACEHOLDER[p] for p in split_placeholders(text) if p in _MODALITY_OF_PLACEHOLDER]
+
+
+def _text(sample_id: str, fields: dict[str, bytes], name: str) -> str:
+    try:
+        return bytes(fields[name]).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"sample {sample_id}: field {name!r} is not UTF-8 ({e.reason} at byte {e.start}); "
+                        "re-encode the text as UTF-8", kind="bad_text") from None
+
+
+def media_fields(sample_id: str, fields: dict[str, bytes]) -> list[tuple[str, str]]:
+    """(modality, field name) of the media fields, in placeholder order."""
+    plain, numbered = [], {}
+    for name in fields:
+        if name.lower() in _MODALITY_OF_EXT:
+            plain.append((_MODALITY_OF_EXT[name.lower()], name))
+            continue
+        m = _NUMBERED.match(name)
+        if m is None:
+            continue  # txt, response.txt, json and unknown extras (e.g. __url__) are not media
+        index, ext = int(m.group(1)), m.group(2).lower()
+        if ext not in _MODALITY_OF_EXT:
+            raise DataError(f"sample {sample_id}: field {name!r} has an unsupported media type; use one of "
+                            f"{sorted(_MODALITY_OF_EXT)}", kind="bad_fields")
+        if index in numbered:
+            raise DataError(f"sample {sample_id}: fields {numbered[index][1]!r} and {name!r} share number {index}; "
+                            "give every media item its own number", kind="bad_fields")
+        numbered[index] = (_MODALITY_OF_EXT[ext], name)
+    if plain and numbered:
+        raise DataError(f"sample {sample_id}: mixes a plain media field ({plain[0][1]!r}) with numbered ones "
+                        f"({numbered[min(numbered)][1]!r}); with several items number them all (0.png, 1.wav, ...)",
+                        kind="bad_fields")
+    if len(plain) > 1:
+        raise DataError(f"sample {sample_id}: several plain media fields {sorted(n for _, n in plain)}; "
+                        "number them in placeholder order (0.png, 1.wav, ...)", kind="bad_fields")
+    if numbered and sorted(numbered) != list(range(len(numbered))):
+        raise DataError(f"sample {sample_id}: media fields are numbered {sorted(numbered)}; number them "
+                        f"0..{len(numbered) - 1} in placeholder order", kind="bad_fields")
+    return plain or [numbered[i] for i in range(len(numbered))]
+
+
+def parse_fields(sample_id: str, fields: dict[str, bytes]) -> RawSample:
+    """Check a sample's fields against the format; raises DataError naming the sample."""
+    if "txt" not in fields:
+        raise DataError(f"sample {sample_id}: no 'txt' field (fields: {sorted(fields)}); every sample needs "
+                        f"its text in <key>.txt, {_FORMAT_HINT}", kind="bad_fields")
+    text = _text(sample_id, fields, "txt")
+    response = _text(sample_id, fields, "response.txt") if "response.txt" in fields else None
+    if response is not None and placeholder_modalities(response):
+        raise DataError(f"sample {sample_id}: response.txt contains a media placeholder; media go in the "
+                        "prompt (txt) only", kind="placeholder_mismatch")
+    media = media_fields(sample_id, fields)
+    wanted = placeholder_modalities(text)
+    have = [m for m, _ in media]
+    if wanted != have:
+        raise DataError(
+            f"sample {sample_id}: text placeholders {wanted} do not match media fields "
+            f"{[n for _, n in media]} ({have}); the i-th placeholder needs media field i of its modality "
+            f"(one item: plain 'png'/'wav', several: '0.png', '1.wav', ...)", kind="placeholder_mismatch")
+    meta: dict[str, Any] = {}
+    if "json" in fields:
+        try:
+            meta = json.loads(bytes(fields["json"]).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise DataError(f"sample {sample_id}: field 'json' is not valid JSON ({e}); fix or drop it",
+                            kind="bad_fields") from None
+    return RawSample(sample_id, text, response, [(m, n, bytes(fields[n])) for m, n in media], meta)
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB"), dtype=np.uint8)
+
+
+def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+    import soundfile
+
+    wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    return np.ascontiguousarray(wave.mean(axis=1), dtype=np.float32), int(rate)
+
+
+def media_meta(modality: str, data: bytes) -> dict[str, int]:
+    """Header-only metadata for the index: the pixels / samples are not decoded."""
+    if modality == "image":
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+        return {"height": int(height), "width": int(width)}
+    if modality == "audio":
+        import soundfile
+
+        info = soundfile.info(io.BytesIO(data))
+        return {"num_samples": int(info.frames), "sample_rate": int(info.samplerate)}
+    raise ValueError(f"unknown modality {modality!r}")
+
+
+def _media_error(sample_id: str, name: str, e: Exception) -> DataError:
+    return DataError(f"sample {sample_id}: media field {name!r} cannot be decoded ({type(e).__name__}: {e}); "
+                     "re-encode or remove the sample", kind="corrupt_media")
+
+
+def read_meta(raw: RawSample) -> list[tuple[str, dict]]:
+    out = []
+    for modality, name, data in raw.media:
+        try:
+            out.append((modality, media_meta(modality, data)))
+        except Exception as e:  # PIL and soundfile raise many types on bad bytes
+            raise _media_error(raw.sample_id, name, e) from None
+    return out
+
+
+def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
+    raw = parse_fields(sample_id, fields)
+    media = []
+    for modality, name, data in raw.media:
+        try:
+            media.append((modality, decode_image(data) if modality == "image" else decode_audio(data)))
+        except Exception as e:
+            raise _media_error(sample_id, name, e) from None
+    return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta)

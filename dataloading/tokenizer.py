@@ -1,0 +1,127 @@
+"""Tokenizers: a protocol, a dependency-free byte tokenizer and a Hugging Face wrapper.
+
+Placeholders (``<image>``, ``<audio>``) are always cut out of the text *before* the
+underlying tokenizer sees it and become exactly one id each, so the data plane can count
+and expand them without trusting a BPE merge table.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+from dataloading.errors import DataError
+from dataloading.media import PLACEHOLDERS
+
+_PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")")
+_MODALITY_OF = {p: m for m, p in PLACEHOLDERS.items()}
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None  # None: the tokenizer has no BOS (e.g. Qwen2); nothing is prepended
+    eos_id: int
+    pad_id: int
+    placeholder_ids: dict[str, int]  # modality -> id
+    # Mean UTF-8 bytes per token, used only to *estimate* lengths for planning.
+    bytes_per_token: float
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def split_placeholders(text: str) -> list[str]:
+    """``"a<image>b"`` -> ``["a", "<image>", "b"]`` (empty pieces dropped)."""
+    return [p for p in _PLACEHOLDER_RE.split(text) if p]
+
+
+def estimate_text_tokens(tokenizer: Tokenizer, n_bytes: int) -> int:
+    """Token count of ``n_bytes`` of placeholder-free text (exact for ByteTokenizer)."""
+    return int(math.ceil(n_bytes / tokenizer.bytes_per_token))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then specials. Needs no files; used by the demo and tests."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>", "<image>", "<audio>")
+    bytes_per_token = 1.0
+
+    def __init__(self) -> None:
+        self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
+        self.placeholder_ids = {"image": 259, "audio": 260}
+        # 256 bytes + 5 specials + reserved ids, padded to a multiple of 16 so embedding
+        # tables shard evenly under tensor parallelism.
+        self.vocab_size = 272
+        self._special_text = {256 + i: s for i, s in enumerate(self.SPECIALS)}
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in split_placeholders(text):
+            modality = _MODALITY_OF.get(piece)
+            if modality is not None:
+                ids.append(self.placeholder_ids[modality])
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+class HFTokenizer:
+    """Wraps ``transformers.AutoTokenizer`` loaded from a local directory."""
+
+    def __init__(self, directory: str | Path):
+        from transformers import AutoTokenizer  # lazy: transformers is slow to import
+
+        self.directory = Path(directory)
+        tok = AutoTokenizer.from_pretrained(str(self.directory))
+        missing = [p for p in PLACEHOLDERS.values() if p not in tok.get_vocab()]
+        if missing:
+            # Added as special tokens so they are never split; the model's embedding table
+            # must then be resized to vocab_size (the backbone loader does this).
+            tok.add_tokens(missing, special_tokens=True)
+        self._tok = tok
+        self.vocab_size = len(tok)
+        self.placeholder_ids = {m: int(tok.convert_tokens_to_ids(p)) for m, p in PLACEHOLDERS.items()}
+        self.bos_id = tok.bos_token_id
+        if tok.eos_token_id is None:
+            raise DataError(f"tokenizer {self.directory} has no eos_token; set eos_token in its "
+                            "tokenizer_config.json", kind="config")
+        self.eos_id = int(tok.eos_token_id)
+        self.pad_id = int(tok.pad_token_id) if tok.pad_token_id is not None else self.eos_id
+        self.bytes_per_token = 4.0  # typical for English BPE; planning only
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in split_placeholders(text):
+            modality = _MODALITY_OF.get(piece)
+            if modality is not None:
+                ids.append(self.placeholder_ids[modality])
+            else:
+                ids.extend(self._tok.encode(piece, add_special_tokens=False))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.directory)!r})"
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """``"byte"`` -> ByteTokenizer; anything else is a local Hugging Face tokenizer directory."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise DataError(f"tokenizer {str(spec)!r}: no such directory; pass 'byte' or a local directory "
+                        "holding tokenizer.json / tokenizer_config.json (downloads are not done here)",
+                        kind="config")
+    return HFTokenizer(path)

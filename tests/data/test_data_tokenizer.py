@@ -1,0 +1,50 @@
+import pytest
+
+from dataloading.errors import DataError
+from dataloading.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def test_byte_tokenizer_round_trip_and_specials():
+    tok = ByteTokenizer()
+    assert tok.vocab_size == 272 and tok.vocab_size % 16 == 0
+    ids = set([tok.pad_id, tok.bos_id, tok.eos_id, *tok.placeholder_ids.values()])
+    assert len(ids) == 5 and all(256 <= i < tok.vocab_size for i in ids)
+    text = "héllo wörld ✓ 123"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("ab") == [97, 98]
+
+
+def test_byte_tokenizer_placeholders_are_single_ids():
+    tok = ByteTokenizer()
+    ids = tok.encode("<image>\nsee <audio>!")
+    assert ids[0] == tok.placeholder_ids["image"]
+    assert ids.count(tok.placeholder_ids["image"]) == 1 and ids.count(tok.placeholder_ids["audio"]) == 1
+    assert len(ids) == 1 + len("\nsee ") + 1 + 1
+    # decode skips specials (placeholders, bos, eos)
+    assert tok.decode([tok.bos_id, *ids, tok.eos_id]) == "\nsee !"
+
+
+def test_load_tokenizer_byte_and_missing_dir(tmp_path):
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    with pytest.raises(DataError, match=r"no such directory.*'byte'"):
+        load_tokenizer(tmp_path / "nope")
+
+
+def test_hf_tokenizer_from_local_dir(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4}
+    core = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>",
+                                                eos_token="</s>")
+    fast.save_pretrained(tmp_path)
+
+    tok = load_tokenizer(tmp_path)
+    img, aud = tok.placeholder_ids["image"], tok.placeholder_ids["audio"]
+    assert len({img, aud}) == 2 and min(img, aud) >= 5 and tok.vocab_size == 7
+    assert tok.encode("hello <image> world<audio>") == [1, img, 2, aud]
+    assert tok.bos_id == 3 and tok.eos_id == 4 and tok.pad_id == 4  # no pad token: falls back to eos
+    assert tok.decode([3, 1, img, 2, 4]) == "hello world"
