@@ -16,3 +16,11 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def seed():
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory):
+    """A small demo dataset (shapes, tones, text + eval), written once per test session."""
+    from dataloading.demo import write_demo_dataset
+
+    return write_demo_dataset(tmp_path_factory.mktemp("demo"), seed=0, scale=0.05, progress=False)

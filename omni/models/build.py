@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Any, Mapping
 
-from dataloading.media import MediaProcessor
+import torch
+from torch import nn
+
+from dataloading.media import PLACEHOLDERS, MediaProcessor
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.models.encoders.base import EncoderAnchor
@@ -44,9 +47,18 @@ def build_encoders(slots: Mapping[str, EncoderSlot]) -> dict[str, tuple[str, Enc
 
 def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed: int) -> OmniModel:
     llm = build_llm(cfg)
-    if llm.config.vocab_size < vocab_needed:
+    have = llm.config.vocab_size
+    if have < vocab_needed and cfg.pretrained and vocab_needed - have <= len(PLACEHOLDERS):
+        # The tokenizer appended the media placeholders to the checkpoint's vocabulary.
+        grow_vocab(llm, vocab_needed)
+    elif have < vocab_needed and cfg.pretrained:
         raise ConfigError(
-            f"the tokenizer has {vocab_needed} tokens but model.vocab_size={llm.config.vocab_size}; "
+            f"the tokenizer has {vocab_needed} tokens but the checkpoint model.pretrained={cfg.pretrained} "
+            f"has model.vocab_size={have}; use the checkpoint's own tokenizer (data.tokenizer={cfg.pretrained})"
+        )
+    elif have < vocab_needed:
+        raise ConfigError(
+            f"the tokenizer has {vocab_needed} tokens but model.vocab_size={have}; "
             f"set model.vocab_size={vocab_needed} or larger"
         )
     built = build_encoders(slots)
@@ -57,6 +69,22 @@ def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed
     }
     frozen = {m for m, (name, _) in built.items() if slots[name].freeze}
     return OmniModel(llm, encoders, projectors, frozen=frozen)
+
+
+@torch.no_grad()
+def grow_vocab(llm: Decoder, vocab_size: int) -> None:
+    """Append embedding (and untied LM-head) rows up to ``vocab_size``; new rows start at the
+    mean of the existing ones, so the new tokens begin as an "average" token."""
+    extra = vocab_size - llm.config.vocab_size
+    for module in (llm.embed_tokens, llm.lm_head):
+        if module is None:
+            continue  # tied head: reads the embedding
+        w = module.weight
+        module.weight = nn.Parameter(torch.cat([w, w.mean(0, keepdim=True).expand(extra, -1)]))
+    llm.embed_tokens.num_embeddings = vocab_size
+    if llm.lm_head is not None:
+        llm.lm_head.out_features = vocab_size
+    llm.config.vocab_size = vocab_size
 
 
 def _projector_kwargs(slot: EncoderSlot) -> dict[str, Any]:

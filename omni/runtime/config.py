@@ -21,6 +21,10 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 100
+    # Stop after this step as if preempted (checkpoint saved, no eval); the lr schedule still
+    # follows max_steps, so a later run with checkpoint.resume=auto continues seamlessly.
+    # Useful for time-limited cluster jobs. None: run to max_steps.
+    stop_at: Optional[int] = None
     run_dir: str = "runs/${name}"
     seed: int = 0
     # "auto": cuda if available, else cpu.
@@ -34,7 +38,7 @@ class TrainerConfig:
     eval_at_end: bool = True
     eval_samples: int = 64
     eval_batch_size: int = 32
-    max_new_tokens: int = 32
+    max_new_tokens: int = 48
 
 
 @dataclass

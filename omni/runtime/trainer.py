@@ -118,8 +118,9 @@ class Trainer:
         bar = progress_bar(self.cfg.max_steps, start, enabled=self.cfg.progress and self.layout.is_main)
         it = iter(self.loader)
         step = start
+        last = min(self.cfg.max_steps, self.cfg.stop_at or self.cfg.max_steps)
         self.model.train()
-        for step in range(start + 1, self.cfg.max_steps + 1):
+        for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
             batch = next(it)
             stats = self.train_step(batch)
@@ -140,7 +141,8 @@ class Trainer:
         bar.close()
         if self.ckpt_cfg.save_at_end and step > last_saved:
             self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.loader.state_dict())
-        accuracy = self._final_eval(step) if self.cfg.eval_at_end and self.eval_samples else None
+        finished = step >= self.cfg.max_steps
+        accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None
         self.metrics.close()
         return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy)
 

@@ -1,0 +1,68 @@
+"""End-to-end: `omni train` on the demo data — metrics, learning, exact resume, presets."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from recipe_helpers import read_metrics, step_losses, tiny_overrides, train
+
+
+def test_metrics_lines_and_checkpoint(demo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(tiny_overrides(demo_root, run_dir, **{"checkpoint.every": 2, "trainer.max_steps": 4}))
+    records = read_metrics(run_dir)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["lr"] > 0 and "grad_norm" in r
+    assert result.last_step == 4
+    done = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert done == ["step_00000002", "step_00000004"]
+    assert (run_dir / "config.yaml").exists()
+
+
+def test_loss_falls(demo_root, tmp_path):
+    losses = step_losses_of(demo_root, tmp_path, steps=30)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.75 * first, (first, last)
+
+
+def step_losses_of(demo_root, tmp_path, steps):
+    run_dir = tmp_path / "run"
+    train(tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": steps, "optim.lr": 2e-3,
+                                                "data.global_batch_size": 8}))
+    return step_losses(run_dir)
+
+
+@pytest.mark.parametrize("experiment", ["demo", "demo_moe"])
+def test_resume_is_exact(demo_root, tmp_path, experiment):
+    """20 steps straight == 10 steps, stop, resume, 10 more (losses bit-identical)."""
+    common = {"experiment": experiment, "trainer.max_steps": 20, "data.global_batch_size": 4}
+    straight = tmp_path / "straight"
+    train(tiny_overrides(demo_root, straight, **common))
+    split = tmp_path / "split"
+    train(tiny_overrides(demo_root, split, **common, **{"trainer.stop_at": 10}))
+    assert [r["step"] for r in read_metrics(split)] == list(range(1, 11))
+    train(tiny_overrides(demo_root, split, **common, **{"checkpoint.resume": "auto"}))
+    a, b = step_losses(straight), step_losses(split)
+    assert len(a) == len(b) == 20
+    assert a == b
+
+
+def test_resume_never_starts_over(demo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    train(tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": 2}))
+    first = step_losses(run_dir)
+    (run_dir / "metrics.jsonl").unlink()
+    train(tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": 2, "checkpoint.resume": "never"}))
+    assert step_losses(run_dir) == first
+
+
+def test_final_eval_line(demo_root, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": 1, "trainer.eval_at_end": True,
+                                                         "trainer.eval_samples": 4, "trainer.max_new_tokens": 4}))
+    last = read_metrics(run_dir)[-1]
+    assert last["event"] == "eval" and 0.0 <= last["accuracy"] <= 1.0 and last["num_samples"] == 4
+    assert result.eval_accuracy == last["accuracy"]
