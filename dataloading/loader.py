@@ -15,8 +15,9 @@ from pathlib import Path
 
 from dataloading.batch import StepBatch
 from dataloading.constructor import SampleConstructor
-from dataloading.errors import ProblemCounter
+from dataloading.errors import DataError, ProblemCounter
 from dataloading.media import MediaProcessor
+from dataloading.index import SourceIndex
 from dataloading.planner import Planner
 from dataloading.tokenizer import Tokenizer
 
@@ -133,4 +134,23 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
                       processors=processors)
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
                                     micro_batch_tokens, ProblemCounter(on_error, max_skip_fraction))
-    return StepLoader(planner, constructor, dp_rank, prefetch)
+    loader = StepLoader(planner, constructor, dp_rank, prefetch)
+    loader.problems.update(_index_problems(indices, on_error))
+    return loader
+
+
+def _index_problems(indices: Mapping[str, SourceIndex], on_error: str) -> dict[str, int]:
+    """Samples and shards the index left out count as data problems of the run too: under
+    `on_error=stop` they stop it before the first step, under `skip` they show in the metrics."""
+    counts: dict[str, int] = {}
+    for name, ix in indices.items():
+        for kind, n in ix.problems.items():
+            if on_error == "stop":
+                example = ix.header.get("examples", {}).get(kind, "")
+                raise DataError(
+                    f"source {name} ({ix.folder}): its index left out {n} sample(s)/shard(s) with {kind}, "
+                    f"e.g. {example}; fix the data and rerun `omni data index {ix.folder}`, or set data.on_error=skip",
+                    kind=kind,
+                )
+            counts[f"index_{kind}"] = counts.get(f"index_{kind}", 0) + n
+    return counts

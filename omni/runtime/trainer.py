@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -58,7 +57,6 @@ class Trainer:
         self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank)
         self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main, tensorboard=trainer_cfg.tensorboard)
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
-        self.problem_totals: Counter[str] = Counter()
 
     def _autocast(self):
         if not self.bf16:
@@ -126,10 +124,11 @@ class Trainer:
             stats = self.train_step(batch)
             dt = time.perf_counter() - t0
             tokens = all_reduce_sum(batch.num_tokens, self.device)
-            self.problem_totals.update(batch.problems)
             record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt}
-            if self.problem_totals:
-                record["data_problems"] = dict(self.problem_totals)
+            # Running totals kept by the loader (and in its checkpointed state), index-time ones included.
+            problems = getattr(self.loader, "problems", None) or batch.problems
+            if problems:
+                record["data_problems"] = dict(problems)
             losses.append(stats["loss"])
             if step % self.cfg.log_every == 0 or step == self.cfg.max_steps:
                 self.metrics.write(record)

@@ -1,0 +1,126 @@
+"""User mistakes end in one clear line (no traceback) that names the culprit and the fix."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dataloading.shards import write_shards
+from recipe_helpers import read_metrics, tiny_overrides
+from recipes.cli import main
+
+
+def _fails(capsys, argv: list[str]) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err
+    # Warnings logged before the error may precede it; the error itself is one line, and last.
+    errors = [l for l in err.splitlines() if l.startswith("omni: error: ")]
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0], err
+    return errors[0]
+
+
+def test_misspelt_key_names_it_and_suggests(capsys):
+    line = _fails(capsys, ["train", "trainer.max_stpes=3"])
+    assert "trainer.max_stpes" in line and "trainer.max_steps" in line
+
+
+def test_bad_value_type(capsys):
+    line = _fails(capsys, ["train", "trainer.max_steps=many"])
+    assert "trainer.max_steps" in line and "many" in line
+
+
+def test_unknown_preset_lists_options(capsys):
+    line = _fails(capsys, ["train", "experiment=nope"])
+    assert "experiment/nope" in line and "demo_moe" in line
+
+
+def test_missing_mixture_file(capsys, tmp_path):
+    missing = tmp_path / "nowhere" / "mix.yaml"
+    line = _fails(capsys, ["train", f"data.mixture={missing}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert str(missing) in line
+
+
+def test_missing_data_folder(capsys, tmp_path):
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: caps, path: {tmp_path / 'no_such_dir'}, weight: 1}}\n")
+    line = _fails(capsys, ["train", f"data.mixture={mix}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert "no_such_dir" in line and "mix.yaml" in line
+
+
+def test_unknown_encoder_lists_registered(capsys, demo_root, tmp_path):
+    line = _fails(capsys, ["train", "encoders.vision.name=nope",
+                           *tiny_overrides(demo_root, tmp_path / "r")])
+    assert "'nope'" in line and "siglip" in line and "whisper" in line and "encoders.vision" in line
+
+
+def test_unknown_encoder_param(capsys, demo_root, tmp_path):
+    line = _fails(capsys, ["train", "+encoders.vision.params.hidden=8",
+                           *tiny_overrides(demo_root, tmp_path / "r")])
+    assert "'hidden'" in line and "hidden_size" in line
+
+
+def test_index_command_missing_folder(capsys, tmp_path):
+    line = _fails(capsys, ["data", "index", str(tmp_path / "absent")])
+    assert "absent" in line
+
+
+def _copy_source(demo_root: Path, name: str, dest: Path) -> Path:
+    shutil.copytree(demo_root / name, dest / name)
+    return dest / name
+
+
+def test_truncated_shard_is_named(capsys, demo_root, tmp_path):
+    src = _copy_source(demo_root, "shapes", tmp_path)
+    shard = sorted(src.glob("*.tar"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2 + 100])
+    # The old index no longer matches the shard: training says which command fixes it.
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: shapes, path: {src}, weight: 1}}\n")
+    line = _fails(capsys, ["train", f"data.mixture={mix}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert "omni data index" in line
+    # Re-indexing reports the truncated shard by name and keeps the good samples.
+    assert main(["data", "index", str(src)]) == 0
+    out = capsys.readouterr()
+    assert shard.name in out.out + out.err
+
+
+def _mismatch_source(folder: Path, demo_root: Path) -> Path:
+    """A source where one sample has two <image> placeholders but only one image."""
+    png = next((demo_root / "shapes").glob("*.tar"))
+    import tarfile
+
+    with tarfile.open(png) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith(".png"))
+        image = tf.extractfile(member).read()
+    samples = [{"__key__": f"ok-{i:03d}", "txt": "<image>\nDescribe.", "response.txt": "fine", "png": image}
+               for i in range(7)]
+    samples.insert(3, {"__key__": "bad-000", "txt": "<image> and <image>", "response.txt": "x", "png": image})
+    write_shards(samples, folder, "part", samples_per_shard=4)
+    assert main(["data", "index", str(folder)]) == 0
+    return folder
+
+
+def test_placeholder_mismatch_stop_names_sample(capsys, demo_root, tmp_path):
+    src = _mismatch_source(tmp_path / "mm", demo_root)
+    capsys.readouterr()
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: mm, path: {src}, weight: 1}}\n")
+    line = _fails(capsys, ["train", *tiny_overrides(demo_root, tmp_path / "r"), f"data.mixture={mix}",
+                           "data.on_error=stop", "data.global_batch_size=8", "trainer.max_steps=1"])
+    assert "source mm" in line and "bad-000" in line and "placeholder" in line.lower()
+
+
+def test_placeholder_mismatch_skip_is_counted(capsys, demo_root, tmp_path):
+    src = _mismatch_source(tmp_path / "mm", demo_root)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: mm, path: {src}, weight: 1}}\n")
+    run_dir = tmp_path / "r"
+    rc = main(["train", *tiny_overrides(demo_root, run_dir), f"data.mixture={mix}", "data.on_error=skip",
+               "data.max_skip_fraction=0.5", "data.global_batch_size=8", "trainer.max_steps=1"])
+    assert rc == 0, capsys.readouterr().err
+    rec = read_metrics(run_dir)[0]
+    assert sum(rec["data_problems"].values()) == 1
