@@ -202,6 +202,12 @@ class EvalSet:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def group(self, sample_id: str) -> str:
+        """The sub-folder a sample's shard sits in (e.g. "shapes", "tones"): accuracy is also
+        reported per group."""
+        shard = self.constructor.readers[self.name].locate[sample_id.split("/", 1)[1]][0]
+        return shard.split("/", 1)[0] if "/" in shard else "all"
+
     def __iter__(self) -> Iterator[tuple[MicroBatch, str]]:
         c = self.constructor
         for key in self.keys:

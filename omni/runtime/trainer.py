@@ -158,8 +158,10 @@ class Trainer:
         )
         self.metrics.write(
             {"event": "eval", "step": step, "accuracy": result.accuracy, "num_samples": result.num_samples,
-             "examples": result.examples}
+             "accuracy_by_group": result.by_group, "misses": result.examples}
         )
         if self.layout.is_main:
-            print(f"omni: held-out exact-match accuracy {result.accuracy:.3f} on {result.num_samples} samples", flush=True)
+            groups = ", ".join(f"{g} {a:.3f}" for g, a in result.by_group.items())
+            print(f"omni: held-out exact-match accuracy {result.accuracy:.3f} on {result.num_samples} samples "
+                  f"({groups})", flush=True)
         return result.accuracy
