@@ -48,8 +48,64 @@ def segment_attention(
         v = v.repeat_interleave(n_rep, dim=1)
     if segment_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if q.shape[0] == 1:
+        lengths = _contiguous_lengths(segment_ids[0])
+        if lengths is not None:
+            if len(lengths) == 1:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            return _bucketed_attention(q, k, v, lengths, causal, scale)
     t = q.shape[2]
     mask = segment_ids[:, :, None] == segment_ids[:, None, :]
     if causal:
         mask = mask & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale)
+
+
+def _contiguous_lengths(segment_ids: torch.Tensor) -> list[int] | None:
+    """Lengths of the runs of equal ids, or None if an id occurs in two separate runs."""
+    ids, counts = torch.unique_consecutive(segment_ids, return_counts=True)
+    if ids.numel() != torch.unique(ids).numel():
+        return None
+    return counts.tolist()
+
+
+def _buckets(lengths: list[int], slack: float = 0.75) -> list[list[int]]:
+    """Segment indices grouped so that each group pads to its longest member: longest first, a
+    new group whenever a segment is shorter than `slack` x the group's longest (bounds padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= slack * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _bucketed_attention(q, k, v, lengths: list[int], causal: bool, scale: float | None) -> torch.Tensor:
+    """Attention of a packed row costing about sum(L_i^2) instead of T^2: segments of similar
+    length are gathered into a padded batch per bucket and run through SDPA, then scattered back.
+
+    Padding repeats a segment's last token. Under causal attention pads come after every real
+    query, so no mask is needed; otherwise a key-padding mask hides them.
+    """
+    device = q.device
+    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
+    lens = torch.tensor(lengths, device=device)
+    outs, where = [], []
+    for group in _buckets(lengths):
+        g = torch.tensor(group, device=device)
+        width = lengths[group[0]]
+        offs = torch.arange(width, device=device)
+        valid = offs[None, :] < lens[g][:, None]  # [n, width]
+        idx = starts[g][:, None] + torch.minimum(offs[None, :], lens[g][:, None] - 1)
+        flat = idx.reshape(-1)
+        # [1, H, T, D] -> [n, H, width, D]
+        qb, kb, vb = (x[0][:, flat].unflatten(1, idx.shape).transpose(0, 1) for x in (q, k, v))
+        mask = None if causal else valid[:, None, None, :]
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale)
+        outs.append(ob.transpose(0, 1)[:, valid])  # [H, n_valid, D]
+        where.append(idx[valid])
+    out = q.new_zeros(q.shape[1:])
+    out = out.index_copy(1, torch.cat(where), torch.cat(outs, dim=1))
+    return out[None]

@@ -156,8 +156,29 @@ class _Embeddings(nn.Module):
         super().__init__()
         d, p = config.hidden_size, config.patch_size
         self.patch_embedding = nn.Linear(config.num_channels * p * p, d)
-        self.position_embedding = nn.Embedding((config.image_size // p) ** 2, d)
-        nn.init.normal_(self.position_embedding.weight, std=d**-0.5)
+        side = config.image_size // p
+        self.position_embedding = nn.Embedding(side * side, d)
+        # From scratch, start from a 2D sin-cos table (as MAE does) rather than noise: where a
+        # patch sits is then readable from step 0, which a randomly initialised table takes
+        # thousands of steps to learn. Loading a checkpoint overwrites it.
+        with torch.no_grad():
+            self.position_embedding.weight.copy_(sincos_2d(side, d))
+
+
+def sincos_2d(side: int, dim: int) -> torch.Tensor:
+    """[side*side, dim] table, row-major over (y, x): half the channels encode y, half x."""
+    quarter = dim // 4
+    freqs = 1.0 / (10000 ** (torch.arange(quarter, dtype=torch.float64) / max(1, quarter)))
+    coords = torch.arange(side, dtype=torch.float64)
+    y, x = torch.meshgrid(coords, coords, indexing="ij")
+    parts = []
+    for c in (y.reshape(-1), x.reshape(-1)):
+        angles = c[:, None] * freqs[None, :]
+        parts += [angles.sin(), angles.cos()]
+    table = torch.cat(parts, dim=1)
+    if table.shape[1] < dim:  # dim not a multiple of 4: pad the rest with zeros
+        table = torch.cat([table, table.new_zeros(table.shape[0], dim - table.shape[1])], dim=1)
+    return table.float()
 
 
 class _MLP(nn.Module):
