@@ -11,6 +11,7 @@ and, when the sample has a response, wherever the target is still part of the pr
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from dataloading.media import MediaItem, MediaProcessor
 from dataloading.sample import DecodedSample, decode_sample
 from dataloading.shards import SourceReader
 from dataloading.tokenizer import Tokenizer
+
+log = logging.getLogger("omni.data")
 
 # Problems that are the configuration's fault, not one sample's: never skipped.
 _ALWAYS_RAISE = frozenset({"config", "over_budget"})
@@ -195,7 +198,16 @@ class EvalSet:
 
         index = load_index(folder)
         self.name = name
-        self.keys = [m.key for m in index.samples if m.response_bytes is not None][:limit]
+        with_response = [m for m in index.samples if m.response_bytes is not None]
+        # A model without (say) an audio encoder cannot answer audio questions: evaluate what it
+        # can, and say how much was left out.
+        usable = [m for m in with_response if all(mod in processors for mod, _ in m.media)]
+        self.left_out = len(with_response) - len(usable)
+        if self.left_out:
+            missing = sorted({mod for m in with_response for mod, _ in m.media} - set(processors))
+            log.warning("eval %s: %d sample(s) need a %s encoder the model lacks; evaluating the other %d",
+                        folder, self.left_out, "/".join(missing), len(usable))
+        self.keys = [m.key for m in usable][:limit]
         self.constructor = SampleConstructor({name: index.reader(name)}, tokenizer, processors, None,
                                              problems or ProblemCounter("stop"))
 

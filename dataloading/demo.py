@@ -42,7 +42,7 @@ WORDS = ("cat", "dog", "sun", "tree", "blue", "red", "one", "two", "up", "down",
 MAX_TEXT_CHARS = 900  # keeps every text sample under a 1024-token byte-level budget
 
 SIZES = {"shapes": 2000, "tones": 1500, "text": 1500}
-WEIGHTS = {"shapes": 0.4, "tones": 0.35, "text": 0.25}
+WEIGHTS = {"shapes": 0.5, "tones": 0.25, "text": 0.25}
 EVAL_SIZES = {"shapes": 32, "tones": 32}
 SHARDS_PER_SOURCE = 4
 _TAGS = {"shapes": 1, "tones": 2, "text": 3}
@@ -61,7 +61,8 @@ def _shape_png(rng: np.random.Generator) -> tuple[bytes, str]:
     bg = tuple(int(c) for c in rng.integers(0, 40, 3))
     im = Image.new("RGB", (w, h), bg)
     cw, ch = w / 2, h / 2
-    size = min(cw, ch) * rng.uniform(0.55, 0.8)
+    # Big enough to span several 8-px patches, so the outline (not just the colour) is visible.
+    size = min(cw, ch) * rng.uniform(0.75, 0.95)
     cx = cw / 2 + (cw if "right" in where else 0) + rng.uniform(-1, 1) * (cw - size) / 4
     cy = ch / 2 + (ch if "bottom" in where else 0) + rng.uniform(-1, 1) * (ch - size) / 4
     fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLORS[color])
@@ -172,14 +173,14 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v1"
+    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v2"
 
 
 def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,
                         progress: bool = True) -> Path:
-    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v1``
-    (``~/.cache/omni/demo-v1`` without OMNI_CACHE); a non-default seed or scale gets its own
-    folder (``demo-v1-seed1-x0.5``). Generation goes to a temp folder that is renamed into
+    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v2``
+    (``~/.cache/omni/demo-v2`` without OMNI_CACHE); a non-default seed or scale gets its own
+    folder (``demo-v2-seed1-x0.5``). Generation goes to a temp folder that is renamed into
     place, so a crashed or concurrent run never leaves half a dataset."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if seed != 0 or scale != 1.0:
