@@ -3,8 +3,9 @@
 Three sources a tiny model can learn in minutes, so an end-to-end run shows falling loss
 and correct answers:
 
-- ``shapes``: PNG of a coloured circle/square/triangle in one quadrant of a dark image of
-  varying size -> "a red circle at the top left" (10% show two images, numbered fields);
+- ``shapes``: PNG of a plain/striped/checked coloured square in one quadrant of a dark image
+  of varying size -> "a striped red square at the top left" (10% show two images, numbered
+  fields);
 - ``tones``: 16 kHz WAV of a low/mid/high, short/long tone -> "a high short tone";
 - ``text``: counting, alphabet and repeated-word sequences with long-tailed lengths
   (language modelling, no response).
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 COLORS = {"red": (220, 50, 50), "green": (50, 190, 70), "blue": (60, 100, 235), "yellow": (235, 210, 50)}
-SHAPES = ("circle", "square", "triangle")
+PATTERNS = ("plain", "striped", "checked")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 SIDES = (32, 40, 48, 56, 64)  # multiples of 8, drawn independently: images are often non-square
 IMAGE_PROMPTS = ("<image>\nDescribe the image.", "<image>\nWhat is in the picture?",
@@ -53,31 +54,40 @@ def _rng(seed: int, source: str, split: int) -> np.random.Generator:
 
 
 # ---- shapes -----------------------------------------------------------------------------
+def _image_size(rng: np.random.Generator) -> tuple[int, int]:
+    return int(rng.choice(SIDES)), int(rng.choice(SIDES))
+
+
 def _shape_png(rng: np.random.Generator) -> tuple[bytes, str]:
+    """A square of one colour and fill pattern in one quadrant of a dark image.
+
+    The pattern (plain / striped / checked, 2-px period) shows in every 8-px patch the square
+    covers, so a tiny encoder trained from scratch picks it up within the demo's few hundred
+    steps; telling outlines apart (circle vs. triangle) takes a small ViT far longer.
+    """
     from PIL import Image, ImageDraw
 
-    color, shape, where = (str(rng.choice(list(COLORS))), str(rng.choice(SHAPES)), str(rng.choice(POSITIONS)))
-    h, w = int(rng.choice(SIDES)), int(rng.choice(SIDES))
-    bg = tuple(int(c) for c in rng.integers(0, 40, 3))
-    im = Image.new("RGB", (w, h), bg)
+    color, pattern, where = (str(rng.choice(list(COLORS))), str(rng.choice(PATTERNS)), str(rng.choice(POSITIONS)))
+    h, w = _image_size(rng)
+    bg = rng.integers(0, 40, 3).astype(np.uint8)
     cw, ch = w / 2, h / 2
-    # Big enough to span several 8-px patches, so the outline (not just the colour) is visible.
     size = min(cw, ch) * rng.uniform(0.75, 0.95)
     cx = cw / 2 + (cw if "right" in where else 0) + rng.uniform(-1, 1) * (cw - size) / 4
     cy = ch / 2 + (ch if "bottom" in where else 0) + rng.uniform(-1, 1) * (ch - size) / 4
-    fill = tuple(int(np.clip(c + rng.integers(-20, 21), 0, 255)) for c in COLORS[color])
+    fill = np.clip(np.array(COLORS[color]) + rng.integers(-20, 21, 3), 0, 255).astype(np.uint8)
     r = size / 2
-    box = (cx - r, cy - r, cx + r, cy + r)
-    draw = ImageDraw.Draw(im)
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    outline = Image.new("L", (w, h), 0)
+    ImageDraw.Draw(outline).rectangle((cx - r, cy - r, cx + r, cy + r), fill=255)
+    mask = np.asarray(outline) > 0
+    yy, xx = np.mgrid[0:h, 0:w]
+    if pattern == "striped":
+        mask &= (yy // 2) % 2 == 0
+    elif pattern == "checked":
+        mask &= ((yy // 2) + (xx // 2)) % 2 == 0
+    pixels = np.where(mask[..., None], fill, bg).astype(np.uint8)
     buf = io.BytesIO()
-    im.save(buf, format="PNG", compress_level=1)
-    return buf.getvalue(), f"a {color} {shape} at the {where}"
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue(), f"a {pattern} {color} square at the {where}"
 
 
 def _shapes(rng: np.random.Generator, n: int, key) -> Iterator[dict]:
@@ -173,14 +183,14 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v2"
+    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v3"
 
 
 def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,
                         progress: bool = True) -> Path:
-    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v2``
-    (``~/.cache/omni/demo-v2`` without OMNI_CACHE); a non-default seed or scale gets its own
-    folder (``demo-v2-seed1-x0.5``). Generation goes to a temp folder that is renamed into
+    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v3``
+    (``~/.cache/omni/demo-v3`` without OMNI_CACHE); a non-default seed or scale gets its own
+    folder (``demo-v3-seed1-x0.5``). Generation goes to a temp folder that is renamed into
     place, so a crashed or concurrent run never leaves half a dataset."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if seed != 0 or scale != 1.0:

@@ -38,7 +38,7 @@ class TrainerConfig:
     eval_at_end: bool = True
     eval_samples: int = 64
     eval_batch_size: int = 32
-    max_new_tokens: int = 48
+    max_new_tokens: int = 100
 
 
 @dataclass

@@ -54,7 +54,7 @@ def test_shapes_are_learnable(demo_dir):
             continue
         caption = fields["response.txt"].decode()
         assert fields["txt"].decode().count("<image>") == 1
-        _, color, shape, _, _, vert, horiz = caption.split()
+        _, pattern, color, _, _, _, vert, horiz = caption.split()
         img = decode_image(fields["png"]).astype(float)
         h, w, _ = img.shape
         sizes.add((h, w))
@@ -64,6 +64,17 @@ def test_shapes_are_learnable(demo_dir):
         assert len(bright) > 0.1 * quad.shape[0] * quad.shape[1], caption
         target = np.array(demo.COLORS[color], float)
         assert np.abs(bright.mean(0) - target).max() < 40, (caption, bright.mean(0))
+        # The fill pattern is what the caption says: plain fills the square's box; striped rows
+        # are all on or all off; checked alternates along rows too.
+        on = quad.sum(-1) > 200
+        ys, xs = np.nonzero(on)
+        box = on[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+        uniform_rows = np.mean([row.all() or not row.any() for row in box])
+        if pattern == "plain":
+            assert box.mean() > 0.95, caption
+        else:
+            assert 0.3 < box.mean() < 0.7, caption
+            assert (uniform_rows > 0.9) if pattern == "striped" else (uniform_rows < 0.1), caption
     assert any(h != w for h, w in sizes) and len(sizes) > 3
 
 
@@ -96,7 +107,7 @@ def test_eval_classes_are_seen_in_training(demo_dir):
         ix = load_index(demo_dir / src)
         rd = ix.reader(src)
         train_words |= set().union(*(words(rd.get(m.key)["response.txt"].decode()) for m in ix.samples))
-    assert eval_words <= train_words and {"circle", "triangle", "high", "short"} <= eval_words
+    assert eval_words <= train_words and {"striped", "checked", "high", "short"} <= eval_words
 
 
 def test_ensure_demo_dataset_caches(tmp_path, monkeypatch):
