@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 from dataloading.errors import DataError
 from dataloading.media import PLACEHOLDERS
@@ -43,6 +43,21 @@ def estimate_text_tokens(tokenizer: Tokenizer, n_bytes: int) -> int:
     return int(math.ceil(n_bytes / tokenizer.bytes_per_token))
 
 
+def encode_with_placeholders(
+    text: str, placeholder_ids: dict[str, int], encode_piece: Callable[[str], Iterable[int]]
+) -> list[int]:
+    """Text -> ids, each placeholder (``<image>``, ``<audio>``) becoming its single id and the
+    text between them going through the tokenizer's own ``encode_piece``."""
+    ids: list[int] = []
+    for piece in split_placeholders(text):
+        modality = _MODALITY_OF.get(piece)
+        if modality is not None:
+            ids.append(placeholder_ids[modality])
+        else:
+            ids.extend(encode_piece(piece))
+    return ids
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then specials. Needs no files; used by the demo and tests."""
 
@@ -58,14 +73,7 @@ class ByteTokenizer:
         self._special_text = {256 + i: s for i, s in enumerate(self.SPECIALS)}
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for piece in split_placeholders(text):
-            modality = _MODALITY_OF.get(piece)
-            if modality is not None:
-                ids.append(self.placeholder_ids[modality])
-            else:
-                ids.extend(piece.encode("utf-8"))
-        return ids
+        return encode_with_placeholders(text, self.placeholder_ids, lambda piece: piece.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -99,14 +107,9 @@ class HFTokenizer:
         self.bytes_per_token = 4.0  # typical for English BPE; planning only
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for piece in split_placeholders(text):
-            modality = _MODALITY_OF.get(piece)
-            if modality is not None:
-                ids.append(self.placeholder_ids[modality])
-            else:
-                ids.extend(self._tok.encode(piece, add_special_tokens=False))
-        return ids
+        return encode_with_placeholders(
+            text, self.placeholder_ids, lambda piece: self._tok.encode(piece, add_special_tokens=False)
+        )
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
