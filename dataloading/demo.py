@@ -43,7 +43,7 @@ WORDS = ("cat", "dog", "sun", "tree", "blue", "red", "one", "two", "up", "down",
 MAX_TEXT_CHARS = 900  # keeps every text sample under a 1024-token byte-level budget
 
 SIZES = {"shapes": 2000, "tones": 1500, "text": 1500}
-WEIGHTS = {"shapes": 0.5, "tones": 0.25, "text": 0.25}
+WEIGHTS = {"shapes": 0.6, "tones": 0.2, "text": 0.2}
 EVAL_SIZES = {"shapes": 32, "tones": 32}
 SHARDS_PER_SOURCE = 4
 _TAGS = {"shapes": 1, "tones": 2, "text": 3}
@@ -183,14 +183,14 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v3"
+    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v4"
 
 
 def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,
                         progress: bool = True) -> Path:
-    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v3``
-    (``~/.cache/omni/demo-v3`` without OMNI_CACHE); a non-default seed or scale gets its own
-    folder (``demo-v3-seed1-x0.5``). Generation goes to a temp folder that is renamed into
+    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v4``
+    (``~/.cache/omni/demo-v4`` without OMNI_CACHE); a non-default seed or scale gets its own
+    folder (``demo-v4-seed1-x0.5``). Generation goes to a temp folder that is renamed into
     place, so a crashed or concurrent run never leaves half a dataset."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if seed != 0 or scale != 1.0:
