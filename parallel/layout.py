@@ -63,6 +63,12 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     return Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=rank, device=dev)
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op for a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -27,7 +27,8 @@ def run(cfg: OmniConfig):
     from dataloading.tokenizer import load_tokenizer
     from omni.models.build import build_model, media_processors
     from omni.runtime.trainer import Trainer
-    from parallel.layout import init_layout, shutdown
+    from dataloading.mixture import load_mixture
+    from parallel.layout import barrier, init_layout, shutdown
 
     layout = init_layout(cfg.parallel, device=cfg.trainer.device)
     try:
@@ -43,9 +44,11 @@ def run(cfg: OmniConfig):
             # Rank 0 generates the demo data on first use; the others then find it in the cache.
             if layout.is_main:
                 ensure_demo_dataset(scale=cfg.data.demo_scale, progress=show)
-            _barrier()
+            barrier()
             root = ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False)
-            mixture, eval_dir = str(root / "mixture.yaml"), eval_dir or str(root / "eval")
+            mixture = str(root / "mixture.yaml")
+        # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
+        eval_dir = eval_dir or load_mixture(mixture).eval
         loader = build_loader(
             mixture,
             tokenizer,
@@ -86,12 +89,5 @@ def run(cfg: OmniConfig):
             loader.close()
     finally:
         shutdown()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
-
 from dataloading.shards import write_shards
 from recipe_helpers import read_metrics, tiny_overrides
 from recipes.cli import main

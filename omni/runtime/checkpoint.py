@@ -15,20 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from omni.errors import ConfigError
 from omni.runtime.config import CheckpointConfig
+from parallel.layout import barrier
 
 MARKER = "COMPLETE"
 PREFIX = "step_"
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def rng_state() -> dict[str, Any]:
@@ -87,7 +82,7 @@ class Checkpointer:
         path = self.root / f"{PREFIX}{step:08d}"
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # a half-written folder from an interrupted save
-        _barrier()
+        barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
@@ -96,11 +91,11 @@ class Checkpointer:
                 {"step": step, "scheduler": scheduler.state_dict(), "loader": loader_state},
                 path / "trainer_state.pt",
             )
-        _barrier()
+        barrier()
         if self.rank == 0:
             (path / MARKER).write_text(json.dumps({"step": step}))
             self._prune()
-        _barrier()
+        barrier()
         return path
 
     def load(self, path: Path, model: torch.nn.Module, optimizer, scheduler) -> Restored:
