@@ -10,6 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from omni.models.hf_io import export_pretrained, load_pretrained
 from omni.models.llm import Decoder, DecoderConfig
 
+from model_helpers import randomize, rel_err
+
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
 NATIVE = {
     "llama_llama3_tied": dict(family="llama", tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
@@ -28,20 +30,7 @@ NATIVE = {
 
 def _native(name: str) -> Decoder:
     torch.manual_seed(0)
-    model = Decoder(DecoderConfig(**{**COMMON, **NATIVE[name]}))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.normal_(1.0, 0.1)
-            elif n.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "router" in n:
-                p.normal_(0.0, 0.3)
-    return model.eval()
-
-
-def _rel_err(ours, ref):
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+    return randomize(Decoder(DecoderConfig(**{**COMMON, **NATIVE[name]}))).eval()
 
 
 def _hf_moe(model_type: str):
@@ -70,11 +59,11 @@ def test_export_loads_in_transformers_with_same_logits(name, tmp_path):
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         ours = model(ids).logits
-    assert _rel_err(ours, ref) <= 1e-5
+    assert rel_err(ours, ref) <= 1e-5
     # Our own loader reads the export back, and config.json is a fixed point of from_hf/to_hf
     # (from_hf normalises what HF cannot express, e.g. Qwen2's always-on biases).
     with torch.no_grad():
-        assert _rel_err(load_pretrained(str(tmp_path))(ids).logits, ours) <= 1e-6
+        assert rel_err(load_pretrained(str(tmp_path))(ids).logits, ours) <= 1e-6
     written = json.loads((tmp_path / "config.json").read_text())
     written.pop("dtype"), written.pop("torch_dtype")
     assert DecoderConfig.from_hf(written).to_hf() == written
@@ -104,7 +93,7 @@ def test_fused_expert_layout_loads(model_type, tmp_path):
     ours = load_pretrained(str(tmp_path))
     ids = torch.randint(0, 96, (2, 16))
     with torch.no_grad():
-        assert _rel_err(ours(ids).logits, hf(input_ids=ids).logits) <= 1e-5
+        assert rel_err(ours(ids).logits, hf(input_ids=ids).logits) <= 1e-5
 
 
 def test_sharded_hf_checkpoint_and_dtype(tmp_path):

@@ -14,6 +14,8 @@ from omni.models.hf_io import load_pretrained
 from omni.models.llm import DecoderConfig
 from omni.models.llm.rope import rope_parameters
 
+from model_helpers import randomize, rel_err
+
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
@@ -39,29 +41,13 @@ CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """HF inits norms to 1 and biases to 0; perturb them so a dropped bias/norm would show."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith(("gate.weight", "router.weight")):
-                p.normal_(0.0, 0.3)  # decisive routing: no near-ties between experts
-
-
-def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
     torch.manual_seed(0)
     hf_cfg = AutoConfig.for_model(model_type, **{**BASE, **overrides})
     hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
-    _randomize(hf)
+    randomize(hf)
     hf.eval()  # no router jitter / dropout
     hf.save_pretrained(tmp_path)
 
@@ -72,7 +58,7 @@ def test_logits_match_transformers(case, tmp_path):
         ref = hf(input_ids=ids).logits
         out = ours(ids)
     assert out.logits.shape == ref.shape
-    assert _rel_err(out.logits, ref) <= 1e-5
+    assert rel_err(out.logits, ref) <= 1e-5
     assert (out.aux_loss is not None) == (ours.config.num_experts > 0)
 
 

@@ -5,6 +5,8 @@ import torch
 
 from omni.models.llm import Decoder, DecoderConfig, DecoderOutput
 
+from model_helpers import randomize, rel_err
+
 DENSE = dict(family="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
              num_heads=4, num_kv_heads=2, rope_scaling={"rope_type": "llama3", "factor": 8.0,
              "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
@@ -17,20 +19,7 @@ LENGTHS = [5, 9, 7]
 
 def _model(kind: str) -> Decoder:
     torch.manual_seed(0)
-    model = Decoder(DecoderConfig(**(DENSE if kind == "dense" else MOE)))
-    with torch.no_grad():  # non-trivial norms / biases, decisive routing
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            elif "router" in name:
-                p.normal_(0.0, 0.3)
-    return model.eval()
-
-
-def _rel_err(ours, ref):
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
+    return randomize(Decoder(DecoderConfig(**(DENSE if kind == "dense" else MOE)))).eval()
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -44,8 +33,8 @@ def test_packed_row_equals_separate_documents(kind):
         alone = torch.cat([model(d[None]).logits[0] for d in docs])
         # Without the restart the documents would see each other: the check has teeth.
         unpacked = model(ids).logits[0]
-    assert _rel_err(packed, alone) <= 1e-5
-    assert _rel_err(unpacked, alone) > 1e-3
+    assert rel_err(packed, alone) <= 1e-5
+    assert rel_err(unpacked, alone) > 1e-3
 
 
 def test_one_dimensional_input_is_batch_of_one():
