@@ -122,3 +122,17 @@ def test_placeholder_mismatch_skip_is_counted(capsys, demo_root, tmp_path):
     assert rc == 0, capsys.readouterr().err
     rec = read_metrics(run_dir)[0]
     assert sum(rec["data_problems"].values()) == 1
+
+
+def test_pretrained_checkpoint_of_unsupported_type(capsys, demo_root, tmp_path):
+    ckpt = tmp_path / "gpt2"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
+    line = _fails(capsys, ["train", "model=hf", f"model.pretrained={ckpt}", *tiny_overrides(demo_root, tmp_path / "r")])
+    assert "model.pretrained" in line and "gpt2" in line
+
+
+def test_pretrained_checkpoint_missing(capsys, demo_root, tmp_path):
+    line = _fails(capsys, ["train", "model=hf", f"model.pretrained={tmp_path / 'nope'}",
+                           *tiny_overrides(demo_root, tmp_path / "r")])
+    assert "nope" in line

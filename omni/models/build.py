@@ -21,7 +21,10 @@ def build_llm(cfg: ModelConfig) -> Decoder:
     if cfg.pretrained:
         from omni.models.hf_io import load_pretrained
 
-        return load_pretrained(cfg.pretrained)
+        try:
+            return load_pretrained(cfg.pretrained)
+        except ValueError as exc:  # unsupported model type, missing weights, shape mismatch
+            raise ConfigError(f"model.pretrained={cfg.pretrained}: {exc}") from None
     decoder_fields = {f.name for f in fields(DecoderConfig)}
     return Decoder(DecoderConfig(**{k: v for k, v in asdict(cfg).items() if k in decoder_fields}))
 
