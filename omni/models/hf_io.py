@@ -25,6 +25,7 @@ from typing import Dict, Optional
 
 import torch
 
+from .hf_checkpoint import CheckpointReader, read_hf_config
 from .llm.config import DecoderConfig
 from .llm.decoder import Decoder
 
@@ -115,43 +116,13 @@ def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, fused_experts: b
 
 
 def _read_config(path: str) -> DecoderConfig:
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"checkpoint directory {path!r} does not exist; pass a local directory holding config.json and "
-            "*.safetensors (download it first, e.g. `huggingface-cli download <repo> --local-dir DIR`)."
-        )
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{cfg_path!r} not found; a HF checkpoint directory must contain config.json.")
-    with open(cfg_path) as f:
-        return DecoderConfig.from_hf(json.load(f))
-
-
-def _weight_files(path: str) -> list:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        hint = " (only PyTorch .bin weights found: convert them to safetensors)" if any(
-            n.endswith(".bin") for n in os.listdir(path)) else ""
-        raise FileNotFoundError(f"no *.safetensors weights in {path!r}{hint}.")
-    missing = [n for n in files if not os.path.isfile(os.path.join(path, n))]
-    if missing:
-        raise FileNotFoundError(f"shard {missing[0]!r} listed in {index!r} is missing; re-download the checkpoint.")
-    return [os.path.join(path, n) for n in files]
+    return DecoderConfig.from_hf(read_hf_config(path))
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Decoder:
     """Build a ``Decoder`` from a local HF checkpoint directory, weights cast to ``dtype``."""
-    from safetensors.torch import load_file
-
     config = _read_config(path)
-    hf_sd: Tensors = {}
-    for file in _weight_files(path):
-        hf_sd.update(load_file(file))
+    hf_sd = CheckpointReader(path).tensors()
     sd = {k: v.to(dtype) for k, v in hf_state_dict_to_native(hf_sd, config).items()}
 
     # Build on the meta device: no random init for weights that are overwritten anyway.

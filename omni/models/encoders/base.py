@@ -10,7 +10,7 @@ An encoder plugin is an ``nn.Module`` subclass of :class:`EncoderAnchor` that br
 - ``cost_coefficients()`` for the planner's cost model (FLOPs ~ alpha*n^2 + beta*n);
 - ``from_pretrained(dir)`` for transformers checkpoints (config.json + safetensors).
 
-Also here: the helpers the built-in encoders share (checkpoint reading, packed self-attention,
+Also here: the helpers the built-in encoders share (packed self-attention,
 activation functions), so no encoder carries its own copy.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omni.models.attention import segment_attention, segment_ids_from_cu_seqlens
+from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
 
 
 class EncoderAnchor(nn.Module):
@@ -126,9 +127,10 @@ class EncoderAnchor(nn.Module):
         if missing:
             raise ValueError(f"{path}: checkpoint lacks {len(missing)} {cls.__name__} weights, e.g. {prefix + missing[0]}")
         dtype = torch.get_default_dtype()
+        raw = reader.tensors(prefix + name for name in wanted)
         state = {}
         for name, ref in wanted.items():
-            t = model.convert_hf_tensor(name, reader.get(prefix + name))
+            t = model.convert_hf_tensor(name, raw[prefix + name])
             if tuple(t.shape) != tuple(ref.shape):
                 raise ValueError(
                     f"{path}: weight {prefix + name} has shape {tuple(t.shape)}, "
@@ -140,66 +142,7 @@ class EncoderAnchor(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# checkpoint reading
-
-
-def read_hf_config(path: str) -> Dict[str, Any]:
-    """config.json of a checkpoint directory, with clear errors for a bad path."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"encoder checkpoint directory {path!r} does not exist (give a local transformers checkpoint dir)")
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"{cfg_file} not found: {path!r} is not a transformers checkpoint directory")
-    with open(cfg_file) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
-
-
-class CheckpointReader:
-    """Lazy access to the tensors of a checkpoint dir: model.safetensors, a sharded
-    model.safetensors.index.json, or (fallback) pytorch_model.bin."""
-
-    def __init__(self, path: str):
-        self.path = os.fspath(path)
-        single = os.path.join(self.path, "model.safetensors")
-        index = os.path.join(self.path, "model.safetensors.index.json")
-        binary = os.path.join(self.path, "pytorch_model.bin")
-        self._files: Dict[str, str] = {}
-        self._bin: Optional[Dict[str, torch.Tensor]] = None
-        if os.path.isfile(single):
-            self._add_safetensors(single)
-        elif os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self._files = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
-        elif os.path.isfile(binary):
-            self._bin = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            raise FileNotFoundError(
-                f"no weights in {self.path!r}: expected model.safetensors, "
-                "model.safetensors.index.json or pytorch_model.bin"
-            )
-
-    def _add_safetensors(self, file: str) -> None:
-        from safetensors import safe_open
-
-        with safe_open(file, framework="pt") as f:
-            for k in f.keys():
-                self._files[k] = file
-
-    def __contains__(self, key: str) -> bool:
-        return key in (self._bin if self._bin is not None else self._files)
-
-    def get(self, key: str) -> torch.Tensor:
-        if self._bin is not None:
-            return self._bin[key]
-        from safetensors import safe_open
-
-        with safe_open(self._files[key], framework="pt") as f:
-            return f.get_tensor(key)
+# config helpers
 
 
 def _plain(obj: Any) -> Any:

@@ -1,0 +1,88 @@
+"""Reading a local Hugging Face checkpoint directory: config.json and the weights
+(model.safetensors, shards listed in model.safetensors.index.json, loose *.safetensors, or a
+pytorch_model.bin fallback). Shared by the backbone loader and the encoder plugins."""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+
+
+def read_hf_config(path: str) -> Dict[str, Any]:
+    """config.json of a checkpoint directory, with errors that name the path and the fix."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"checkpoint directory {path!r} does not exist; pass a local directory holding config.json and "
+            "the weights (download it first, e.g. `huggingface-cli download <repo> --local-dir DIR`)."
+        )
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"{cfg_file!r} not found; a transformers checkpoint directory must contain config.json.")
+    with open(cfg_file) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+class CheckpointReader:
+    """Which file holds which tensor, and reading tensors with each file opened once."""
+
+    def __init__(self, path: str):
+        self.path = os.fspath(path)
+        self._files: Dict[str, str] = {}  # tensor name -> safetensors file
+        self._bin: Optional[Dict[str, torch.Tensor]] = None
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            for name in sorted(set(weight_map.values())):
+                if not os.path.isfile(os.path.join(self.path, name)):
+                    raise FileNotFoundError(
+                        f"shard {name!r} listed in {index!r} is missing; re-download the checkpoint."
+                    )
+            self._files = {k: os.path.join(self.path, v) for k, v in weight_map.items()}
+            return
+        loose = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+        if loose:
+            from safetensors import safe_open
+
+            for name in loose:
+                file = os.path.join(self.path, name)
+                with safe_open(file, framework="pt") as f:
+                    self._files.update(dict.fromkeys(f.keys(), file))
+            return
+        binary = os.path.join(self.path, "pytorch_model.bin")
+        if os.path.isfile(binary):
+            self._bin = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
+            return
+        raise FileNotFoundError(
+            f"no weights in {self.path!r}: expected model.safetensors, model.safetensors.index.json "
+            "or pytorch_model.bin."
+        )
+
+    def keys(self) -> list[str]:
+        return list(self._bin if self._bin is not None else self._files)
+
+    def __contains__(self, key: str) -> bool:
+        return key in (self._bin if self._bin is not None else self._files)
+
+    def tensors(self, keys: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
+        """The named tensors (all when `keys` is None), reading each file once."""
+        keys = self.keys() if keys is None else list(keys)
+        if self._bin is not None:
+            return {k: self._bin[k] for k in keys}
+        from safetensors import safe_open
+
+        by_file: Dict[str, list[str]] = defaultdict(list)
+        for k in keys:
+            by_file[self._files[k]].append(k)
+        out: Dict[str, torch.Tensor] = {}
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                out.update({k: f.get_tensor(k) for k in names})
+        return out
