@@ -61,6 +61,10 @@ class StepBatch:
     micro_batches: list[MicroBatch]
     # Data problems met while building this step (e.g. {"corrupt_sample": 1}); reported in metrics.
     problems: dict[str, int] = field(default_factory=dict)
+    # The planner's balance of this step over all ranks (max/mean cost, lower bound, utilisation).
+    plan_stats: dict[str, float] = field(default_factory=dict)
+    # Seconds the trainer waited for this step (0 when the workers were ahead).
+    data_wait_s: float = 0.0
 
     @property
     def num_target_tokens(self) -> int:

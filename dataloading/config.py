@@ -17,8 +17,22 @@ class DataConfig:
     micro_batch_tokens: int = 1024
     # "byte" (ships with Omni) or a local Hugging Face tokenizer directory.
     tokenizer: str = "byte"
-    # Steps built ahead of the trainer by a background thread.
+    # Constructor worker processes (fetch, decode, tokenize, pack); 0 builds in the training process.
+    num_workers: int = 1
+    # Steps each worker builds ahead of the trainer.
     prefetch: int = 2
+    # How a step's samples are arranged over DP ranks and micro-batches (dataloading/balance.py):
+    # balanced (LPT or Karmarkar-Karp + refinement on the cost model), lpt, kk, sorted_greedy, none.
+    balance: str = "balanced"
+    # DP ranks balanced together (0: all). Smaller groups plan faster, balance slightly worse.
+    balance_group: int = 0
+    # A sample longer than micro_batch_tokens: error, truncate, split (pieces of the budget), skip.
+    # A mixture source may override it (`over_budget:`).
+    over_budget: str = "error"
+    # Cost model file from `omni data calibrate`; None: FLOP-based defaults from the model config.
+    cost_file: Optional[str] = None
+    # inline (planner in the training job, constructors in worker processes) or ray (actors).
+    backend: str = "inline"
     # What to do with a bad sample (corrupt media, placeholder mismatch): "skip" or "stop".
     on_error: str = "skip"
     # Skipping more than this fraction of samples stops the run.

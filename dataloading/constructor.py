@@ -21,7 +21,9 @@ import torch
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.media import MediaItem, MediaProcessor
+from dataloading.media import MediaItem, MediaProcessor, configure_processors
+from dataloading.mixture import SourceOptions
+from dataloading.planner import PIECE_SEP, split_piece
 from dataloading.sample import DecodedSample, decode_sample
 from dataloading.shards import SourceReader
 from dataloading.tokenizer import Tokenizer
@@ -30,6 +32,7 @@ log = logging.getLogger("omni.data")
 
 # Problems that are the configuration's fault, not one sample's: never skipped.
 _ALWAYS_RAISE = frozenset({"config", "over_budget"})
+_DEFAULT_OPTIONS = SourceOptions()
 
 
 @dataclass
@@ -44,16 +47,29 @@ class Tokenized:
 
 
 class SampleConstructor:
+    """Turns planned unit ids into MicroBatches. Picklable: it is sent to worker processes."""
+
     def __init__(self, source_readers: Mapping[str, SourceReader], tokenizer: Tokenizer,
                  processors: Mapping[str, MediaProcessor], micro_batch_tokens: int | None,
-                 problems: ProblemCounter | None = None):
+                 problems: ProblemCounter | None = None, options: Mapping[str, SourceOptions] | None = None,
+                 over_budget: str = "error"):
         self.readers = dict(source_readers)
         self.tokenizer = tokenizer
         self.processors = dict(processors)
         self.micro_batch_tokens = micro_batch_tokens
         self.problems = problems or ProblemCounter()
+        self.options = dict(options or {})
+        self.over_budget = over_budget
+        self._source_processors = {n: configure_processors(self.processors, o.media, f"source {n}")
+                                   for n, o in self.options.items()}
         self._placeholder_of = dict(tokenizer.placeholder_ids)
         self._placeholder_set = frozenset(self._placeholder_of.values())
+
+    def _options(self, sample_id: str) -> SourceOptions:
+        return self.options.get(sample_id.partition("/")[0], _DEFAULT_OPTIONS)
+
+    def _processors(self, sample_id: str) -> Mapping[str, MediaProcessor]:
+        return self._source_processors.get(sample_id.partition("/")[0], self.processors)
 
     # ---- one sample -----------------------------------------------------------------
     def fetch(self, sample_id: str) -> DecodedSample:
@@ -63,8 +79,9 @@ class SampleConstructor:
                             kind="config")
         return decode_sample(sample_id, self.readers[source].get(key))
 
-    def _media_item(self, sample_id: str, modality: str, raw) -> MediaItem:
-        proc = self.processors.get(modality)
+    def _media_items(self, sample_id: str, modality: str, raw) -> list[MediaItem]:
+        """One placeholder's media: a single item, or consecutive chunks (e.g. long audio)."""
+        proc = self._processors(sample_id).get(modality)
         if proc is None:
             raise DataError(f"sample {sample_id} has {modality} media but no {modality} processor was given; "
                             f"configure a {modality} encoder or drop the source", kind="config")
@@ -73,23 +90,28 @@ class SampleConstructor:
         except Exception as e:  # a processor failing on one input is that sample's problem
             raise DataError(f"sample {sample_id}: the {modality} processor failed ({type(e).__name__}: {e}); "
                             "check the media or the processor settings", kind="media_error") from None
-        if item.num_tokens < 1:
-            raise DataError(f"sample {sample_id}: the {modality} processor gave {item.num_tokens} tokens; "
+        items = list(item) if isinstance(item, (list, tuple)) else [item]
+        if not items or any(it.num_tokens < 1 for it in items):
+            raise DataError(f"sample {sample_id}: the {modality} processor gave an item without tokens; "
                             "a media item needs at least one", kind="media_error")
-        return item
+        return items
 
     def tokenize(self, sample: DecodedSample, prompt_only: bool = False) -> Tokenized:
         tok = self.tokenizer
-        items = [(m, self._media_item(sample.sample_id, m, raw)) for m, raw in sample.media]
+        items = [(m, self._media_items(sample.sample_id, m, raw)) for m, raw in sample.media]
+        template = self._options(sample.sample_id).chat_template
+        text = template.replace("{prompt}", sample.text) if template else sample.text
         ids: list[int] = [] if tok.bos_id is None else [tok.bos_id]
-        positions: list[np.ndarray] = []
-        for t in tok.encode(sample.text):
+        media: list[tuple[str, MediaItem, np.ndarray]] = []
+        k = 0
+        for t in tok.encode(text):
             if t in self._placeholder_set:
-                k = len(positions)
-                modality, item = items[k]  # parse_fields checked count and modalities
+                modality, chunks = items[k]  # parse_fields checked count and modalities
+                k += 1
                 assert t == self._placeholder_of[modality], "placeholder order validated in parse_fields"
-                positions.append(np.arange(len(ids), len(ids) + item.num_tokens))
-                ids.extend([t] * item.num_tokens)
+                for chunk in chunks:
+                    media.append((modality, chunk, np.arange(len(ids), len(ids) + chunk.num_tokens)))
+                    ids.extend([t] * chunk.num_tokens)
             else:
                 ids.append(t)
         response_start = len(ids)
@@ -102,36 +124,86 @@ class SampleConstructor:
         if not prompt_only:
             labels[:-1] = ids_arr[1:]
             is_media = np.zeros(len(ids_arr), dtype=bool)
-            for p in positions:
+            for _, _, p in media:
                 is_media[p] = True
             labels[:-1][is_media[1:]] = IGNORE_INDEX  # never predict a placeholder
             if sample.response is not None:
                 labels[:response_start - 1] = IGNORE_INDEX  # targets inside the prompt
+        return Tokenized(sample.sample_id, ids_arr, labels, media)
+
+    def fit_budget(self, t: Tokenized, piece: int | None) -> Tokenized:
+        """Apply the over-budget policy: whole, truncated, or piece ``piece`` of a split."""
         budget = self.micro_batch_tokens
-        if budget is not None and len(ids_arr) > budget:
-            raise DataError(f"sample {sample.sample_id} needs {len(ids_arr)} tokens but data.micro_batch_tokens="
-                            f"{budget}; raise data.micro_batch_tokens or lower the image patch budget",
-                            kind="over_budget")
-        return Tokenized(sample.sample_id, ids_arr, labels, [(m, it, p) for (m, it), p in zip(items, positions)])
+        if budget is None or (piece is None and len(t) <= budget):
+            return t
+        policy = self._options(t.sample_id).over_budget or self.over_budget
+        sid = t.sample_id
+        if piece is not None or policy == "split":
+            piece = piece or 0
+            lo, hi = piece * budget, min(len(t), (piece + 1) * budget)
+            if lo >= len(t):
+                raise DataError(f"sample {sid}: piece {piece} starts at token {lo} but the sample has {len(t)} "
+                                "(the index's length estimate was high); the piece is dropped", kind="split_piece_empty")
+            for _, _, p in t.media:
+                if p[0] < hi and p[-1] >= hi or p[0] < lo <= p[-1]:
+                    raise DataError(f"sample {sid}: splitting it at {budget} tokens would cut a media item in two; "
+                                    "raise data.micro_batch_tokens or use over_budget: truncate/skip for this source",
+                                    kind="split_cuts_media")
+            return _slice(t, f"{sid}{PIECE_SEP}{piece}", lo, hi)
+        if policy == "truncate":
+            cut = budget
+            for _, _, p in t.media:  # never keep part of a media item: cut before it
+                if p[0] < cut <= p[-1]:
+                    cut = int(p[0])
+            return _slice(t, sid, 0, cut)
+        raise DataError(f"sample {sid} needs {len(t)} tokens but data.micro_batch_tokens={budget}; raise "
+                        f"data.micro_batch_tokens, lower the image patch budget, or set data.over_budget "
+                        f"(truncate, split, skip)", kind="over_budget")
 
     # ---- a step's worth -------------------------------------------------------------
     def build(self, sample_ids: Sequence[str]) -> list[MicroBatch]:
         return self.build_with_problems(sample_ids)[0]
 
     def build_with_problems(self, sample_ids: Sequence[str]) -> tuple[list[MicroBatch], dict[str, int]]:
-        """Micro-batches of the given samples, and the problems met (kind -> count)."""
+        """Micro-batches of the given samples packed here (first-fit decreasing), and the
+        problems met (kind -> count)."""
+        done, met = self._tokenize_all(sample_ids)
+        return [assemble(group) for group in pack(done, self.micro_batch_tokens)], met
+
+    def build_planned(self, micro_batches: Sequence[Sequence[str]],
+                      on_sample=None) -> tuple[list[MicroBatch], dict[str, int]]:
+        """The planner's micro-batches, in its arrangement. An empty one (every sample skipped,
+        or a rank with less work) becomes a one-token no-loss micro-batch, so every rank keeps
+        the planned count. If the real lengths overflow the budget (the index only estimates
+        lengths for subword tokenizers) the micro-batch is re-packed into more rows."""
+        out: list[MicroBatch] = []
+        met: dict[str, int] = {}
+        for ids in micro_batches:
+            done, m = self._tokenize_all(ids, on_sample)
+            for k, v in m.items():
+                met[k] = met.get(k, 0) + v
+            groups = pack(done, self.micro_batch_tokens) if done else [[]]
+            if len(groups) > 1:
+                met["repacked"] = met.get("repacked", 0) + 1
+            out.extend(assemble(g) if g else dummy_micro_batch(self.tokenizer.eos_id) for g in groups)
+        return out, met
+
+    def _tokenize_all(self, unit_ids: Sequence[str], on_sample=None) -> tuple[list[Tokenized], dict[str, int]]:
         met: dict[str, int] = {}
         done = []
-        for sid in sample_ids:
+        for uid in unit_ids:
+            if on_sample is not None:
+                on_sample(uid)  # the loader records it: a worker that dies is reported with it
             self.problems.add_seen()
+            sid, piece = split_piece(uid)
             try:
-                done.append(self.tokenize(self.fetch(sid)))
+                done.append(self.fit_budget(self.tokenize(self.fetch(sid)), piece))
             except DataError as e:
                 if e.kind in _ALWAYS_RAISE:
                     raise
                 met[e.kind] = met.get(e.kind, 0) + 1
                 self.problems.report(e)  # raises under on_error=stop or past max_skip_fraction
-        return [assemble(group) for group in pack(done, self.micro_batch_tokens)], met
+        return done, met
 
     def build_prompt(self, sample: DecodedSample) -> tuple[MicroBatch, str]:
         """Evaluation input: the prompt alone (labels all IGNORE_INDEX) and the expected response."""
@@ -179,6 +251,16 @@ def assemble(samples: Sequence[Tokenized]) -> MicroBatch:
         cu_seqlens=torch.from_numpy(offsets.astype(np.int32)),
         media=media,
         sample_ids=[s.sample_id for s in samples])
+
+
+def _slice(t: Tokenized, unit_id: str, lo: int, hi: int) -> Tokenized:
+    """Tokens [lo, hi) of a sample as a document of its own; media fully inside are kept.
+
+    The last label keeps its target (the next token of the sample): predicting it needs only
+    the prefix, which the row holds."""
+    labels = t.labels[lo:hi].copy()
+    media = [(m, it, p - lo) for m, it, p in t.media if p[0] >= lo and p[-1] < hi]
+    return Tokenized(unit_id, t.ids[lo:hi], labels, media)
 
 
 def dummy_micro_batch(pad_id: int) -> MicroBatch:

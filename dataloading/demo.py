@@ -182,8 +182,13 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
     return out
 
 
+def cache_root() -> Path:
+    """Omni's cache folder: ``$OMNI_CACHE``, default ``~/.cache/omni`` (demo data, remote shards)."""
+    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser()
+
+
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser() / "demo-v4"
+    return cache_root() / "demo-v4"
 
 
 def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,

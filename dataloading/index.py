@@ -1,6 +1,8 @@
-"""The metadata index of a folder of shards, so planning never opens a tar.
+"""The metadata index of a source's shards, so planning never opens a tar.
 
-Stored beside the shards as ``FOLDER/omni_index.jsonl``: line 1 is a header (format
+A source is a folder, a glob, a brace list or a URL (``dataloading.sources``). The index of a
+folder is ``FOLDER/omni_index.jsonl``; of a glob or list ``BASE/omni_index.<hash>.jsonl``; of
+a URL ``$OMNI_CACHE/index/<hash>/omni_index.jsonl``. Line 1 is a header (format
 version, every shard's size and sample count, problems met), then one JSON object per
 sample::
 
@@ -16,23 +18,23 @@ import json
 import logging
 import multiprocessing as mp
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dataloading.errors import ON_ERROR_POLICIES, DataError
 from dataloading.sample import parse_fields, read_meta
-from dataloading.shards import Shard, SourceReader, list_shards
+from dataloading.shards import Shard, SourceReader
+from dataloading.sources import INDEX_NAME, ShardSet, resolve_source
 
 log = logging.getLogger("omni.data")
 
-INDEX_NAME = "omni_index.jsonl"
 INDEX_FORMAT, INDEX_VERSION = "omni-index", 1
 
 
 @dataclass(slots=True)
 class SampleMeta:
     key: str
-    shard: str  # path relative to the indexed folder
+    shard: str  # shard name relative to the source's base folder or URL
     pos: int  # position of the sample in its shard
     text_bytes: int
     response_bytes: int | None  # None: no response.txt (language modelling sample)
@@ -40,10 +42,16 @@ class SampleMeta:
 
 
 class SourceIndex:
-    """The samples of one indexed folder (one mixture source, or an eval folder)."""
+    """The samples of one indexed source (one mixture source, or an eval folder).
 
-    def __init__(self, folder: str | Path, samples: list[SampleMeta], header: dict | None = None):
-        self.folder = Path(folder)
+    ``folder`` may be a plain folder or a ``ShardSet``; ``self.folder`` names the source in
+    messages (the folder, or the spec of a glob, list or URL source).
+    """
+
+    def __init__(self, folder: str | Path | ShardSet, samples: list[SampleMeta], header: dict | None = None):
+        self.source = folder if isinstance(folder, ShardSet) else None
+        self.folder: Path | str = Path(folder) if self.source is None else \
+            (self.source.target if self.source.remote or self.source.pattern else Path(self.source.base))
         self.samples = samples
         self.header = header or {}
         self._locate: dict[str, tuple[str, int]] | None = None
@@ -69,12 +77,13 @@ class SourceIndex:
         return self._locate
 
     def reader(self, name: str) -> SourceReader:
-        return SourceReader(name, self.folder, self.locate)
+        return SourceReader(name, self.source or self.folder, self.locate)
 
     def summary(self) -> str:
         """One line for the CLI: what was indexed and what was left out (by name)."""
         shards = self.header.get("shards", {})
-        line = f"{len(self)} samples in {len(shards)} shards indexed in {self.folder / INDEX_NAME}"
+        where = self.source.index_path if self.source else Path(self.folder) / INDEX_NAME
+        line = f"{len(self)} samples in {len(shards)} shards indexed in {where}"
         if self.problems:
             line += f"; left out {self.problems}"
             if self.bad_shards:
@@ -82,14 +91,19 @@ class SourceIndex:
         return line
 
 
-def _scan_shard(job: tuple[str, str]) -> dict:
+def _as_source(source: str | Path | ShardSet) -> ShardSet:
+    return source if isinstance(source, ShardSet) else resolve_source(source)
+
+
+def _scan_shard(job: tuple[ShardSet, str]) -> dict:
     """Index one shard (runs in a pool worker): samples, sample problems, or a shard error."""
-    folder, rel = job
-    path = Path(folder) / rel
-    out = {"shard": rel, "bytes": path.stat().st_size, "samples": [], "problems": [], "error": None}
+    source, rel = job
+    # The recorded size is what the staleness check will compare with: the listed size of a
+    # remote shard (None if the filesystem gives none), the file's size for a local one.
+    out = {"shard": rel, "bytes": source.size(rel), "samples": [], "problems": [], "error": None}
     try:
-        shard = Shard(path)
-    except DataError as e:
+        shard = Shard(source.open_path(rel), label=source.url(rel), reindex=source.index_command())
+    except DataError as e:  # a remote shard that cannot be fetched is a bad shard too
         out["error"] = str(e)
         return out
     try:
@@ -111,27 +125,26 @@ def _scan_shard(job: tuple[str, str]) -> dict:
     return out
 
 
-def build_index(folder: str | Path, workers: int | None = None, progress: bool = True,
+def build_index(source: str | Path | ShardSet, workers: int | None = None, progress: bool = True,
                 on_error: str = "skip") -> SourceIndex:
-    """Scan every ``*.tar`` under ``folder`` and write ``folder/omni_index.jsonl``.
+    """Scan every shard of ``source`` (a folder, a spec for ``resolve_source``, or a ShardSet)
+    and write its index (``FOLDER/omni_index.jsonl`` for a folder). Remote shards are
+    downloaded into the cache on the way.
 
     Bad shards and bad samples are left out of the index, counted in its header and logged
     with their names; with ``on_error="stop"`` the first one raises a DataError instead.
     """
     from tqdm import tqdm
 
-    folder = Path(folder)
     if on_error not in ON_ERROR_POLICIES:
         raise DataError(f"on_error={on_error!r} is not a policy; use one of {ON_ERROR_POLICIES}", kind="config")
-    if not folder.is_dir():
-        raise DataError(f"data folder {folder}: no such directory; check the path", kind="config")
-    rels = [str(p.relative_to(folder)) for p in list_shards(folder)]
-    if not rels:
-        raise DataError(f"data folder {folder}: no *.tar shards found; point it at a folder of webdataset "
-                        "shards (see docs/data.md)", kind="config")
+    source = _as_source(source)
+    rels = source.shards
     workers = max(1, min(workers or os.cpu_count() or 1, len(rels)))
-    jobs = [(str(folder), r) for r in rels]
-    bar = tqdm(total=len(rels), desc=f"index {folder}", unit="shard", disable=not progress)
+    # Each job carries a one-shard copy of the source: the full shard list would be pickled
+    # once per job, quadratic in the number of shards.
+    jobs = [(replace(source, shards=(r,), sizes=(source.size(r),) if source.remote else ()), r) for r in rels]
+    bar = tqdm(total=len(rels), desc=f"index {source.target}", unit="shard", disable=not progress)
     results = []
     if workers == 1:
         for job in jobs:
@@ -168,24 +181,27 @@ def build_index(folder: str | Path, workers: int | None = None, progress: bool =
             other = seen_keys.get(s["key"])
             if other is not None:
                 problem("duplicate_key", f"sample key {s['key']!r} is in shards {other} and {s['shard']}; keys "
-                                         f"must be unique per folder (e.g. prefix them with the shard name)")
+                                         f"must be unique per source (e.g. prefix them with the shard name)")
                 continue
             seen_keys[s["key"]] = s["shard"]
             samples.append(s)
     if first is not None and on_error == "stop":
         raise first
     for kind, n in problems.items():
-        log.warning("index %s: left out %d sample(s)/shard(s) with %s, e.g. %s", folder, n, kind, examples[kind])
+        log.warning("index %s: left out %d sample(s)/shard(s) with %s, e.g. %s", source.target, n, kind,
+                    examples[kind])
 
     header = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "num_samples": len(samples), "shards": shards,
               "bad_shards": bad_shards, "problems": problems, "examples": examples}
-    tmp = folder / f".{INDEX_NAME}.tmp{os.getpid()}"
+    path = source.index_path
+    path.parent.mkdir(parents=True, exist_ok=True)  # a remote source's index folder in the cache
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(json.dumps(header) + "\n")
         for s in samples:
             f.write(json.dumps(s, separators=(",", ":")) + "\n")
-    os.replace(tmp, folder / INDEX_NAME)  # atomic: readers never see half an index
-    return SourceIndex(folder, [_meta(s) for s in samples], header)
+    os.replace(tmp, path)  # atomic: readers never see half an index
+    return SourceIndex(source, [_meta(s) for s in samples], header)
 
 
 def _meta(d: dict) -> SampleMeta:
@@ -193,30 +209,32 @@ def _meta(d: dict) -> SampleMeta:
                       [(m, meta) for m, meta in d["media"]])
 
 
-def _stale_reason(folder: Path, header: dict) -> str | None:
+def _stale_reason(source: ShardSet, header: dict) -> str | None:
     recorded = header.get("shards", {})
-    current = {str(p.relative_to(folder)): p for p in list_shards(folder)}
-    for rel in sorted(set(recorded) | set(current)):
+    current = set(source.shards)
+    for rel in sorted(set(recorded) | current):
         if rel not in current:
             return f"shard {rel} was removed"
         if rel not in recorded:
             return f"shard {rel} is new"
-        if current[rel].stat().st_size != recorded[rel]["bytes"]:
+        # Local shards: the file's size now. Remote shards: the size fsspec listed; where a
+        # filesystem reports none (or none was recorded) the size check is skipped.
+        size, was = source.size(rel), recorded[rel]["bytes"]
+        if size is not None and was is not None and size != was:
             return f"shard {rel} changed size"
     return None
 
 
-def load_index(folder: str | Path, build_if_missing: bool = False, progress: bool = True) -> SourceIndex:
-    """Load ``folder``'s index; a missing or stale one is built (if asked) or a DataError."""
-    folder = Path(folder)
-    path = folder / INDEX_NAME
-    fix = f"build it with `omni data index {folder}`"
+def load_index(source: str | Path | ShardSet, build_if_missing: bool = False, progress: bool = True) -> SourceIndex:
+    """Load the index of ``source`` (a folder, a spec for ``resolve_source``, or a ShardSet);
+    a missing or stale one is built (if asked) or a DataError."""
+    source = _as_source(source)
+    path = source.index_path
+    fix = f"build it with `{source.index_command()}`"
     if not path.exists():
         if build_if_missing:
-            return build_index(folder, progress=progress)
-        if not folder.is_dir():
-            raise DataError(f"data folder {folder}: no such directory; check the path", kind="config")
-        raise DataError(f"data folder {folder} has no index ({INDEX_NAME}); {fix}", kind="missing_index")
+            return build_index(source, progress=progress)
+        raise DataError(f"{source.describe()} has no index ({path}); {fix}", kind="missing_index")
     with open(path) as f:
         try:
             header = json.loads(f.readline())
@@ -226,13 +244,13 @@ def load_index(folder: str | Path, build_if_missing: bool = False, progress: boo
     if header.get("format") != INDEX_FORMAT or header.get("version") != INDEX_VERSION:
         raise DataError(f"index {path} has format {header.get('format')} v{header.get('version')}, expected "
                         f"{INDEX_FORMAT} v{INDEX_VERSION}; re{fix[1:]}", kind="bad_index")
-    stale = _stale_reason(folder, header)
+    stale = _stale_reason(source, header)
     if stale:
         if build_if_missing:
             log.warning("index %s is stale (%s): rebuilding", path, stale)
-            return build_index(folder, progress=progress)
+            return build_index(source, progress=progress)
         raise DataError(f"index {path} is stale ({stale}); re{fix[1:]}", kind="stale_index")
     if header.get("problems"):
         log.warning("index %s: %d sample(s)/shard(s) were left out when it was built: %s; bad shards: %s",
                     path, sum(header["problems"].values()), header["problems"], sorted(header.get("bad_shards", {})))
-    return SourceIndex(folder, samples, header)
+    return SourceIndex(source, samples, header)

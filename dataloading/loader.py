@@ -1,102 +1,174 @@
-"""StepLoader: the per-DP-rank iterator of StepBatches, with exact resume.
+"""StepLoader: the per-DP-rank iterator of StepBatches, with exact (and elastic) resume.
 
-A background thread plans and builds the next ``prefetch`` steps on a *clone* of the
-planner. Each built step travels with the planner state after it; when the step is handed
-out, that state becomes the committed one. So ``state_dict()`` after step s resumes exactly
-at step s+1, however far the thread had run ahead (Megatron-Energon's rule: save keys and
-cursors, never buffered tensors).
+The planner runs here, in the training process (it is cheap: metadata only); the constructors
+(fetch, decode, tokenize, pack) run in ``torch.utils.data.DataLoader`` worker processes that
+build the next ``prefetch`` steps per worker while the trainer computes. Each step travels
+with the planner state after it; when the step is handed out, that state becomes the committed
+one. So ``state_dict()`` after step s resumes exactly at step s+1, however far the workers had
+run ahead (Megatron-Energon's rule: save keys and cursors, never buffered tensors).
+
+``num_workers=0`` builds each step synchronously in the calling thread (handy for debugging).
 """
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Mapping
+import ctypes
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+import torch.utils.data as tud
 
 from dataloading.batch import StepBatch
 from dataloading.constructor import SampleConstructor
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.media import MediaProcessor
 from dataloading.index import SourceIndex
+from dataloading.media import MediaProcessor
 from dataloading.planner import Planner
 from dataloading.tokenizer import Tokenizer
 
+BACKENDS = ("inline", "ray")
+_SLOT_BYTES = 512  # per worker: "<pid> <step> <unit id>" of the sample it is on
+
 
 class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
+    """A data error met in a worker, carried back whole (DataLoader would re-wrap it as a
+    multi-line traceback and lose its kind)."""
+
+    def __init__(self, error: DataError):
+        self.message, self.kind = str(error), error.kind
+
+
+def _identity(x):
+    return x
+
+
+class _StepJobs:
+    """The sampler: plans steps ahead on a clone of the planner, one job per step."""
+
+    def __init__(self, planner: Planner, dp_rank: int):
+        self.planner = planner
+        self.dp_rank = dp_rank
+
+    def __iter__(self) -> Iterator[tuple]:
+        work = self.planner.clone()
+        while True:
+            plan = work.plan()
+            work.advance()
+            stats = {"balance_max_over_mean": plan.stats["max_over_mean"],
+                     "balance_lower_bound": plan.stats["lower_bound"],
+                     "utilisation": plan.stats.get("utilisation", 1.0)}
+            yield plan.step, plan.rank(self.dp_rank), plan.skipped, stats, work.state_dict()
+
+
+class _BuildSteps(tud.Dataset):
+    """The 'dataset' the DataLoader workers index with jobs: builds one rank's step."""
+
+    def __init__(self, constructor: SampleConstructor, slots):
+        self.constructor = constructor
+        self.slots = slots
+
+    def _mark(self, step: int, unit_id: str) -> None:
+        info = tud.get_worker_info()
+        if info is None or self.slots is None:
+            return
+        text = f"{os.getpid()} {step} {unit_id}".encode()[:_SLOT_BYTES - 1]
+        off = info.id * _SLOT_BYTES
+        self.slots[off:off + len(text) + 1] = text + b"\0"
+
+    def __getitem__(self, job):
+        step, micro_batches, skipped, stats, state = job
+        try:
+            mbs, met = self.constructor.build_planned(micro_batches, on_sample=lambda u: self._mark(step, u))
+        except DataError as e:
+            return _Failed(e)
+        for kind, n in skipped.items():  # planned out (over budget, too many media): counted too
+            met[kind] = met.get(kind, 0) + n
+        return StepBatch(step, mbs, met, plan_stats=stats), state
 
 
 class StepLoader:
-    def __init__(self, planner: Planner, constructor: SampleConstructor, dp_rank: int, prefetch: int = 2):
+    def __init__(self, planner: Planner, constructor: SampleConstructor, dp_rank: int, prefetch: int = 2,
+                 num_workers: int = 1):
         if not 0 <= dp_rank < planner.dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
+        if num_workers < 0 or prefetch < 1:
+            raise DataError(f"data.num_workers={num_workers} must be >= 0 and data.prefetch={prefetch} >= 1",
+                            kind="config")
         self.planner = planner  # holds the committed state
         self.constructor = constructor
         self.dp_rank = dp_rank
         self.prefetch = prefetch
+        self.num_workers = num_workers
         self.problems: dict[str, int] = {}  # totals over the steps handed out
-        self._thread: threading.Thread | None = None
-        self._queue: queue.Queue | None = None
-        self._stop: threading.Event | None = None
+        self._iter = None
+        self._slots = None
 
     # ---- producing ------------------------------------------------------------------
-    def _build(self, work: Planner) -> tuple[StepBatch, dict]:
-        step = work.step
-        ids = work.plan()[self.dp_rank]
-        micro_batches, met = self.constructor.build_with_problems(ids)
-        work.advance()
-        return StepBatch(step, micro_batches, met), work.state_dict()
-
-    def _produce(self, work: Planner, q: queue.Queue, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                item = self._build(work)
-            except BaseException as e:  # handed to the consumer, re-raised there
-                item = _Failed(e)
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, _Failed):
-                return
-
     def _start(self) -> None:
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(self.planner.clone(), self._queue, self._stop),
-                                        name=f"omni-data-rank{self.dp_rank}", daemon=True)
-        self._thread.start()
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        self._slots = ctx.Array(ctypes.c_char, _SLOT_BYTES * max(1, self.num_workers), lock=False)
+        loader = tud.DataLoader(
+            _BuildSteps(self.constructor, self._slots), sampler=_StepJobs(self.planner, self.dp_rank),
+            batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
+            prefetch_factor=self.prefetch if self.num_workers else None,
+            multiprocessing_context=ctx if self.num_workers else None,
+            persistent_workers=False)
+        self._iter = iter(loader)
+
+    def _worker_died(self, err: BaseException) -> DataError:
+        raw = bytes(self._slots) if self._slots is not None else b""
+        doing = []
+        for w in range(self.num_workers):
+            text = raw[w * _SLOT_BYTES:(w + 1) * _SLOT_BYTES].split(b"\0", 1)[0].decode(errors="replace")
+            if text:
+                pid, step, unit = text.split(" ", 2)
+                if pid in str(err):
+                    doing.insert(0, f"worker pid {pid} died on sample {unit} (step {step})")
+                else:
+                    doing.append(f"worker pid {pid} was on sample {unit} (step {step})")
+        where = "; ".join(doing) or "no sample had been started"
+        return DataError(f"a data worker died: {where} ({err}); check that sample's media (a decoder crash or "
+                         f"out-of-memory), or run with data.num_workers=0 to see the error in-process",
+                         kind="worker_died")
 
     # ---- consuming ------------------------------------------------------------------
     def __iter__(self) -> "StepLoader":
         return self
 
     def __next__(self) -> StepBatch:
-        if self.prefetch <= 0:  # synchronous: handy for debugging
-            work = self.planner.clone()
-            batch, state = self._build(work)
-        else:
-            if self._thread is None:
-                self._start()
-            item = self._queue.get()
-            if isinstance(item, _Failed):
+        if self._iter is None:
+            self._start()
+        t0 = time.perf_counter()
+        try:
+            item = next(self._iter)
+        except DataError:
+            self.close()
+            raise
+        except RuntimeError as e:
+            if "worker" in str(e) and "exited unexpectedly" in str(e):
+                err = self._worker_died(e)
                 self.close()
-                raise item.error
-            batch, state = item
+                raise err from None
+            self.close()
+            raise
+        wait = time.perf_counter() - t0
+        if isinstance(item, _Failed):
+            self.close()
+            raise DataError(item.message, kind=item.kind)
+        batch, state = item
+        batch.data_wait_s = wait
         self.planner.load_state_dict(state)
         for k, v in batch.problems.items():
             self.problems[k] = self.problems.get(k, 0) + v
         return batch
 
     def close(self) -> None:
-        """Stop the background thread; buffered steps are dropped (the state does not include them)."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-        self._thread = self._queue = self._stop = None
+        """Stop the workers; built-ahead steps are dropped (the state does not include them)."""
+        it, self._iter = self._iter, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
 
     def __del__(self) -> None:
         try:
@@ -104,8 +176,8 @@ class StepLoader:
         except Exception:
             pass
 
-    def set_weights(self, weights: Mapping[str, float]) -> None:
-        """Change the mixture from the next step on (curriculum); prefetched steps are rebuilt."""
+    def set_weights(self, weights) -> None:
+        """Change the mixture from the next step on (curriculum); built-ahead steps are rebuilt."""
         self.close()
         self.planner.set_weights(weights)
 
@@ -119,22 +191,51 @@ class StepLoader:
         self.problems = dict(sd.get("problems", {}))
 
 
-def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
-                 seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
-                 on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2,
-                 build_missing_index: bool = False, progress: bool = True) -> StepLoader:
-    """Mixture YAML -> indices -> Planner + SampleConstructor -> StepLoader for one DP rank."""
+def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
+                  seed: int, global_batch_size: int, dp_size: int, micro_batch_tokens: int | None,
+                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
+                  build_missing_index: bool = False, progress: bool = True) -> tuple[Planner, dict]:
+    """Mixture YAML -> indices -> Planner (and the indices, for constructors)."""
     from dataloading.index import load_index
     from dataloading.mixture import load_mixture
 
     mix = load_mixture(mixture)
     indices = {s.name: load_index(s.path, build_if_missing=build_missing_index, progress=progress)
                for s in mix.sources}
-    planner = Planner(indices, mix.weights, seed, global_batch_size, dp_size, tokenizer=tokenizer,
-                      processors=processors)
+    weights = {s.name: s.weight for s in mix.sources}
+    planner = Planner(indices, weights, seed, global_batch_size, dp_size, tokenizer=tokenizer, processors=processors,
+                      budget=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
+                      over_budget=over_budget, options={s.name: s.options for s in mix.sources})
+    return planner, indices
+
+
+def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
+                 seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
+                 on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
+                 cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
+                 backend: str = "inline", build_missing_index: bool = False, progress: bool = True) -> StepLoader:
+    """Mixture YAML -> indices -> Planner + SampleConstructor -> a loader for one DP rank.
+
+    ``backend="inline"``: planner here, constructors in DataLoader workers (StepLoader).
+    ``backend="ray"``: the same planner and constructors as Ray actors (RayStepLoader); the same
+    plan yields the same batches.
+    """
+    if backend not in BACKENDS:
+        raise DataError(f"data.backend={backend!r} is not a backend; use one of {list(BACKENDS)}", kind="config")
+    planner, indices = build_planner(
+        mixture, tokenizer, processors, seed=seed, global_batch_size=global_batch_size, dp_size=dp_size,
+        micro_batch_tokens=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
+        over_budget=over_budget, build_missing_index=build_missing_index, progress=progress)
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
-                                    micro_batch_tokens, ProblemCounter(on_error, max_skip_fraction))
-    loader = StepLoader(planner, constructor, dp_rank, prefetch)
+                                    micro_batch_tokens, ProblemCounter(on_error, max_skip_fraction),
+                                    options={n: t.options for n, t in planner.tables.items()},
+                                    over_budget=over_budget)
+    if backend == "ray":
+        from dataloading.ray_backend import RayStepLoader
+
+        loader = RayStepLoader(planner, constructor, dp_rank, prefetch)
+    else:
+        loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers)
     loader.problems.update(_index_problems(indices, on_error))
     return loader
 

@@ -43,3 +43,20 @@ class MediaProcessor(Protocol):
         """Token count from index metadata alone (image: height/width; audio:
         num_samples/sample_rate), so planning never decodes media."""
         ...
+
+
+def configure_processors(processors: dict[str, MediaProcessor], options: dict[str, dict],
+                         where: str) -> dict[str, MediaProcessor]:
+    """The processors with one source's per-modality options applied (``with_options``)."""
+    out = dict(processors)
+    for modality, opts in options.items():
+        if not opts or modality not in out:
+            continue  # options for an encoder the model lacks: its samples fail with that message
+        proc = out[modality]
+        if not hasattr(proc, "with_options"):
+            from dataloading.errors import DataError
+
+            raise DataError(f"{where}: the {modality} encoder's processor ({type(proc).__name__}) takes no options, "
+                            f"but {sorted(opts)} were given; remove them from the mixture", kind="config")
+        out[modality] = proc.with_options(**opts)
+    return out

@@ -1,100 +1,205 @@
-"""The planner: central, metadata-only state deciding which samples each DP rank gets.
+"""The planner: central, metadata-only state deciding which samples each DP rank gets, and how.
 
-State is O(number of sources): per source (epoch, cursor) plus the global step. Nothing
-that depends on the DP size is stored, so a run saved at dp_size=2 resumes at dp_size=4
-with the same sample stream (only the split across ranks changes). Everything random is
-derived from ``seed`` and a position (step, or source name + epoch), never stored:
+State is O(number of sources): per source (epoch, cursor), the global step and the seed.
+Nothing depends on the DP size, so a run saved at dp=8 resumes at dp=4 with the same sample
+stream (only the arrangement changes). Everything random is derived from ``seed`` and a
+position, never stored:
 
 - the permutation of a source in epoch ``e`` comes from (seed, crc32(name), e);
-- the per-source sample counts of step ``s`` come from (seed, s): the global batch is split
-  by the weights with randomised rounding (systematic sampling of the remainders), so every
-  step has exactly ``global_batch_size`` samples and each source gets, on average, exactly
-  its weight's share;
-- the samples of a step go to DP ranks longest-first onto the least-loaded rank, balancing
-  token counts (the cost model can replace tokens as the load later).
+- the per-source sample counts of step ``s`` come from (seed, s) and the weights at ``s``
+  (constants or piecewise-linear schedules): the global batch is split by the weights with
+  randomised rounding (systematic sampling of the remainders), so every step has exactly
+  ``global_batch_size`` samples and each source gets, on average, exactly its share;
+- the arrangement over ranks and micro-batches is ``dataloading.balance.arrange`` on the
+  samples' costs (``dataloading.cost.CostModel``) and token counts.
+
+``plan(step)`` is a pure function of (seed, state, step, dp size, balance settings) and only
+reads lengths from the metadata index: planning never opens a tar.
 """
 from __future__ import annotations
 
 import copy
-import heapq
 import logging
+import math
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from dataloading.balance import arrange
+from dataloading.cost import CostModel
 from dataloading.errors import DataError
 from dataloading.index import SampleMeta, SourceIndex
-from dataloading.media import PLACEHOLDERS, MediaProcessor
+from dataloading.media import PLACEHOLDERS, MediaProcessor, configure_processors
+from dataloading.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
 from dataloading.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
 
 log = logging.getLogger("omni.data")
 
 _COUNTS_TAG, _PERM_TAG = 1, 2  # keep the two random streams of a seed apart
+PIECE_SEP = "#"  # "<source>/<key>#<k>": piece k of a sample split over the budget
 
 
-def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
-                    where: str = "") -> int:
-    """Packed length of a sample from index metadata (exact for ByteTokenizer)."""
-    placeholder_bytes = sum(len(PLACEHOLDERS[m].encode()) for m, _ in meta.media)
-    n = (tokenizer.bos_id is not None) + 1  # BOS (if any) + EOS
-    n += estimate_text_tokens(tokenizer, meta.text_bytes - placeholder_bytes)
-    if meta.response_bytes is not None:
-        n += estimate_text_tokens(tokenizer, meta.response_bytes)
+def media_tokens(meta: SampleMeta, processors: Mapping[str, MediaProcessor], where: str = "") -> list[int]:
+    """Encoder tokens per media item, from index metadata."""
+    out = []
     for modality, m in meta.media:
         if modality not in processors:
             raise DataError(f"{where or 'sample'} {meta.key}: has {modality} media but no {modality} processor "
                             f"was given; configure a {modality} encoder or drop the source", kind="config")
-        n += int(processors[modality].num_tokens_from_meta(m))
-    return n
+        try:
+            out.append(int(processors[modality].num_tokens_from_meta(m)))
+        except ValueError as e:  # e.g. an audio clip over max_frames without chunking
+            raise DataError(f"{where or 'sample'} {meta.key}: {e}", kind="media_error") from None
+    return out
+
+
+def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
+                    where: str = "", template_bytes: int = 0) -> int:
+    """Packed length of a sample from index metadata (exact for ByteTokenizer)."""
+    placeholder_bytes = sum(len(PLACEHOLDERS[m].encode()) for m, _ in meta.media)
+    n = (tokenizer.bos_id is not None) + 1  # BOS (if any) + EOS
+    n += estimate_text_tokens(tokenizer, meta.text_bytes - placeholder_bytes + template_bytes)
+    if meta.response_bytes is not None:
+        n += estimate_text_tokens(tokenizer, meta.response_bytes)
+    return n + sum(media_tokens(meta, processors, where))
 
 
 def _seed_words(seed: int) -> int:
     return int(seed) & 0xFFFF_FFFF_FFFF_FFFF  # numpy seeds must be non-negative
 
 
+def split_piece(unit_id: str) -> tuple[str, int | None]:
+    """``"src/key#2"`` -> ("src/key", 2); a whole sample -> (id, None)."""
+    sid, sep, k = unit_id.rpartition(PIECE_SEP)
+    if sep and k.isdigit() and "/" in sid:
+        return sid, int(k)
+    return unit_id, None
+
+
+class SourceTable:
+    """What planning needs of one source, compactly: keys, lengths, costs, policies."""
+
+    def __init__(self, name: str, index: SourceIndex, tokenizer: Tokenizer,
+                 processors: Mapping[str, MediaProcessor], cost: CostModel, options: SourceOptions):
+        self.name = name
+        self.index = index
+        self.options = options
+        self.processors = configure_processors(dict(processors), options.media, f"source {name}")
+        template = len(options.chat_template.encode()) - len("{prompt}") if options.chat_template else 0
+        where = f"source {name}: sample"
+        n = len(index)
+        self.tokens = np.zeros(n, dtype=np.int64)
+        self.media_cost = np.zeros(n)
+        self.num_media = np.zeros(n, dtype=np.int64)
+        for i, meta in enumerate(index.samples):
+            items = media_tokens(meta, self.processors, where)
+            self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
+            self.media_cost[i] = sum(float(cost.media_cost(m, k)) for (m, _), k in zip(meta.media, items))
+            self.num_media[i] = len(items)
+        self.cost = np.asarray(cost.llm_cost(self.tokens)) + self.media_cost
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def key(self, i: int) -> str:
+        return self.index.samples[i].key
+
+
+@dataclass
+class StepPlan:
+    """One step's arrangement: for each DP rank its micro-batches of unit ids."""
+
+    step: int
+    ranks: list[list[list[str]]]  # rank -> micro-batch -> unit ids ("src/key" or "src/key#k")
+    rank_cost: list[float]
+    rank_tokens: list[int]
+    stats: dict[str, float]
+    sources: dict[str, int]  # samples drawn per source
+    samples: list[str]  # the drawn sample ids, in draw order
+    skipped: dict[str, int] = field(default_factory=dict)  # kind -> samples planned out (counted)
+    unit_cost: dict[str, float] = field(default_factory=dict)
+    unit_tokens: dict[str, int] = field(default_factory=dict)
+
+    def rank(self, r: int) -> list[list[str]]:
+        return self.ranks[r]
+
+    def rank_units(self, r: int) -> list[str]:
+        """Rank r's unit ids, micro-batch after micro-batch."""
+        return [u for mb in self.ranks[r] for u in mb]
+
+    def to_json(self) -> dict:
+        return {"step": self.step, **{k: v for k, v in self.stats.items()}, "sources": self.sources,
+                "skipped": self.skipped,
+                "ranks": [{"cost": c, "tokens": t, "samples": [u for mb in mbs for u in mb],
+                           "micro_batches": mbs}
+                          for c, t, mbs in zip(self.rank_cost, self.rank_tokens, self.ranks)]}
+
+
 class Planner:
-    def __init__(self, sources: Mapping[str, SourceIndex], weights: Mapping[str, float], seed: int,
-                 global_batch_size: int, dp_size: int, *, tokenizer: Tokenizer | None = None,
-                 processors: Mapping[str, MediaProcessor] | None = None):
+    def __init__(self, sources: Mapping[str, SourceIndex], weights: Mapping[str, float | WeightSchedule],
+                 seed: int, global_batch_size: int, dp_size: int, *, tokenizer: Tokenizer | None = None,
+                 processors: Mapping[str, MediaProcessor] | None = None, budget: int | None = None,
+                 cost_model: CostModel | None = None, balance: str = "balanced", balance_group: int = 0,
+                 over_budget: str = "error", options: Mapping[str, SourceOptions] | None = None):
         if dp_size < 1 or global_batch_size < dp_size:
             raise DataError(f"data.global_batch_size={global_batch_size} must be >= the data-parallel size "
                             f"{dp_size} (every rank needs a sample each step)", kind="config")
-        self.sources = dict(sources)
+        if over_budget not in OVER_BUDGET_POLICIES:
+            raise DataError(f"data.over_budget={over_budget!r} is not a policy; use one of "
+                            f"{list(OVER_BUDGET_POLICIES)}", kind="config")
         self.seed = int(seed)
         self.global_batch_size = int(global_batch_size)
         self.dp_size = int(dp_size)
+        self.budget = budget
+        self.cost_model = cost_model or CostModel()
+        self.balance = balance
+        self.balance_group = balance_group
+        self.over_budget = over_budget
         # Sorted, so reordering the mixture file does not change the stream.
-        self.names = sorted(self.sources)
+        self.names = sorted(sources)
+        options = options or {}
         tokenizer = tokenizer or ByteTokenizer()
-        processors = processors or {}
-        self.tokens = {n: np.array([estimate_tokens(m, tokenizer, processors, f"source {n}: sample")
-                                    for m in self.sources[n].samples], dtype=np.int64) for n in self.names}
+        self.tables = {n: SourceTable(n, sources[n], tokenizer, processors or {}, self.cost_model,
+                                      options.get(n, SourceOptions())) for n in self.names}
         self.set_weights(weights)
         self.step = 0
         self.state = {n: (0, 0) for n in self.names}  # name -> (epoch, cursor)
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self._keypos: dict[str, dict[str, int]] = {}
 
+    @property
+    def sources(self) -> dict[str, SourceIndex]:
+        return {n: t.index for n, t in self.tables.items()}
+
     # ---- configuration -------------------------------------------------------------
-    def set_weights(self, weights: Mapping[str, float]) -> None:
+    def set_weights(self, weights: Mapping[str, float | WeightSchedule]) -> None:
         """Change the mixture (curriculum); the state stays valid."""
-        unknown = sorted(set(weights) - set(self.sources))
+        unknown = sorted(set(weights) - set(self.tables))
         if unknown:
             raise DataError(f"mixture weights name unknown sources {unknown}; known: {self.names}", kind="config")
-        w = np.array([float(weights.get(n, 0.0)) for n in self.names])
-        if (w < 0).any() or w.sum() <= 0:
-            raise DataError(f"mixture weights {dict(weights)} must be >= 0 with a positive sum", kind="config")
-        for n, wn in zip(self.names, w):
-            if wn > 0 and len(self.sources[n]) == 0:
-                raise DataError(f"source {n} has weight {wn} but no samples in {self.sources[n].folder}; "
+        self.weights = {n: weights.get(n, 0.0) for n in self.names}
+        for n, w in self.weights.items():
+            peak = max(p[1] for p in w.points) if isinstance(w, WeightSchedule) else float(w)
+            if peak < 0:
+                raise DataError(f"mixture weight of {n} must be >= 0, got {w}", kind="config")
+            if peak > 0 and len(self.tables[n]) == 0:
+                raise DataError(f"source {n} has weight {peak} but no samples in {self.tables[n].index.folder}; "
                                 f"fix the shards or set its weight to 0", kind="config")
-        self.probs = w / w.sum()
+        self.probabilities(0)  # fail now on an all-zero mixture
+
+    def probabilities(self, step: int) -> np.ndarray:
+        w = np.array([w.at(step) if isinstance(w, WeightSchedule) else float(w) for w in self.weights.values()])
+        if w.sum() <= 0:
+            raise DataError(f"all mixture weights are 0 at step {step}; give a source a positive weight there",
+                            kind="config")
+        return w / w.sum()
 
     # ---- the random streams ---------------------------------------------------------
     def counts(self, step: int) -> dict[str, int]:
         """Samples per source in ``step``: floor of the share, remainders by systematic sampling."""
-        exact = self.global_batch_size * self.probs
+        exact = self.global_batch_size * self.probabilities(step)
         base = np.floor(exact).astype(np.int64)
         rem = self.global_batch_size - int(base.sum())
         if rem > 0:
@@ -110,7 +215,7 @@ class Planner:
         cached = self._perms.get(name)
         if cached is None or cached[0] != epoch:
             rng = np.random.default_rng([_seed_words(self.seed), zlib.crc32(name.encode()), int(epoch), _PERM_TAG])
-            cached = (epoch, rng.permutation(len(self.sources[name])))
+            cached = (epoch, rng.permutation(len(self.tables[name])))
             self._perms[name] = cached
         return cached[1]
 
@@ -120,7 +225,7 @@ class Planner:
         picked: list[tuple[str, int]] = []
         for name, k in self.counts(step).items():
             epoch, cursor = state[name]
-            n = len(self.sources[name])
+            n = len(self.tables[name])
             while k > 0:
                 take = min(k, n - cursor)
                 picked.extend((name, int(i)) for i in self.permutation(name, epoch)[cursor:cursor + take])
@@ -130,9 +235,42 @@ class Planner:
             state[name] = (epoch, cursor)
         return picked, state
 
+    # ---- samples -> units of work (the over-budget policy) --------------------------
+    def _units(self, picked: list[tuple[str, int]]) -> tuple[list[str], list[int], list[float], dict[str, int]]:
+        ids, tokens, costs, skipped = [], [], [], {}
+        budget = self.budget
+        for name, i in picked:
+            t = self.tables[name]
+            sid = f"{name}/{t.key(i)}"
+            if t.options.max_media is not None and t.num_media[i] > t.options.max_media:
+                skipped["too_many_media"] = skipped.get("too_many_media", 0) + 1
+                continue
+            n = int(t.tokens[i])
+            if budget is None or n <= budget:
+                ids.append(sid), tokens.append(n), costs.append(float(t.cost[i]))
+                continue
+            policy = t.options.over_budget or self.over_budget
+            if policy == "error":
+                raise DataError(f"sample {sid} needs {n} tokens but data.micro_batch_tokens={budget}; raise "
+                                f"data.micro_batch_tokens, lower the image patch budget, or set data.over_budget "
+                                f"(truncate, split, skip)", kind="over_budget")
+            if policy == "skip":
+                skipped["over_budget"] = skipped.get("over_budget", 0) + 1
+            elif policy == "truncate":
+                ids.append(sid), tokens.append(budget)
+                costs.append(float(self.cost_model.llm_cost(budget)) + float(t.media_cost[i]))
+            else:  # split: pieces of `budget` tokens, each its own document
+                k = math.ceil(n / budget)
+                for p in range(k):
+                    size = min(budget, n - p * budget)
+                    ids.append(f"{sid}{PIECE_SEP}{p}"), tokens.append(size)
+                    # media cost goes with the first piece (an estimate: the constructor knows where items fall)
+                    costs.append(float(self.cost_model.llm_cost(size)) + (float(t.media_cost[i]) if p == 0 else 0.0))
+        return ids, tokens, costs, skipped
+
     # ---- planning -------------------------------------------------------------------
-    def plan(self, step: int | None = None) -> list[list[str]]:
-        """Sample ids ``"<source>/<key>"`` for each DP rank at ``step`` (default: the current one).
+    def plan(self, step: int | None = None, dp_size: int | None = None, balance: str | None = None) -> StepPlan:
+        """The arrangement of ``step`` (default: the current one) over ``dp_size`` ranks.
 
         A later step is planned by simulating forward from the current state (cheap: no I/O).
         """
@@ -144,28 +282,28 @@ class Planner:
         for s in range(self.step, step):
             state = self._draw(s, state)[1]
         picked = self._draw(step, state)[0]
-        return self.split(picked)
+        return self.arrange(step, picked, dp_size or self.dp_size, balance or self.balance)
 
-    def split(self, picked: list[tuple[str, int]]) -> list[list[str]]:
-        """Longest-first onto the least-loaded rank (ties: lowest rank), by token count."""
-        items = sorted(((int(self.tokens[n][i]), f"{n}/{self.sources[n][i].key}") for n, i in picked),
-                       key=lambda t: (-t[0], t[1]))
-        heap = [(0, r) for r in range(self.dp_size)]
-        ranks: list[list[str]] = [[] for _ in range(self.dp_size)]
-        for tokens, sid in items:
-            load, r = heapq.heappop(heap)
-            ranks[r].append(sid)
-            heapq.heappush(heap, (load + tokens, r))
-        return ranks
+    def arrange(self, step: int, picked: list[tuple[str, int]], dp_size: int, balance: str) -> StepPlan:
+        ids, tokens, costs, skipped = self._units(picked)
+        cost_arr = np.asarray(costs, dtype=np.float64)
+        arr = arrange(cost_arr, np.asarray(tokens, dtype=np.int64), dp_size, self.budget, balance,
+                      self.balance_group)
+        ranks = [[[ids[i] for i in mb] for mb in rank] for rank in arr.ranks]
+        counts: dict[str, int] = {}
+        for name, _ in picked:
+            counts[name] = counts.get(name, 0) + 1
+        samples = [f"{n}/{self.tables[n].key(i)}" for n, i in picked]
+        return StepPlan(step, ranks, arr.rank_cost.tolist(), arr.rank_tokens.tolist(), arr.stats(cost_arr),
+                        counts, samples, skipped, dict(zip(ids, costs)), dict(zip(ids, tokens)))
 
     def sample_tokens(self, sample_id: str) -> int:
-        name, key = sample_id.split("/", 1)
-        idx = self._key_pos(name)[key]
-        return int(self.tokens[name][idx])
+        name, key = split_piece(sample_id)[0].split("/", 1)
+        return int(self.tables[name].tokens[self._key_pos(name)[key]])
 
     def _key_pos(self, name: str) -> dict[str, int]:
         if name not in self._keypos:
-            self._keypos[name] = {m.key: i for i, m in enumerate(self.sources[name].samples)}
+            self._keypos[name] = {m.key: i for i, m in enumerate(self.tables[name].index.samples)}
         return self._keypos[name]
 
     def advance(self) -> None:
@@ -175,7 +313,7 @@ class Planner:
     # ---- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"version": 1, "seed": self.seed, "step": self.step,
-                "sources": {n: {"epoch": e, "cursor": c, "num_samples": len(self.sources[n])}
+                "sources": {n: {"epoch": e, "cursor": c, "num_samples": len(self.tables[n])}
                             for n, (e, c) in self.state.items()}}
 
     def load_state_dict(self, sd: Mapping) -> None:
@@ -186,10 +324,10 @@ class Planner:
                             f"{self.seed}; resume with the same data seed", kind="config")
         state = {n: (0, 0) for n in self.names}  # a source new to the mixture starts fresh
         for name, s in sd["sources"].items():
-            if name not in self.sources:
+            if name not in self.tables:
                 log.warning("data state has source %r that is not in the mixture any more: dropped", name)
                 continue
-            n = len(self.sources[name])
+            n = len(self.tables[name])
             if s.get("num_samples", n) != n:
                 log.warning("source %s had %s samples when saved, now %d: its order changes from here",
                             name, s["num_samples"], n)

@@ -40,30 +40,35 @@ def write_shards(samples: Iterable[dict], folder: str | Path, prefix: str, sampl
     return [Path(p) for p in written]  # ``post`` runs as each shard is closed
 
 
-def _corrupt(shard: Path | str, why: str) -> DataError:
-    return DataError(f"shard {shard}: {why}; re-create or remove the shard, then rebuild the index with "
-                     f"`omni data index {Path(shard).parent}`", kind="corrupt_shard")
-
-
 class Shard:
-    """One open shard: samples by position and by key, as ``{field: bytes}`` dicts."""
+    """One open shard: samples by position and by key, as ``{field: bytes}`` dicts.
 
-    def __init__(self, path: str | Path):
+    ``label`` names the shard in messages (default: its path; a remote shard's URL rather
+    than its cached copy) and ``reindex`` is the command that rebuilds its index.
+    """
+
+    def __init__(self, path: str | Path, label: str | None = None, reindex: str | None = None):
         from wids.wids import IndexedTarSamples
 
         self.path = Path(path)
+        self.label = label or str(self.path)
+        self.reindex = reindex or f"omni data index {self.path.parent}"
         if self.path.is_file() and self.path.stat().st_size % 512:
             # tar files are made of 512-byte blocks: anything else was cut short
-            raise _corrupt(self.path, f"truncated (size {self.path.stat().st_size} is not a multiple of 512)")
+            raise self._corrupt(f"truncated (size {self.path.stat().st_size} is not a multiple of 512)")
         try:
             self._tar = IndexedTarSamples(path=str(self.path))
         except FileNotFoundError:
-            raise DataError(f"shard {self.path}: file not found; restore it or rebuild the index with "
-                            f"`omni data index {self.path.parent}`", kind="missing_shard") from None
+            raise DataError(f"shard {self.label}: file not found; restore it or rebuild the index with "
+                            f"`{self.reindex}`", kind="missing_shard") from None
         except Exception as e:  # wids raises struct/assert/value errors on garbage headers
-            raise _corrupt(self.path, f"unreadable tar ({type(e).__name__}: {e})") from None
+            raise self._corrupt(f"unreadable tar ({type(e).__name__}: {e})") from None
         self._check_complete()
         self._keys: dict[str, int] | None = None
+
+    def _corrupt(self, why: str) -> DataError:
+        return DataError(f"shard {self.label}: {why}; re-create or remove the shard, then rebuild the index with "
+                         f"`{self.reindex}`", kind="corrupt_shard")
 
     def _check_complete(self) -> None:
         reader = self._tar.reader
@@ -72,19 +77,19 @@ class Shard:
             return
         if len(getattr(reader, "by_name", ())) != len(getattr(reader, "by_index", ())):
             self.close()  # wids maps names to positions: a repeated member name shifts every sample
-            raise _corrupt(self.path, "repeats a member name (same key and field twice)")
+            raise self._corrupt("repeats a member name (same key and field twice)")
         end, size = 0, len(mm)
         for name, offset, length in getattr(reader, "by_index", ()):
             end = offset + 512 + (length + 511) // 512 * 512
             if offset + 512 + length > size:
                 self.close()
-                raise _corrupt(self.path, f"truncated (member {name!r} needs {offset + 512 + length} bytes, "
+                raise self._corrupt(f"truncated (member {name!r} needs {offset + 512 + length} bytes, "
                                           f"file has {size})")
         # A complete tar ends with two zero blocks; without them the file was cut between
         # members and would silently lose its last samples.
         if mm[end:end + 1024] != bytes(1024):
             self.close()
-            raise _corrupt(self.path, f"truncated (no end-of-archive blocks after byte {end}, file has {size})")
+            raise self._corrupt(f"truncated (no end-of-archive blocks after byte {end}, file has {size})")
 
     def __len__(self) -> int:
         return len(self._tar)
@@ -93,7 +98,7 @@ class Shard:
         try:
             raw = self._tar[i]
         except Exception as e:
-            raise _corrupt(self.path, f"sample #{i} unreadable ({type(e).__name__}: {e})") from None
+            raise self._corrupt(f"sample #{i} unreadable ({type(e).__name__}: {e})") from None
         key = raw.pop("__key__")
         # wids names fields with a leading dot (".txt"); the data format does not.
         return key, {name[1:] if name.startswith(".") else name: data.getvalue() for name, data in raw.items()}
@@ -115,8 +120,8 @@ class Shard:
             for i, members in enumerate(self._tar.samples):
                 self._keys.setdefault(_key_of(names[members[0]]), i)
         if key not in self._keys:
-            raise DataError(f"shard {self.path}: no sample with key {key!r}; the index is stale, rebuild it "
-                            f"with `omni data index {self.path.parent}`", kind="missing_sample")
+            raise DataError(f"shard {self.label}: no sample with key {key!r}; the index is stale, rebuild it "
+                            f"with `{self.reindex}`", kind="missing_sample")
         return self._fields(self._keys[key])[1]
 
     def close(self) -> None:
@@ -135,24 +140,41 @@ def _key_of(member_name: str) -> str:
 class SourceReader:
     """Random access to the samples of one source by key, keeping a few shards open.
 
-    ``locate`` maps key -> (shard path relative to ``folder``, position in the shard); it
-    comes from the index. Picklable (open shards are dropped), so it can go to a worker.
+    ``folder`` is a folder of shards or a ``dataloading.sources.ShardSet`` (whose
+    ``open_path`` fetches remote shards into the local cache). ``locate`` maps key -> (shard
+    name relative to it, position in the shard); it comes from the index. Picklable (open
+    shards are dropped), so it can go to a worker.
     """
 
-    def __init__(self, name: str, folder: str | Path, locate: Mapping[str, tuple[str, int]], max_open: int = 32):
+    def __init__(self, name: str, folder, locate: Mapping[str, tuple[str, int]], max_open: int = 32):
         self.name = name
-        self.folder = Path(folder)
+        self.source = None if isinstance(folder, (str, Path)) else folder
+        self.folder = Path(folder) if self.source is None else self.source.target  # for messages
+        self.reindex = f"omni data index {self.folder}" if self.source is None else self.source.index_command()
         self.locate = locate
         self.max_open = max_open
         self._open: OrderedDict[str, Shard] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _open_shard(self, rel: str) -> Shard:
+        if self.source is None:
+            return Shard(self.folder / rel)
+        return Shard(self.source.open_path(rel), label=self.source.url(rel), reindex=self.reindex)
+
     def shard(self, rel: str) -> Shard:
         with self._lock:
             shard = self._open.pop(rel, None)
+            if shard is not None:
+                self._open[rel] = shard  # most recently used last
+                return shard
+        opened = self._open_shard(rel)  # outside the lock: a remote shard may be downloaded first
+        with self._lock:
+            shard = self._open.pop(rel, None)  # another thread may have opened it meanwhile
             if shard is None:
-                shard = Shard(self.folder / rel)
-            self._open[rel] = shard  # most recently used last
+                shard = opened
+            else:
+                opened.close()
+            self._open[rel] = shard
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)[1].close()
             return shard
@@ -162,7 +184,7 @@ class SourceReader:
             rel, position = self.locate[key]
         except KeyError:
             raise DataError(f"sample {self.name}/{key}: not in the index of {self.folder}; rebuild it with "
-                            f"`omni data index {self.folder}`", kind="missing_sample") from None
+                            f"`{self.reindex}`", kind="missing_sample") from None
         return self.shard(rel).get(key, position)
 
     def close(self) -> None:

@@ -39,15 +39,51 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _data_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="dataset tools: demo, index")
-    dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="{demo,index}")
+    p = sub.add_parser("data", help="dataset tools: demo, index, plan, calibrate")
+    dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="{demo,index,plan,calibrate}")
     demo = dsub.add_parser("demo", help="write the demo dataset (shards, index, mixture.yaml)")
     demo.add_argument("--out", required=True, help="output folder")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--scale", type=float, default=1.0, help="dataset size multiplier")
-    idx = dsub.add_parser("index", help="build the per-sample metadata index of a folder of shards")
-    idx.add_argument("folder", help="folder holding webdataset .tar shards (searched recursively)")
+    idx = dsub.add_parser(
+        "index", help="build the per-sample metadata index of a source of shards",
+        description="Build the per-sample metadata index of a source (see docs/data.md, 'Sources').",
+        epilog="examples:\n  omni data index data/shapes\n  omni data index 'data/**/train-*.tar'\n"
+               "  omni data index 'data/x/shard-{000000..000009}.tar'\n"
+               "  omni data index 's3://bucket/x/shard-{000000..000099}.tar'   # needs: pip install fsspec s3fs\n"
+               "quote globs and brace lists, or the shell expands them first",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    idx.add_argument("folder", metavar="SPEC",
+                     help="a folder of webdataset .tar shards (searched recursively), a glob, a brace list or a URL "
+                          "(s3://, gs://, https://, file://, any fsspec protocol); quote globs and braces")
     idx.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+
+
+    plan = dsub.add_parser(
+        "plan", help="dry run: what each DP rank gets per step (balance, utilisation, mixture shares)",
+        description="Plan steps of the data plane without training: reads only the metadata index. Takes the "
+                    "same Hydra overrides as `omni train` (data.mixture=..., data.micro_batch_tokens=..., model=...).",
+        epilog="examples:\n  omni data plan --dp 16 --steps 5\n  omni data plan data.mixture=mix.yaml --dp 64 "
+               "--balance none\n  omni data plan --dp 8 --steps 3 --json | jq .ranks[0].cost",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.mixture=/data/mix.yaml")
+    plan.add_argument("--dp", type=int, default=8, help="data-parallel ranks to plan for (default 8)")
+    plan.add_argument("--steps", type=int, default=10, help="steps to plan (default 10)")
+    plan.add_argument("--balance", default=None,
+                      help="arrangement: balanced, lpt, kk, sorted_greedy, none (default: data.balance)")
+    plan.add_argument("--json", action="store_true", help="one JSON object per step (step, ranks: cost, tokens, samples)")
+    plan.add_argument("--save-state", metavar="FILE", help="write the planner state after the last step")
+    plan.add_argument("--load-state", metavar="FILE",
+                      help="start from a state written by --save-state (or a checkpoint's trainer_state.pt)")
+    cal = dsub.add_parser(
+        "calibrate", help="fit the cost model (alpha, beta per LLM and encoder) to measured micro-batch times",
+        description="Time forward+backward of the configured model on micro-batches of the configured data and "
+                    "fit cost = sum(alpha*L^2 + beta*L) + sum over media (alpha_e*n^2 + beta_e*n) by least squares. "
+                    "Use the result with data.cost_file=FILE.")
+    cal.add_argument("overrides", nargs="*", help="Hydra overrides, as for `omni train`")
+    cal.add_argument("--micro-batches", type=int, default=48, help="micro-batches to time (default 48)")
+    cal.add_argument("--repeats", type=int, default=3, help="timings per micro-batch; the median is used")
+    cal.add_argument("--out", default="cost.yaml", help="where to write the fitted cost model (default cost.yaml)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +108,16 @@ def _run(args: argparse.Namespace) -> int:
 
         if args.data_cmd == "demo":
             return demo_main(args.out, seed=args.seed, scale=args.scale)
+        if args.data_cmd == "plan":
+            from recipes.plan_cmd import plan_main
+
+            return plan_main(args.overrides, dp=args.dp, steps=args.steps, balance=args.balance, as_json=args.json,
+                             save_state=args.save_state, load_state=args.load_state)
+        if args.data_cmd == "calibrate":
+            from recipes.calibrate_cmd import calibrate_main
+
+            return calibrate_main(args.overrides, micro_batches=args.micro_batches, repeats=args.repeats,
+                                  out=args.out)
         return index_main(args.folder, workers=args.workers)
     if args.cmd == "plugins":
         from recipes.plugins_cmd import plugins_main

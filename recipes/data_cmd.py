@@ -12,9 +12,10 @@ def demo_main(out: str, seed: int = 0, scale: float = 1.0) -> int:
     return 0
 
 
-def index_main(folder: str, workers: int | None = None) -> int:
+def index_main(spec: str, workers: int | None = None) -> int:
     from dataloading.index import build_index
 
-    index = build_index(Path(folder), workers=workers, progress=True)
+    # A string, not a Path: Path would turn "s3://b/x" into "s3:/b/x".
+    index = build_index(spec, workers=workers, progress=True)
     print(f"omni: {index.summary()}")
     return 0

@@ -23,12 +23,12 @@ def train_main(overrides: list[str], print_cfg: bool = False) -> int:
 def run(cfg: OmniConfig):
     """Build everything from a composed config and train; returns the trainer's FitResult."""
     from dataloading.constructor import EvalSet
-    from dataloading.loader import build_loader
+    from dataloading.mixture import load_mixture
     from dataloading.tokenizer import load_tokenizer
     from omni.models.build import build_model, media_processors
     from omni.runtime.trainer import Trainer
-    from dataloading.mixture import load_mixture
     from parallel.layout import barrier, init_layout, shutdown
+    from recipes.data_plane import build_training_loader, mixture_path
 
     layout = init_layout(cfg.parallel, device=cfg.trainer.device)
     try:
@@ -37,32 +37,11 @@ def run(cfg: OmniConfig):
         torch.manual_seed(cfg.trainer.seed)
         model = build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
         processors = media_processors(model)
-        mixture, eval_dir = cfg.data.mixture, cfg.data.eval_dir
-        if mixture is None:
-            from dataloading.demo import ensure_demo_dataset
-
-            # Rank 0 generates the demo data on first use; the others then find it in the cache.
-            if layout.is_main:
-                ensure_demo_dataset(scale=cfg.data.demo_scale, progress=show)
-            barrier()
-            root = ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False)
-            mixture = str(root / "mixture.yaml")
+        mixture = mixture_path(cfg, layout.is_main, show, barrier)
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
-        eval_dir = eval_dir or load_mixture(mixture).eval
-        loader = build_loader(
-            mixture,
-            tokenizer,
-            processors,
-            seed=cfg.trainer.seed,
-            global_batch_size=cfg.data.global_batch_size,
-            dp_size=layout.dp_size,
-            dp_rank=layout.dp_rank,
-            micro_batch_tokens=cfg.data.micro_batch_tokens,
-            on_error=cfg.data.on_error,
-            max_skip_fraction=cfg.data.max_skip_fraction,
-            prefetch=cfg.data.prefetch,
-            progress=show,
-        )
+        eval_dir = cfg.data.eval_dir or load_mixture(mixture).eval
+        loader = build_training_loader(cfg, mixture, tokenizer, model, processors, layout.dp_size, layout.dp_rank,
+                                       show)
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ def tiny_overrides(demo_root: Path, run_dir: Path, **extra: object) -> list[str]
         "data.mixture": str(demo_root / "mixture.yaml"),
         "data.eval_dir": str(demo_root / "eval"),
         "data.global_batch_size": 4,
-        "data.prefetch": 0,
+        "data.num_workers": 0,
         "trainer.run_dir": str(run_dir),
         "trainer.progress": False,
         "trainer.eval_at_end": False,

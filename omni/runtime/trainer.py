@@ -71,10 +71,14 @@ class Trainer:
         global_targets = all_reduce_sum(batch.num_target_tokens, self.device)
         if global_targets == 0:
             raise UserError(f"step {batch.step} has no target tokens in the whole global batch; check the data")
-        n_micro = max(1, len(batch.micro_batches))
+        # Placeholder micro-batches (no samples: the planner gave this rank less work) carry no
+        # loss; with data parallelism alone nothing needs them, so they are not run.
+        # FSDP and pipeline schedules will have to run them to keep their collectives in step.
+        real = [mb for mb in batch.micro_batches if mb.sample_ids]
+        n_micro = max(1, len(real))
         ce_total = 0.0
         aux_total = 0.0
-        for mb in batch.micro_batches:
+        for mb in real:
             with self._autocast():
                 parts = self.model(mb.to(self.device))
                 loss = parts.ce_sum / global_targets
@@ -124,7 +128,8 @@ class Trainer:
             stats = self.train_step(batch)
             dt = time.perf_counter() - t0
             tokens = all_reduce_sum(batch.num_tokens, self.device)
-            record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt}
+            record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt,
+                      "data_wait_s": batch.data_wait_s, **batch.plan_stats}
             # Running totals kept by the loader (and in its checkpointed state), index-time ones included.
             problems = getattr(self.loader, "problems", None) or batch.problems
             if problems:

@@ -110,7 +110,8 @@ def test_over_budget_is_a_clear_error(reader, processors):
     with pytest.raises(DataError) as info:
         make(reader, processors, budget=10).build(["t/lm", "t/img"])
     assert str(info.value) == ("sample t/img needs 19 tokens but data.micro_batch_tokens=10; raise "
-                               "data.micro_batch_tokens or lower the image patch budget")
+                               "data.micro_batch_tokens, lower the image patch budget, or set data.over_budget "
+                               "(truncate, split, skip)")
 
 
 def test_mismatched_placeholders_skip_and_stop(reader, processors):

@@ -1,0 +1,282 @@
+"""Grouped length-balanced reordering: arrange a step's samples over DP ranks and micro-batches.
+
+The samples of a step are fixed by the mixture; only their arrangement changes. The goal is
+the smallest *maximum* rank cost (every step waits for the slowest rank), under the packing
+budget (each micro-batch holds at most ``budget`` tokens) and with the same number of
+micro-batches on every rank (pipeline and FSDP schedules need equal counts).
+
+Methods (``data.balance``):
+
+- ``none``: the plain order, equal sample counts per rank, micro-batches filled in order. The
+  baseline every data-parallel loader that reads its own slice gets.
+- ``sorted_greedy``: longest first onto the rank with the fewest *tokens* (length balancing
+  without the attention term), micro-batches first-fit decreasing.
+- ``lpt``: largest *cost* first onto the least-loaded rank (Graham's LPT, <= 4/3 of optimal).
+- ``kk``: Karmarkar-Karp multi-way differencing on cost.
+- ``balanced`` (default): the better of LPT and KK, then a refinement pass of moves and swaps
+  off the most loaded rank.
+
+Grouping: with ``group_size`` G < number of ranks, samples are first dealt to the R/G groups
+(LPT on cost, so groups carry equal work), then arranged within each group independently —
+G trades planning time (KK is O(n * G log G)) for balance.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from dataloading.errors import DataError
+
+METHODS = ("none", "sorted_greedy", "lpt", "kk", "balanced")
+KK_ITEMS_PER_RANK = 4  # `balanced` also tries KK when a rank gets at most this many items
+
+
+@dataclass
+class Arrangement:
+    """Item indices per rank per micro-batch, with what the balancer achieved."""
+
+    ranks: list[list[list[int]]]
+    rank_cost: np.ndarray  # [R]
+    rank_tokens: np.ndarray  # [R]
+    budget: int | None
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.ranks[0]) if self.ranks else 0
+
+    def stats(self, costs: np.ndarray) -> dict[str, float]:
+        """max/mean cost over ranks, the lower bound max(mean, largest item)/mean, utilisation."""
+        mean = float(self.rank_cost.mean()) if len(self.rank_cost) else 0.0
+        largest = float(costs.max()) if len(costs) else 0.0
+        mx = float(self.rank_cost.max()) if len(self.rank_cost) else 0.0
+        out = {"max_over_mean": mx / mean if mean > 0 else 1.0,
+               "lower_bound": max(mean, largest) / mean if mean > 0 else 1.0,
+               "max_cost": mx, "mean_cost": mean, "micro_batches": self.num_micro_batches}
+        if self.budget:
+            slots = len(self.ranks) * self.num_micro_batches * self.budget
+            out["utilisation"] = float(self.rank_tokens.sum()) / slots if slots else 1.0
+        return out
+
+
+# ---- rank assignment ---------------------------------------------------------------------
+def _lpt(weights: np.ndarray, k: int) -> list[list[int]]:
+    """Heaviest first onto the lightest bin (ties: lowest bin index, then item order)."""
+    order = np.lexsort((np.arange(len(weights)), -weights))
+    heap = [(0.0, b) for b in range(k)]
+    bins: list[list[int]] = [[] for _ in range(k)]
+    for i in order.tolist():
+        load, b = heapq.heappop(heap)
+        bins[b].append(i)
+        heapq.heappush(heap, (load + float(weights[i]), b))
+    return bins
+
+
+def _kk(weights: np.ndarray, k: int) -> list[list[int]]:
+    """Karmarkar-Karp differencing for k bins.
+
+    A partial solution is k bins kept heaviest first; only the non-empty ones are stored (the
+    rest are implicit zeros), so early merges of small partials cost O(their size), not O(k).
+    Merging the two partials with the largest spread pairs the heaviest bins of one with the
+    lightest of the other. Plain lists: numpy's per-call overhead would dominate.
+    """
+    heap = [(-w, i, [(w, [i])]) for i, w in enumerate(weights.tolist())]
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        _, _, b1 = heapq.heappop(heap)
+        _, _, b2 = heapq.heappop(heap)
+        p1, p2 = len(b1), len(b2)
+        merged = []
+        # Full vectors: b1 + zeros, and zeros + reversed(b2) (lightest first); add slot by slot.
+        for j in sorted(set(range(p1)) | set(range(max(0, k - p2), k))):
+            r = k - 1 - j  # slot j of reversed(b2) is b2[r] (b2 is heaviest first)
+            if j < p1 and r < p2:
+                s, items = b1[j]
+                items.extend(b2[r][1])  # neither partial is used again: reuse their lists
+                merged.append((s + b2[r][0], items))
+            else:
+                merged.append(b1[j] if j < p1 else b2[r])
+        merged.sort(key=lambda t: -t[0])
+        low = merged[-1][0] if len(merged) == k else 0.0
+        heapq.heappush(heap, (low - merged[0][0], tie, merged))
+        tie += 1
+    bins = [items for _, items in heap[0][2]] if heap else []
+    return bins + [[] for _ in range(k - len(bins))]
+
+
+def _loads(bins: list[list[int]], weights: np.ndarray) -> np.ndarray:
+    return np.array([float(weights[b].sum()) if b else 0.0 for b in bins])
+
+
+def _refine(bins: list[list[int]], weights: np.ndarray, max_rounds: int | None = None) -> list[list[int]]:
+    """Move or swap items off the most loaded bin while that lowers the maximum."""
+    k = len(bins)
+    bins = [list(b) for b in bins]
+    loads = _loads(bins, weights)
+    for _ in range(max_rounds or 4 * k + 16):
+        a = int(np.argmax(loads))
+        top = loads[a]
+        improved = False
+        wa = weights[bins[a]]
+        for b in np.argsort(loads).tolist():
+            if b == a or loads[b] >= top:
+                break
+            gap = top - loads[b]
+            # Move one item a -> b: new max of the pair is max(top - w, load_b + w) < top.
+            ok = (wa > 0) & (wa < gap)
+            if ok.any():
+                i = int(np.argmin(np.abs(wa - gap / 2) + np.where(ok, 0, np.inf)))
+                j = bins[a].pop(i)
+                bins[b].append(j)
+                loads[a] -= weights[j]
+                loads[b] += weights[j]
+                improved = True
+                break
+            # Swap x in a with y in b, 0 < x - y < gap: both sides end below top.
+            if bins[b]:
+                wb = weights[bins[b]]
+                d = wa[:, None] - wb[None, :]
+                ok = (d > 0) & (d < gap)
+                if ok.any():
+                    score = np.where(ok, np.abs(d - gap / 2), np.inf)
+                    i, jb = np.unravel_index(int(np.argmin(score)), score.shape)
+                    x, y = bins[a][i], bins[b][jb]
+                    bins[a][i], bins[b][jb] = y, x
+                    loads[a] += weights[y] - weights[x]
+                    loads[b] += weights[x] - weights[y]
+                    improved = True
+                    break
+        if not improved:
+            break
+    return bins
+
+
+def _assign(method: str, costs: np.ndarray, tokens: np.ndarray, k: int) -> list[list[int]]:
+    n = len(costs)
+    if method == "none":
+        return [list(range(r * n // k, (r + 1) * n // k)) for r in range(k)]
+    if method == "sorted_greedy":
+        return _lpt(tokens.astype(np.float64), k)
+    if method == "lpt":
+        return _lpt(costs, k)
+    if method == "kk":
+        return _kk(costs, k)
+    # balanced: the better start, then refinement. With many items per rank LPT is already
+    # within a hair of optimal and KK's O(n k log k) merges are not worth their time; with few
+    # (the hard regime, where one long item decides the step) both are tried.
+    start = _lpt(costs, k)
+    if n <= KK_ITEMS_PER_RANK * k:
+        kk = _kk(costs, k)
+        if _loads(kk, costs).max() < _loads(start, costs).max():
+            start = kk
+    return _refine(start, costs)
+
+
+def assign_ranks(costs: np.ndarray, tokens: np.ndarray, num_ranks: int, method: str = "balanced",
+                 group_size: int = 0) -> list[list[int]]:
+    """Item indices per rank."""
+    if method not in METHODS:
+        raise DataError(f"data.balance={method!r} is not a method; use one of {list(METHODS)}", kind="config")
+    g = num_ranks if group_size in (0, None) or group_size >= num_ranks else int(group_size)
+    if num_ranks % g:
+        raise DataError(f"data.balance_group={group_size} must divide the data-parallel size {num_ranks}",
+                        kind="config")
+    if method == "none" or g == num_ranks:
+        return _assign(method, costs, tokens, num_ranks)
+    groups = _lpt(costs, num_ranks // g) if method != "sorted_greedy" else _lpt(tokens.astype(np.float64),
+                                                                                num_ranks // g)
+    ranks: list[list[int]] = []
+    for members in groups:
+        idx = np.asarray(sorted(members), dtype=np.int64)
+        for local in _assign(method, costs[idx], tokens[idx], g):
+            ranks.append(idx[local].tolist())
+    return ranks
+
+
+# ---- micro-batches within a rank ---------------------------------------------------------
+def _ffd_bins(tokens: list[int], budget: int) -> int:
+    free: list[int] = []
+    for t in sorted(tokens, reverse=True):
+        for b, room in enumerate(free):
+            if t <= room:
+                free[b] -= t
+                break
+        else:
+            free.append(budget - t)
+    return len(free)
+
+
+def _pack(items: list[int], costs: list[float], tokens: list[int], m: int, budget: int | None,
+          by_cost: bool, in_order: bool) -> list[list[int]] | None:
+    """Items into exactly ``m`` micro-batches under ``budget``; None if they do not fit.
+
+    Plain Python on purpose: m is small, and per-item numpy calls would cost more than the loop.
+    """
+    bins: list[list[int]] = [[] for _ in range(m)]
+    room = [float("inf") if budget is None else float(budget)] * m
+    tok = tokens
+    if in_order:  # next-fit in the plain order: the baseline's packing
+        b = 0
+        for i in items:
+            while b < m and tok[i] > room[b]:
+                b += 1
+            if b == m:
+                return None
+            bins[b].append(i)
+            room[b] -= tok[i]
+        return bins
+    key = costs if by_cost else tok
+    load = [0.0] * m
+    for i in sorted(items, key=lambda j: (-key[j], j)):
+        best = -1
+        for b in range(m):
+            if tok[i] <= room[b] and (best < 0 or (by_cost and load[b] < load[best])):
+                best = b
+                if not by_cost:
+                    break  # first fit
+        if best < 0:
+            return None
+        bins[best].append(i)
+        room[best] -= tok[i]
+        load[best] += key[i]
+    return bins
+
+
+def arrange(costs, tokens, num_ranks: int, budget: int | None, method: str = "balanced",
+            group_size: int = 0) -> Arrangement:
+    """Assign items to ranks, then to the same number of micro-batches on every rank."""
+    costs = np.asarray(costs, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if budget is not None and len(tokens) and tokens.max() > budget:
+        i = int(np.argmax(tokens))
+        raise DataError(f"item {i} has {tokens[i]} tokens, over the micro-batch budget {budget}", kind="over_budget")
+    ranks = assign_ranks(costs, tokens, num_ranks, method, group_size)
+    in_order = method == "none"
+    tl = tokens.tolist()
+    by_cost = method not in ("none", "sorted_greedy")
+    if budget is None:
+        m = 1
+    elif in_order:  # next-fit count in the plain order
+        m = max(1, max(_next_fit_bins([tl[i] for i in r], budget) for r in ranks))
+    else:
+        m = max(1, max(_ffd_bins([tl[i] for i in r], budget) for r in ranks))
+    cost_list, token_list = costs.tolist(), tokens.tolist()
+    while True:  # cost-balanced packing may need one more micro-batch than first-fit
+        packed = [_pack(r, cost_list, token_list, m, budget, by_cost, in_order) for r in ranks]
+        if all(p is not None for p in packed):
+            break
+        m += 1
+    rank_cost = np.array([float(costs[r].sum()) if r else 0.0 for r in ranks])
+    rank_tokens = np.array([int(tokens[r].sum()) if r else 0 for r in ranks], dtype=np.int64)
+    return Arrangement(packed, rank_cost, rank_tokens, budget)
+
+
+def _next_fit_bins(tokens: list[int], budget: int) -> int:
+    bins, room = 0, 0
+    for t in tokens:
+        if bins == 0 or t > room:
+            bins, room = bins + 1, budget
+        room -= t
+    return bins

@@ -1,0 +1,53 @@
+"""Wiring of the data plane for `omni train`, `omni data plan` and `omni data calibrate`:
+the mixture file (the demo's when none is given), the cost model, the planner and the loader."""
+from __future__ import annotations
+
+from recipes.schema import OmniConfig
+
+
+def mixture_path(cfg: OmniConfig, is_main: bool = True, progress: bool = True, barrier=None) -> str:
+    """data.mixture, or the demo dataset's mixture (generated on first use by the main rank)."""
+    if cfg.data.mixture is not None:
+        return cfg.data.mixture
+    from dataloading.demo import ensure_demo_dataset
+
+    if is_main:
+        ensure_demo_dataset(scale=cfg.data.demo_scale, progress=progress)
+    if barrier is not None:
+        barrier()  # the other ranks then find it in the cache
+    return str(ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False) / "mixture.yaml")
+
+
+def cost_model(cfg: OmniConfig, model):
+    """The calibrated cost file when given, else FLOP-based defaults from the model config."""
+    from dataloading.cost import CostModel
+    from omni.models.cost import default_cost_model
+
+    return CostModel.load(cfg.data.cost_file) if cfg.data.cost_file else default_cost_model(model)
+
+
+def planner_kwargs(cfg: OmniConfig, model) -> dict:
+    d = cfg.data
+    return dict(seed=cfg.trainer.seed, global_batch_size=d.global_batch_size, micro_batch_tokens=d.micro_batch_tokens,
+                cost_model=cost_model(cfg, model), balance=d.balance, balance_group=d.balance_group,
+                over_budget=d.over_budget)
+
+
+def build_training_loader(cfg: OmniConfig, mixture: str, tokenizer, model, processors, dp_size: int, dp_rank: int,
+                          progress: bool):
+    from dataloading.loader import build_loader
+
+    d = cfg.data
+    return build_loader(mixture, tokenizer, processors, dp_size=dp_size, dp_rank=dp_rank, on_error=d.on_error,
+                        max_skip_fraction=d.max_skip_fraction, prefetch=d.prefetch, num_workers=d.num_workers,
+                        backend=d.backend, progress=progress, **planner_kwargs(cfg, model))
+
+
+def model_for_planning(cfg: OmniConfig, vocab_size: int):
+    """The model's structure without its weights (meta device): enough for processors and costs."""
+    import torch
+
+    from omni.models.build import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg.model, cfg.encoders, vocab_needed=vocab_size)

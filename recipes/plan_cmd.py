@@ -1,0 +1,99 @@
+"""`omni data plan`: a dry run of the data plane — what every DP rank would get, step by step.
+
+Reads only the metadata index (no tar is opened, no model weights are made): per step the
+balance (max/mean cost over ranks vs. the lower bound), the packing utilisation and the
+mixture shares; ``--json`` prints one object per step with every rank's cost, tokens and
+sample ids.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def _state_from_file(path: str) -> dict:
+    """A planner state: saved by --save-state, or a training checkpoint's trainer_state.pt."""
+    p = Path(path)
+    if not p.is_file():
+        from dataloading.errors import DataError
+
+        raise DataError(f"--load-state {p}: no such file; pass a file written by --save-state or a "
+                        f"checkpoint's trainer_state.pt", kind="config")
+    if p.suffix == ".pt":
+        import torch
+
+        sd = torch.load(p, map_location="cpu", weights_only=False)
+        sd = sd.get("loader", sd)
+    else:
+        sd = json.loads(p.read_text())
+    return sd.get("planner", sd)
+
+
+def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = None, as_json: bool = False,
+              save_state: str | None = None, load_state: str | None = None, out=None) -> int:
+    from dataloading.loader import build_planner
+    from dataloading.tokenizer import load_tokenizer
+    from omni.models.build import media_processors
+    from recipes.compose import compose_config
+    from recipes.data_plane import mixture_path, model_for_planning, planner_kwargs
+
+    out = out or sys.stdout
+    cfg = OmegaConf.to_object(compose_config(overrides))
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = model_for_planning(cfg, tokenizer.vocab_size)
+    mixture = mixture_path(cfg, progress=not as_json)
+    kwargs = planner_kwargs(cfg, model)
+    if balance is not None:
+        kwargs["balance"] = balance
+    planner, _ = build_planner(mixture, tokenizer, media_processors(model), dp_size=dp, progress=not as_json,
+                               **kwargs)
+    if load_state:
+        planner.load_state_dict(_state_from_file(load_state))
+    rows = []
+    for _ in range(steps):
+        plan = planner.plan()
+        planner.advance()
+        if as_json:
+            out.write(json.dumps(plan.to_json(), separators=(",", ":")) + "\n")
+        rows.append(plan)
+    if not as_json:
+        _print_table(rows, planner, kwargs["balance"], dp, mixture, out)
+    if save_state:
+        Path(save_state).write_text(json.dumps(planner.state_dict(), indent=1))
+        if not as_json:
+            out.write(f"planner state after step {planner.step - 1} saved to {save_state}; continue with "
+                      f"--load-state {save_state}\n")
+    return 0
+
+
+def _print_table(plans, planner, balance: str, dp: int, mixture: str, out) -> None:
+    names = planner.names
+    weights = {n: [] for n in names}
+    out.write(f"omni data plan: {mixture}, dp={dp}, balance={balance}, budget={planner.budget} tokens, "
+              f"global batch {planner.global_batch_size}\n\n")
+    share_cols = " | ".join(f"{n} %" for n in names)
+    out.write(f"| step | max/mean | lower bound | utilisation | micro-batches | skipped | {share_cols} |\n")
+    out.write("|" + "---|" * (6 + len(names)) + "\n")
+    totals = {n: 0 for n in names}
+    for p in plans:
+        total = sum(p.sources.values())
+        probs = dict(zip(names, planner.probabilities(p.step)))
+        for n in names:
+            totals[n] += p.sources.get(n, 0)
+            weights[n].append(probs[n])
+        shares = " | ".join(f"{100 * p.sources.get(n, 0) / total:.1f}" for n in names)
+        skipped = sum(p.skipped.values())
+        out.write(f"| {p.step} | {p.stats['max_over_mean']:.3f} | {p.stats['lower_bound']:.3f} | "
+                  f"{p.stats.get('utilisation', 1.0):.3f} | {p.stats['micro_batches']} | {skipped} | {shares} |\n")
+    ratios = [p.stats["max_over_mean"] for p in plans]
+    bounds = [p.stats["lower_bound"] for p in plans]
+    drawn = sum(totals.values())
+    out.write(f"\nsummary over {len(plans)} steps: max/mean mean {sum(ratios) / len(ratios):.3f}, worst "
+              f"{max(ratios):.3f} (lower bound mean {sum(bounds) / len(bounds):.3f}); utilisation mean "
+              f"{sum(p.stats.get('utilisation', 1.0) for p in plans) / len(plans):.3f}\n")
+    out.write("mixture: " + ", ".join(
+        f"{n} {100 * totals[n] / drawn:.1f}% (target {100 * sum(weights[n]) / len(weights[n]):.1f}%)"
+        for n in names) + "\n")
