@@ -16,11 +16,38 @@ class MediaInputs:
     sizes: torch.Tensor  # int64 [n_items, k]: per-item size (image: grid_h, grid_w; audio: n_frames)
     num_tokens: torch.Tensor  # int64 [n_items]: LLM tokens per item
     # Flat positions (into the micro-batch's packed row) that receive the encoder outputs,
-    # item after item; len == num_tokens.sum().
+    # item after item; len == num_tokens.sum(), or len(output_rows) when that is set.
     positions: torch.Tensor
+    # Under context parallelism a rank holds only some placeholders but still gets every item:
+    # the rows of the concatenated encoder output (item after item) that go to ``positions``,
+    # same order. None: all rows, in order.
+    output_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "MediaInputs":
-        return MediaInputs(*(t.to(device) for t in (self.features, self.sizes, self.num_tokens, self.positions)))
+        rows = None if self.output_rows is None else self.output_rows.to(device)
+        return MediaInputs(*(t.to(device) for t in (self.features, self.sizes, self.num_tokens, self.positions)),
+                           output_rows=rows)
+
+
+@dataclass
+class CPInfo:
+    """How a context-parallel rank's row was cut from the whole packed row (see
+    dataloading/context_parallel.py): what ring/Ulysses attention needs to put it back together.
+
+    For cp_size > 1 every document was padded to a multiple of 2*cp_size and cut into 2*cp_size
+    chunks of ``chunk_lens[d]`` tokens; rank r holds chunks r and 2*cp_size-1-r, so each document
+    contributes 2*chunk_lens[d] local tokens. For cp_size == 1 nothing is padded or cut: the rank
+    holds every document whole and ``chunk_lens`` equals ``doc_lens``."""
+
+    cp_size: int
+    cp_rank: int
+    global_cu_seqlens: torch.Tensor  # int32 [n_docs + 1]: padded document boundaries of the whole row
+    chunk_lens: torch.Tensor  # int32 [n_docs]
+    doc_lens: torch.Tensor  # int32 [n_docs]: unpadded lengths (the padding of doc d is its tail)
+
+    def to(self, device: torch.device | str) -> "CPInfo":
+        return CPInfo(self.cp_size, self.cp_rank, self.global_cu_seqlens.to(device), self.chunk_lens.to(device),
+                      self.doc_lens.to(device))
 
 
 @dataclass
@@ -33,6 +60,8 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # int32 [n_samples + 1]
     media: dict[str, MediaInputs] = field(default_factory=dict)
     sample_ids: list[str] = field(default_factory=list)
+    # Set when this is one context-parallel rank's share of a packed row; None: the whole row.
+    cp: CPInfo | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +79,7 @@ class MicroBatch:
             cu_seqlens=self.cu_seqlens.to(device),
             media={m: x.to(device) for m, x in self.media.items()},
             sample_ids=list(self.sample_ids),
+            cp=None if self.cp is None else self.cp.to(device),
         )
 
 

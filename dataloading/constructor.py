@@ -144,8 +144,9 @@ class SampleConstructor:
             if lo >= len(t):
                 raise DataError(f"sample {sid}: piece {piece} starts at token {lo} but the sample has {len(t)} "
                                 "(the index's length estimate was high); the piece is dropped", kind="split_piece_empty")
-            for _, _, p in t.media:
-                if p[0] < hi and p[-1] >= hi or p[0] < lo <= p[-1]:
+            cuts = range(budget, len(t), budget)
+            for _, _, p in t.media:  # a cut anywhere inside an item drops every piece (each counted)
+                if any(p[0] < c <= p[-1] for c in cuts):
                     raise DataError(f"sample {sid}: splitting it at {budget} tokens would cut a media item in two; "
                                     "raise data.micro_batch_tokens or use over_budget: truncate/skip for this source",
                                     kind="split_cuts_media")

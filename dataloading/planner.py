@@ -6,10 +6,12 @@ stream (only the arrangement changes). Everything random is derived from ``seed`
 position, never stored:
 
 - the permutation of a source in epoch ``e`` comes from (seed, crc32(name), e);
-- the per-source sample counts of step ``s`` come from (seed, s) and the weights at ``s``
-  (constants or piecewise-linear schedules): the global batch is split by the weights with
-  randomised rounding (systematic sampling of the remainders), so every step has exactly
-  ``global_batch_size`` samples and each source gets, on average, exactly its share;
+- the per-source sample counts of step ``s`` come from the weights at ``s`` (constants or
+  piecewise-linear schedules) and each source's *deficit* (its share so far minus what it
+  got, kept in the state): every step has exactly ``global_batch_size`` samples, the
+  remainders go to the sources furthest behind (ties broken by a draw from (seed, s)), so a
+  source's count never strays more than about one sample from its cumulative share — the
+  mixture holds over any window of steps, not just on average;
 - the arrangement over ranks and micro-batches is ``dataloading.balance.arrange`` on the
   samples' costs (``dataloading.cost.CostModel``) and token counts.
 
@@ -165,7 +167,7 @@ class Planner:
                                       options.get(n, SourceOptions())) for n in self.names}
         self.set_weights(weights)
         self.step = 0
-        self.state = {n: (0, 0) for n in self.names}  # name -> (epoch, cursor)
+        self.state = {n: (0, 0, 0.0) for n in self.names}  # name -> (epoch, cursor, deficit)
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self._keypos: dict[str, dict[str, int]] = {}
 
@@ -197,18 +199,23 @@ class Planner:
         return w / w.sum()
 
     # ---- the random streams ---------------------------------------------------------
-    def counts(self, step: int) -> dict[str, int]:
-        """Samples per source in ``step``: floor of the share, remainders by systematic sampling."""
-        exact = self.global_batch_size * self.probabilities(step)
-        base = np.floor(exact).astype(np.int64)
+    def counts(self, step: int, state: Mapping[str, tuple] | None = None) -> dict[str, int]:
+        """Samples per source in ``step`` given the deficits in ``state`` (default: current)."""
+        state = self.state if state is None else state
+        probs = self.probabilities(step)
+        deficit = np.array([state[n][2] for n in self.names])
+        want = np.where(probs > 0, self.global_batch_size * probs + deficit, 0.0)  # weight 0: nothing owed
+        base = np.maximum(np.floor(want), 0).astype(np.int64)
         rem = self.global_batch_size - int(base.sum())
-        if rem > 0:
-            rng = np.random.default_rng([_seed_words(self.seed), int(step), _COUNTS_TAG])
-            # Each source is picked with probability equal to its fractional part (< 1, so
-            # at most once), and exactly ``rem`` are picked.
-            edges = np.cumsum(exact - base)
-            picks = np.searchsorted(edges, rng.random() + np.arange(rem), side="right")
-            np.add.at(base, np.minimum(picks, len(base) - 1), 1)
+        rng = np.random.default_rng([_seed_words(self.seed), int(step), _COUNTS_TAG])
+        tiebreak = rng.random(len(base))
+        frac = want - base
+        if rem > 0:  # the sources furthest behind get the remaining samples
+            order = np.lexsort((tiebreak, -frac))
+            base[order[:rem]] += 1
+        elif rem < 0:  # sources ahead of their share (clipped at 0 above) give back
+            order = [i for i in np.lexsort((tiebreak, frac)) if base[i] > 0]
+            base[order[:-rem]] -= 1
         return {n: int(c) for n, c in zip(self.names, base) if c > 0}
 
     def permutation(self, name: str, epoch: int) -> np.ndarray:
@@ -219,12 +226,15 @@ class Planner:
             self._perms[name] = cached
         return cached[1]
 
-    def _draw(self, step: int, state: dict[str, tuple[int, int]]) -> tuple[list[tuple[str, int]], dict]:
+    def _draw(self, step: int, state: dict[str, tuple]) -> tuple[list[tuple[str, int]], dict]:
         """The (source, sample index) of one step, and the state after it."""
-        state = dict(state)
+        counts = self.counts(step, state)
+        probs = dict(zip(self.names, self.probabilities(step).tolist()))
+        state = {n: (e, c, (d + self.global_batch_size * probs[n] - counts.get(n, 0)) if probs[n] > 0 else 0.0)
+                 for n, (e, c, d) in state.items()}
         picked: list[tuple[str, int]] = []
-        for name, k in self.counts(step).items():
-            epoch, cursor = state[name]
+        for name, k in counts.items():
+            epoch, cursor, deficit = state[name]
             n = len(self.tables[name])
             while k > 0:
                 take = min(k, n - cursor)
@@ -232,7 +242,7 @@ class Planner:
                 cursor, k = cursor + take, k - take
                 if cursor == n:  # epoch boundary: continue in the next permutation
                     epoch, cursor = epoch + 1, 0
-            state[name] = (epoch, cursor)
+            state[name] = (epoch, cursor, deficit)
         return picked, state
 
     # ---- samples -> units of work (the over-budget policy) --------------------------
@@ -312,17 +322,17 @@ class Planner:
 
     # ---- checkpointing --------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"version": 1, "seed": self.seed, "step": self.step,
-                "sources": {n: {"epoch": e, "cursor": c, "num_samples": len(self.tables[n])}
-                            for n, (e, c) in self.state.items()}}
+        return {"version": 2, "seed": self.seed, "step": self.step,
+                "sources": {n: {"epoch": e, "cursor": c, "deficit": d, "num_samples": len(self.tables[n])}
+                            for n, (e, c, d) in self.state.items()}}
 
     def load_state_dict(self, sd: Mapping) -> None:
-        if sd.get("version") != 1:
-            raise DataError(f"data state version {sd.get('version')} is not supported (expected 1)", kind="config")
+        if sd.get("version") not in (1, 2):  # v1 had no deficits: they start at 0
+            raise DataError(f"data state version {sd.get('version')} is not supported (expected 2)", kind="config")
         if int(sd["seed"]) != self.seed:
             raise DataError(f"the checkpoint's data state uses seed {sd['seed']} but the planner has seed "
                             f"{self.seed}; resume with the same data seed", kind="config")
-        state = {n: (0, 0) for n in self.names}  # a source new to the mixture starts fresh
+        state = {n: (0, 0, 0.0) for n in self.names}  # a source new to the mixture starts fresh
         for name, s in sd["sources"].items():
             if name not in self.tables:
                 log.warning("data state has source %r that is not in the mixture any more: dropped", name)
@@ -331,7 +341,7 @@ class Planner:
             if s.get("num_samples", n) != n:
                 log.warning("source %s had %s samples when saved, now %d: its order changes from here",
                             name, s["num_samples"], n)
-            state[name] = (int(s["epoch"]), min(int(s["cursor"]), n))
+            state[name] = (int(s["epoch"]), min(int(s["cursor"]), n), float(s.get("deficit", 0.0)))
         self.state = state
         self.step = int(sd["step"])
 

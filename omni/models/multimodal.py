@@ -57,6 +57,8 @@ class OmniModel(nn.Module):
             if modality not in self.encoders:
                 raise KeyError(f"the batch has {modality} inputs but the model has no {modality} encoder")
             out = self.embed_media(modality, inputs).to(embeds.dtype)
+            if inputs.output_rows is not None:  # a context-parallel rank keeps its placeholders' rows
+                out = out[inputs.output_rows]
             if out.shape[0] != inputs.positions.numel():
                 raise RuntimeError(
                     f"{modality} encoder produced {out.shape[0]} tokens for {inputs.positions.numel()} placeholders"

@@ -71,7 +71,8 @@ def test_every_epoch_is_a_permutation(sources, processors):
     planner = Planner(sources, {"c": 1.0}, 0, 3, 1, processors=processors)
     drawn = [sid for plan in run(planner, 14) for sid in plan.rank_units(0)]  # 42 draws across epoch edges
     assert sorted(drawn) == sorted(everything * 6)
-    assert planner.state_dict()["sources"]["c"] == {"epoch": 6, "cursor": 0, "num_samples": 7}
+    assert planner.state_dict()["sources"]["c"] == {"epoch": 6, "cursor": 0, "deficit": 0.0,
+                                                   "num_samples": 7}
 
 
 @pytest.mark.parametrize("new_dp", [2, 4])

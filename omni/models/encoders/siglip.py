@@ -9,6 +9,7 @@ each image's grid exactly as transformers' ``interpolate_pos_encoding=True`` doe
 Weights load from a ``SiglipVisionModel`` or a full ``SiglipModel`` checkpoint directory; the
 patch Conv2d (stride == kernel) becomes a Linear over flattened (channel, row, col) patches.
 """
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
@@ -112,15 +113,38 @@ class SiglipProcessor:
 
     modality = "image"
 
+    RESIZE_POLICIES = ("fit", "square")
+
     def __init__(self, config: SiglipEncoderConfig):
         self.patch_size = config.patch_size
         self.num_channels = config.num_channels
         self.max_patches = config.max_patches
         self.min_patches = config.min_patches
+        self.resize = "fit"
         self.mean = np.asarray(config.image_mean, dtype=np.float32)
         self.std = np.asarray(config.image_std, dtype=np.float32)
 
+    def with_options(self, max_patches: Optional[int] = None, min_patches: Optional[int] = None,
+                     resize: Optional[str] = None) -> "SiglipProcessor":
+        """A copy with one data source's settings (mixture file ``image:`` options).
+
+        ``resize="fit"`` keeps the aspect ratio inside the patch budget (NaViT style);
+        ``"square"`` resizes every image to the largest square grid in the budget (classic
+        fixed-resolution SigLIP input)."""
+        other = copy.copy(self)
+        other.max_patches = int(max_patches) if max_patches is not None else self.max_patches
+        other.min_patches = int(min_patches) if min_patches is not None else min(self.min_patches, other.max_patches)
+        other.resize = resize or self.resize
+        if other.resize not in self.RESIZE_POLICIES:
+            raise ValueError(f"image resize policy {other.resize!r} is not one of {self.RESIZE_POLICIES}")
+        if not 1 <= other.min_patches <= other.max_patches:
+            raise ValueError(f"need 1 <= min_patches ({other.min_patches}) <= max_patches ({other.max_patches})")
+        return other
+
     def grid(self, height: int, width: int) -> Tuple[int, int]:
+        if self.resize == "square":
+            side = max(1, math.isqrt(self.max_patches))
+            return side, side
         return patch_grid(int(height), int(width), self.patch_size, self.max_patches, self.min_patches)
 
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:

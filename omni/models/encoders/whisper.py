@@ -7,8 +7,11 @@ convolutions run without bleeding across clips, each clip gets positions 0..n-1 
 
 Clips longer than ``max_frames`` mel frames (default 2 * max_source_positions, i.e. 30 s for
 Whisper) are rejected with a clear error by the processor (and by the token count from
-metadata); they are not chunked. Split long recordings upstream.
+metadata), unless the data source sets ``audio: {chunk_seconds: S}``: then a long clip is cut
+into equal chunks of at most S seconds, each encoded as its own clip, and their outputs fill
+the clip's placeholder one after the other.
 """
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
@@ -129,6 +132,7 @@ class WhisperProcessor:
         self.hop_length = config.hop_length
         self.num_mel_bins = config.num_mel_bins
         self.max_frames = config.max_frames
+        self.chunk_samples: Optional[int] = None  # set per data source by with_options(chunk_seconds=...)
         self.mel_filters = mel_filter_bank(
             num_frequency_bins=1 + config.n_fft // 2,
             num_mel_filters=config.num_mel_bins,
@@ -138,6 +142,25 @@ class WhisperProcessor:
             norm="slaney",
             mel_scale="slaney",
         )
+
+    def with_options(self, chunk_seconds: Optional[float] = None) -> "WhisperProcessor":
+        """A copy with one data source's settings (mixture file ``audio:`` options)."""
+        other = copy.copy(self)
+        if chunk_seconds is not None:
+            longest = self.max_frames * self.hop_length / self.sampling_rate
+            if not 0 < chunk_seconds <= longest:
+                raise ValueError(f"audio chunk_seconds={chunk_seconds} must be in (0, {longest:g}] (max_frames)")
+            other.chunk_samples = int(chunk_seconds * self.sampling_rate)
+        return other
+
+    def chunk_bounds(self, n: int) -> List[Tuple[int, int]]:
+        """Sample ranges of the chunks of a clip of ``n`` samples at ``sampling_rate``: equal
+        lengths (so no tiny last chunk), each at most ``chunk_samples``."""
+        if self.chunk_samples is None or n <= self.chunk_samples:
+            return [(0, n)]
+        k = -(-n // self.chunk_samples)
+        cuts = [round(i * n / k) for i in range(k + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
 
     def num_frames(self, num_samples: int, sample_rate: int) -> int:
         """Mel frames of a clip, after resampling to ``sampling_rate``; raises for clips that
@@ -160,7 +183,11 @@ class WhisperProcessor:
         return frames
 
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
-        return output_frames(self.num_frames(meta["num_samples"], meta["sample_rate"]))
+        n, sr = int(meta["num_samples"]), int(meta["sample_rate"])
+        if self.chunk_samples is not None and sr != self.sampling_rate:
+            n = -(-n * self.sampling_rate // sr)  # chunking happens after resampling
+            sr = self.sampling_rate
+        return sum(output_frames(self.num_frames(b - a, sr)) for a, b in self.chunk_bounds(n))
 
     def log_mel(self, wave: np.ndarray) -> torch.Tensor:
         """[n] float32 samples at ``sampling_rate`` -> [num_mel_bins, n // hop_length]."""
@@ -183,12 +210,17 @@ class WhisperProcessor:
             wave = wave.mean(axis=1)
         if wave.ndim != 1:
             raise ValueError(f"waveform must be [n] or [n, channels], got shape {tuple(wave.shape)}")
-        frames = self.num_frames(wave.shape[0], sample_rate)
+        if self.chunk_samples is None:
+            self.num_frames(wave.shape[0], sample_rate)  # too short or too long: fail before resampling
         if int(sample_rate) != self.sampling_rate:
             wave = resample(wave, int(sample_rate), self.sampling_rate)
-        feats = self.log_mel(wave).T.contiguous()  # [frames, mel]
-        assert feats.shape[0] == frames
-        return MediaItem(features=feats, size=(frames,), num_tokens=output_frames(frames))
+        items = []
+        for a, b in self.chunk_bounds(wave.shape[0]):
+            frames = self.num_frames(b - a, self.sampling_rate)
+            feats = self.log_mel(wave[a:b]).T.contiguous()  # [frames, mel]
+            assert feats.shape[0] == frames
+            items.append(MediaItem(features=feats, size=(frames,), num_tokens=output_frames(frames)))
+        return items[0] if len(items) == 1 else items
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

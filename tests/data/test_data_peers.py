@@ -1,0 +1,70 @@
+"""TP/CP/PP peers of a data-parallel rank fetch a step once and share it (gloo, 2 processes)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peer(rank, port, mixture, cp_size, out):
+    from dataloading.context_parallel import merge_cp_slices
+    from dataloading.loader import build_loader
+    from dataloading.tokenizer import ByteTokenizer
+    from omni.runtime.data_feed import PeerFeed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        def make():
+            return build_loader(mixture, ByteTokenizer(), {}, seed=1, global_batch_size=4, dp_size=1, dp_rank=0,
+                                micro_batch_tokens=1024, num_workers=0, progress=False)
+        feed = PeerFeed(make() if rank == 0 else None, None, src=0, cp_size=cp_size, cp_rank=rank,
+                        pad_id=ByteTokenizer().eos_id)
+        got = [next(feed) for _ in range(2)]
+        state = feed.state_dict()
+        mine = [[(mb.input_ids, mb.labels, mb.position_ids) for mb in b.micro_batches] for b in got]
+        everyone = [None, None]
+        dist.all_gather_object(everyone, (mine, state, [b.micro_batches for b in got]))
+        if rank == 0:
+            ref = make()
+            full = [next(ref) for _ in range(2)]
+            ok = everyone[0][1] == everyone[1][1] == ref.state_dict()
+            for s, b in enumerate(full):
+                for m, mb in enumerate(b.micro_batches):
+                    if cp_size == 1:
+                        for r in range(2):
+                            ok &= all(torch.equal(x, y) for x, y in zip(everyone[r][0][s][m],
+                                                                        (mb.input_ids, mb.labels, mb.position_ids)))
+                    else:
+                        merged = merge_cp_slices([everyone[r][2][s][m] for r in range(2)])
+                        ok &= torch.equal(merged.input_ids, mb.input_ids) and torch.equal(merged.labels, mb.labels)
+                        ok &= everyone[0][2][s][m].num_tokens == everyone[1][2][s][m].num_tokens
+            out.put(bool(ok))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_peers_receive_the_source_ranks_steps(demo_dir, tmp_path, cp_size):
+    mixture = tmp_path / "text.yaml"  # text only: the spawned peers need no media processors
+    mixture.write_text(f"sources:\n  - {{name: text, path: {demo_dir / 'text'}, weight: 1}}\n")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_peer, args=(r, port, mixture, cp_size, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert out.get(timeout=5) is True
