@@ -55,6 +55,15 @@ class ProblemCounter:
         self.examples: dict[str, str] = {}  # first message per kind, for the summary
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:  # picklable (spawned workers, Ray actors): the lock is not
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     @property
     def skipped(self) -> int:
         return sum(self.counts.values())

@@ -84,3 +84,17 @@ def test_plan_errors_are_one_line(tmp_path, capsys):
     assert main(["data", "plan", f"data.mixture={tmp_path / 'none.yaml'}", "--dp", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("omni: error: mixture file") and err.count("\n") == 1
+
+
+def test_load_state_from_a_training_checkpoint(skewed_mixture, tmp_path):
+    import torch
+
+    overrides = [f"data.mixture={skewed_mixture}", "data.micro_batch_tokens=4096", "data.global_batch_size=256"]
+    state = tmp_path / "s.json"
+    plan_main(overrides, dp=16, steps=2, as_json=True, save_state=str(state), out=io.StringIO())
+    ckpt = tmp_path / "trainer_state.pt"
+    torch.save({"step": 2, "loader": {"planner": json.loads(state.read_text()), "problems": {}}}, ckpt)
+    a, b = io.StringIO(), io.StringIO()
+    plan_main(overrides, dp=16, steps=1, as_json=True, load_state=str(ckpt), out=a)
+    plan_main(overrides, dp=16, steps=1, as_json=True, load_state=str(state), out=b)
+    assert json.loads(a.getvalue())["step"] == 2 and a.getvalue() == b.getvalue()
