@@ -19,7 +19,7 @@ _EXPORTS = {
     "Mixture": "mixture", "SourceSpec": "mixture", "load_mixture": "mixture",
     "Planner": "planner", "estimate_tokens": "planner",
     "SampleConstructor": "constructor", "EvalSet": "constructor", "dummy_micro_batch": "constructor",
-    "StepLoader": "loader", "build_loader": "loader",
+    "StepLoader": "loader", "build_loader": "loader", "RayStepLoader": "ray_backend",
     "write_demo_dataset": "demo", "ensure_demo_dataset": "demo",
 }
 

@@ -33,6 +33,8 @@ class DataConfig:
     cost_file: Optional[str] = None
     # inline (planner in the training job, constructors in worker processes) or ray (actors).
     backend: str = "inline"
+    # backend=ray: the cluster to join (None: a running local Ray, else one started here).
+    ray_address: Optional[str] = None
     # What to do with a bad sample (corrupt media, placeholder mismatch): "skip" or "stop".
     on_error: str = "skip"
     # Skipping more than this fraction of samples stops the run.

@@ -25,16 +25,16 @@ from dataloading.constructor import SampleConstructor
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.index import SourceIndex
 from dataloading.media import MediaProcessor
-from dataloading.planner import Planner
+from dataloading.planner import Planner, StepPlan
 from dataloading.tokenizer import Tokenizer
 
 BACKENDS = ("inline", "ray")
 _SLOT_BYTES = 512  # per worker: "<pid> <step> <unit id>" of the sample it is on
 
 
-class _Failed:
-    """A data error met in a worker, carried back whole (DataLoader would re-wrap it as a
-    multi-line traceback and lose its kind)."""
+class FailedStep:
+    """A data error met while building a step in a worker or actor, carried back whole
+    (DataLoader and Ray would re-wrap it as a multi-line traceback and lose its kind)."""
 
     def __init__(self, error: DataError):
         self.message, self.kind = str(error), error.kind
@@ -56,14 +56,22 @@ class _StepJobs:
         while True:
             plan = work.plan()
             work.advance()
-            stats = {"balance_max_over_mean": plan.stats["max_over_mean"],
-                     "balance_lower_bound": plan.stats["lower_bound"],
-                     "utilisation": plan.stats.get("utilisation", 1.0)}
-            yield plan.step, plan.rank(self.dp_rank), plan.skipped, stats, work.state_dict()
+            yield step_job(plan, self.dp_rank, work.state_dict())
 
 
-class _BuildSteps(tud.Dataset):
-    """The 'dataset' the DataLoader workers index with jobs: builds one rank's step."""
+def step_job(plan: StepPlan, rank: int, state_after: dict) -> tuple:
+    """What one rank's constructor needs for a step (both backends): (step, its micro-batches
+    of unit ids, samples planned out, the step's balance over all ranks, the planner state
+    after the step)."""
+    stats = {"balance_max_over_mean": plan.stats["max_over_mean"],
+             "balance_lower_bound": plan.stats["lower_bound"],
+             "utilisation": plan.stats.get("utilisation", 1.0)}
+    return plan.step, plan.rank(rank), plan.skipped, stats, state_after
+
+
+class BuildSteps(tud.Dataset):
+    """Builds one rank's step from a job (``step_job``): the 'dataset' the DataLoader workers
+    index with jobs, and what the Ray constructor actors run."""
 
     def __init__(self, constructor: SampleConstructor, slots):
         self.constructor = constructor
@@ -82,7 +90,7 @@ class _BuildSteps(tud.Dataset):
         try:
             mbs, met = self.constructor.build_planned(micro_batches, on_sample=lambda u: self._mark(step, u))
         except DataError as e:
-            return _Failed(e)
+            return FailedStep(e)
         for kind, n in skipped.items():  # planned out (over budget, too many media): counted too
             met[kind] = met.get(kind, 0) + n
         return StepBatch(step, mbs, met, plan_stats=stats), state
@@ -110,7 +118,7 @@ class StepLoader:
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         self._slots = ctx.Array(ctypes.c_char, _SLOT_BYTES * max(1, self.num_workers), lock=False)
         loader = tud.DataLoader(
-            _BuildSteps(self.constructor, self._slots), sampler=_StepJobs(self.planner, self.dp_rank),
+            BuildSteps(self.constructor, self._slots), sampler=_StepJobs(self.planner, self.dp_rank),
             batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
             prefetch_factor=self.prefetch if self.num_workers else None,
             multiprocessing_context=ctx if self.num_workers else None,
@@ -154,7 +162,7 @@ class StepLoader:
             self.close()
             raise
         wait = time.perf_counter() - t0
-        if isinstance(item, _Failed):
+        if isinstance(item, FailedStep):
             self.close()
             raise DataError(item.message, kind=item.kind)
         batch, state = item
@@ -213,7 +221,8 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
                  seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                  on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
-                 backend: str = "inline", build_missing_index: bool = False, progress: bool = True) -> StepLoader:
+                 backend: str = "inline", ray_address: str | None = None, build_missing_index: bool = False,
+                 progress: bool = True) -> StepLoader:
     """Mixture YAML -> indices -> Planner + SampleConstructor -> a loader for one DP rank.
 
     ``backend="inline"``: planner here, constructors in DataLoader workers (StepLoader).
@@ -233,7 +242,7 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
     if backend == "ray":
         from dataloading.ray_backend import RayStepLoader
 
-        loader = RayStepLoader(planner, constructor, dp_rank, prefetch)
+        loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address)
     else:
         loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers)
     loader.problems.update(_index_problems(indices, on_error))
