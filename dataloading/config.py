@@ -21,6 +21,8 @@ class DataConfig:
     num_workers: int = 1
     # Steps each worker builds ahead of the trainer.
     prefetch: int = 2
+    # Stop (naming the sample a worker is on) if no step arrives for this long; 0: wait forever.
+    worker_timeout_s: float = 600.0
     # How a step's samples are arranged over DP ranks and micro-batches (dataloading/balance.py):
     # balanced (LPT or Karmarkar-Karp + refinement on the cost model), lpt, kk, sorted_greedy, none.
     balance: str = "balanced"

@@ -98,7 +98,7 @@ class BuildSteps(tud.Dataset):
 
 class StepLoader:
     def __init__(self, planner: Planner, constructor: SampleConstructor, dp_rank: int, prefetch: int = 2,
-                 num_workers: int = 1):
+                 num_workers: int = 1, worker_timeout_s: float = 600.0):
         if not 0 <= dp_rank < planner.dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
         if num_workers < 0 or prefetch < 1:
@@ -109,6 +109,9 @@ class StepLoader:
         self.dp_rank = dp_rank
         self.prefetch = prefetch
         self.num_workers = num_workers
+        # A worker stuck (a hung network mount, a decoder in an endless loop) must not hang the
+        # run: past this many seconds for one step the run stops naming the sample it is on.
+        self.worker_timeout_s = worker_timeout_s
         self.problems: dict[str, int] = {}  # totals over the steps handed out
         self._iter = None
         self._slots = None
@@ -122,10 +125,12 @@ class StepLoader:
             batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
             prefetch_factor=self.prefetch if self.num_workers else None,
             multiprocessing_context=ctx if self.num_workers else None,
+            timeout=self.worker_timeout_s if self.num_workers else 0,
             persistent_workers=False)
         self._iter = iter(loader)
 
-    def _worker_died(self, err: BaseException) -> DataError:
+    def _workers_doing(self, err: BaseException, verb: str, others: str = "was on") -> str:
+        """What each worker was doing, from its slot; the one named in ``err`` first."""
         raw = bytes(self._slots) if self._slots is not None else b""
         doing = []
         for w in range(self.num_workers):
@@ -133,13 +138,10 @@ class StepLoader:
             if text:
                 pid, step, unit = text.split(" ", 2)
                 if pid in str(err):
-                    doing.insert(0, f"worker pid {pid} died on sample {unit} (step {step})")
+                    doing.insert(0, f"worker pid {pid} {verb} sample {unit} (step {step})")
                 else:
-                    doing.append(f"worker pid {pid} was on sample {unit} (step {step})")
-        where = "; ".join(doing) or "no sample had been started"
-        return DataError(f"a data worker died: {where} ({err}); check that sample's media (a decoder crash or "
-                         f"out-of-memory), or run with data.num_workers=0 to see the error in-process",
-                         kind="worker_died")
+                    doing.append(f"worker pid {pid} {others} sample {unit} (step {step})")
+        return "; ".join(doing) or "no sample had been started"
 
     # ---- consuming ------------------------------------------------------------------
     def __iter__(self) -> "StepLoader":
@@ -155,12 +157,20 @@ class StepLoader:
             self.close()
             raise
         except RuntimeError as e:
-            if "worker" in str(e) and "exited unexpectedly" in str(e):
-                err = self._worker_died(e)
+            msg = str(e)
+            if "worker" in msg and "exited unexpectedly" in msg:
+                err = DataError(f"a data worker died: {self._workers_doing(e, 'died on')} ({msg}); check that "
+                                "sample's media (a decoder crash or out-of-memory), or run with data.num_workers=0 "
+                                "to see the error in-process", kind="worker_died")
+            elif "timed out" in msg:
+                err = DataError(f"no step from the data workers in {self.worker_timeout_s:g} s: "
+                                f"{self._workers_doing(e, 'is on', 'is on')}; check the storage the shards live on, or raise "
+                                "data.worker_timeout_s if steps are that slow to build", kind="worker_timeout")
+            else:
                 self.close()
-                raise err from None
+                raise
             self.close()
-            raise
+            raise err from None
         wait = time.perf_counter() - t0
         if isinstance(item, FailedStep):
             self.close()
@@ -220,6 +230,7 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
 def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
                  seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                  on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
+                 worker_timeout_s: float = 600.0,
                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
                  backend: str = "inline", ray_address: str | None = None, build_missing_index: bool = False,
                  progress: bool = True) -> StepLoader:
@@ -244,7 +255,7 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
 
         loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address)
     else:
-        loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers)
+        loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers, worker_timeout_s)
     loader.problems.update(_index_problems(indices, on_error))
     return loader
 

@@ -251,6 +251,29 @@ def test_a_dying_worker_is_reported_with_its_sample(tmp_path, processors, media_
     assert info.value.kind == "worker_died" and "died on sample img/k5 (step 0)" in str(info.value)
 
 
+class Hangs(DiesOn):
+    def __call__(self, raw):
+        if raw.shape[0] == 40:
+            import time
+
+            time.sleep(60)
+        return self.inner(raw)
+
+
+def test_a_stuck_worker_stops_the_run_naming_its_sample(tmp_path, processors, media_bytes):
+    png, _ = media_bytes
+    write_source(tmp_path / "img", [{"__key__": f"k{i}", "txt": "<image>", "png": png(40 if i == 2 else 8, 8)}
+                                    for i in range(4)])
+    mix = write_mixture(tmp_path, """
+        sources:
+          - {name: img, path: img, weight: 1}
+        """)
+    ld = loader(mix, {"image": Hangs(processors["image"])}, batch=4, workers=1, worker_timeout_s=2)
+    with pytest.raises(DataError) as info:
+        next(ld)
+    assert info.value.kind == "worker_timeout" and "is on sample img/k2 (step 0)" in str(info.value)
+
+
 def test_batches_carry_data_wait_and_balance(demo_dir, processors):
     ld = build_loader(demo_dir / "mixture.yaml", TOK, processors, seed=0, global_batch_size=8, dp_size=2,
                       dp_rank=1, micro_batch_tokens=1024, num_workers=1, progress=False)
