@@ -22,6 +22,7 @@ G trades planning time (KK is O(n * G log G)) for balance.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ from dataloading.errors import DataError
 
 METHODS = ("none", "sorted_greedy", "lpt", "kk", "balanced")
 KK_ITEMS_PER_RANK = 4  # `balanced` also tries KK when a rank gets at most this many items
+REFINE_TOLERANCE = 1e-3  # refinement stops within 0.1% of the lower bound
+PACK_CANDIDATES = 4  # least-loaded micro-batches tried per item before the roomiest one
 
 
 @dataclass
@@ -111,13 +114,21 @@ def _loads(bins: list[list[int]], weights: np.ndarray) -> np.ndarray:
 
 
 def _refine(bins: list[list[int]], weights: np.ndarray, max_rounds: int | None = None) -> list[list[int]]:
-    """Move or swap items off the most loaded bin while that lowers the maximum."""
+    """Move or swap items off the most loaded bin while that lowers the maximum.
+
+    Stops once the maximum is within REFINE_TOLERANCE of the lower bound max(mean, largest
+    item) — nothing measurable is left to gain — or after a fixed number of rounds (never a
+    time limit: the plan must be a pure function of its inputs).
+    """
     k = len(bins)
     bins = [list(b) for b in bins]
     loads = _loads(bins, weights)
-    for _ in range(max_rounds or 4 * k + 16):
+    bound = max(float(loads.mean()), float(weights.max()) if len(weights) else 0.0)
+    for _ in range(max_rounds or 2 * k + 16):
         a = int(np.argmax(loads))
         top = loads[a]
+        if top <= bound * (1 + REFINE_TOLERANCE):
+            break
         improved = False
         wa = weights[bins[a]]
         for b in np.argsort(loads).tolist():
@@ -197,50 +208,66 @@ def assign_ranks(costs: np.ndarray, tokens: np.ndarray, num_ranks: int, method: 
 
 # ---- micro-batches within a rank ---------------------------------------------------------
 def _ffd_bins(tokens: list[int], budget: int) -> int:
-    free: list[int] = []
+    """Bins needed by best-fit decreasing (as good as first-fit decreasing; O(n log m))."""
+    rooms: list[int] = []  # sorted free space of the open bins
     for t in sorted(tokens, reverse=True):
-        for b, room in enumerate(free):
-            if t <= room:
-                free[b] -= t
-                break
+        i = bisect.bisect_left(rooms, t)  # the tightest bin it fits in
+        if i == len(rooms):
+            bisect.insort(rooms, budget - t)
         else:
-            free.append(budget - t)
-    return len(free)
+            bisect.insort(rooms, rooms.pop(i) - t)
+    return len(rooms)
 
 
 def _pack(items: list[int], costs: list[float], tokens: list[int], m: int, budget: int | None,
           by_cost: bool, in_order: bool) -> list[list[int]] | None:
     """Items into exactly ``m`` micro-batches under ``budget``; None if they do not fit.
 
-    Plain Python on purpose: m is small, and per-item numpy calls would cost more than the loop.
+    ``in_order``: next-fit in the given order (the baseline). Otherwise largest first, each into
+    the least-loaded micro-batch (by cost, or by tokens) that still has room for it. Plain
+    Python and a heap: m is small, and per-item numpy calls would cost more than the loop.
     """
     bins: list[list[int]] = [[] for _ in range(m)]
-    room = [float("inf") if budget is None else float(budget)] * m
-    tok = tokens
-    if in_order:  # next-fit in the plain order: the baseline's packing
+    cap = float("inf") if budget is None else float(budget)
+    room = [cap] * m
+    if in_order:
         b = 0
         for i in items:
-            while b < m and tok[i] > room[b]:
+            while b < m and tokens[i] > room[b]:
                 b += 1
             if b == m:
                 return None
             bins[b].append(i)
-            room[b] -= tok[i]
+            room[b] -= tokens[i]
         return bins
-    key = costs if by_cost else tok
-    load = [0.0] * m
+    key = costs if by_cost else tokens
+    # Largest first onto the least-loaded micro-batch with room for it: the few least loaded
+    # are tried (a heap, with stale entries skipped), else the roomiest one. O(n log m).
+    loads = [0.0] * m
+    heap = [(0.0, b) for b in range(m)]
     for i in sorted(items, key=lambda j: (-key[j], j)):
-        best = -1
-        for b in range(m):
-            if tok[i] <= room[b] and (best < 0 or (by_cost and load[b] < load[best])):
-                best = b
-                if not by_cost:
-                    break  # first fit
-        if best < 0:
-            return None
-        bins[best].append(i)
-        room[best] -= tok[i]
-        load[best] += key[i]
+        t = tokens[i]
+        tried, chosen = [], -1
+        while heap and len(tried) < PACK_CANDIDATES:
+            load, b = heapq.heappop(heap)
+            if load != loads[b]:
+                continue  # stale: b was filled through the roomiest-bin path
+            tried.append(b)
+            if t <= room[b]:
+                chosen = b
+                break
+        if chosen < 0:
+            most = max(room)
+            if most < t:
+                return None
+            chosen = room.index(most)
+        for b in tried:
+            if b != chosen:
+                heapq.heappush(heap, (loads[b], b))
+        bins[chosen].append(i)
+        room[chosen] -= t
+        loads[chosen] += key[i]
+        heapq.heappush(heap, (loads[chosen], chosen))
     return bins
 
 
