@@ -25,7 +25,7 @@ from dataloading.media import MediaItem, MediaProcessor, configure_processors
 from dataloading.mixture import SourceOptions
 from dataloading.planner import PIECE_SEP, split_piece
 from dataloading.sample import DecodedSample, decode_sample
-from dataloading.shards import SourceReader
+from dataloading.shards import ShardPool, SourceReader
 from dataloading.tokenizer import Tokenizer
 
 log = logging.getLogger("omni.data")
@@ -52,8 +52,12 @@ class SampleConstructor:
     def __init__(self, source_readers: Mapping[str, SourceReader], tokenizer: Tokenizer,
                  processors: Mapping[str, MediaProcessor], micro_batch_tokens: int | None,
                  problems: ProblemCounter | None = None, options: Mapping[str, SourceOptions] | None = None,
-                 over_budget: str = "error"):
+                 over_budget: str = "error", max_open_shards: int = 128):
         self.readers = dict(source_readers)
+        self.shard_pool = ShardPool(max_open_shards)
+        for reader in self.readers.values():
+            if isinstance(reader, SourceReader):
+                reader.pool = self.shard_pool
         self.tokenizer = tokenizer
         self.processors = dict(processors)
         self.micro_batch_tokens = micro_batch_tokens

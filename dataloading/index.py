@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from dataloading.errors import ON_ERROR_POLICIES, DataError
 from dataloading.sample import parse_fields, read_meta
 from dataloading.shards import Shard, SourceReader
@@ -41,6 +43,50 @@ class SampleMeta:
     media: list[tuple[str, dict]]  # (modality, header metadata), placeholder order
 
 
+class KeyLocator:
+    """key -> (shard, position in the shard) for one source, in a few flat arrays.
+
+    A dict of tuples costs ~150 bytes per sample in every rank and DataLoader worker (and
+    reference counting dirties its pages in forked workers); sorted key bytes plus two int32
+    columns cost the key's length + 8 bytes, stay shared after a fork, and answer with one
+    binary search.
+    """
+
+    def __init__(self, keys: list[str], shards: list[str], positions: list[int]):
+        names = sorted(set(shards))
+        shard_id = {n: i for i, n in enumerate(names)}
+        encoded = np.array([k.encode("utf-8") for k in keys], dtype=bytes)
+        order = np.argsort(encoded, kind="stable")
+        self._keys = encoded[order]
+        self._shard = np.array([shard_id[s] for s in shards], dtype=np.int32)[order]
+        self._pos = np.array(positions, dtype=np.int32)[order]
+        self._names = names
+
+    def _find(self, key: str) -> int:
+        k = key.encode("utf-8")
+        i = int(np.searchsorted(self._keys, k))
+        if i == len(self._keys) or self._keys[i] != k:
+            raise KeyError(key)
+        return i
+
+    def __getitem__(self, key: str) -> tuple[str, int]:
+        i = self._find(key)
+        return self._names[self._shard[i]], int(self._pos[i])
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._find(str(key))
+        except KeyError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self):
+        return (k.decode("utf-8") for k in self._keys)
+
+
 class SourceIndex:
     """The samples of one indexed source (one mixture source, or an eval folder).
 
@@ -54,7 +100,8 @@ class SourceIndex:
             (self.source.target if self.source.remote or self.source.pattern else Path(self.source.base))
         self.samples = samples
         self.header = header or {}
-        self._locate: dict[str, tuple[str, int]] | None = None
+        self._locate: KeyLocator | None = None
+        self._released: int | None = None
 
     @property
     def problems(self) -> dict[str, int]:
@@ -65,15 +112,23 @@ class SourceIndex:
         return dict(self.header.get("bad_shards", {}))
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.samples) if self.samples or self._released is None else self._released
+
+    def release_samples(self) -> None:
+        """Keep the key locator, the header and the count; free the per-sample objects (the
+        planner has made its compact table of them)."""
+        self.locate  # noqa: B018 - build it while the samples are here
+        self._released = len(self.samples)
+        self.samples = []
 
     def __getitem__(self, i: int) -> SampleMeta:
         return self.samples[i]
 
     @property
-    def locate(self) -> dict[str, tuple[str, int]]:
+    def locate(self) -> KeyLocator:
         if self._locate is None:
-            self._locate = {s.key: (s.shard, s.pos) for s in self.samples}
+            self._locate = KeyLocator([s.key for s in self.samples], [s.shard for s in self.samples],
+                                      [s.pos for s in self.samples])
         return self._locate
 
     def reader(self, name: str) -> SourceReader:

@@ -213,15 +213,23 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
                   seed: int, global_batch_size: int, dp_size: int, micro_batch_tokens: int | None,
                   cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
                   build_missing_index: bool = False, progress: bool = True) -> tuple[Planner, dict]:
-    """Mixture YAML -> indices -> Planner (and the indices, for constructors)."""
+    """Mixture YAML -> indices -> Planner (and the indices, for constructors: their key locators
+    and headers; the per-sample objects are freed once the planner's tables are made)."""
+    from dataloading.cost import CostModel
     from dataloading.index import load_index
     from dataloading.mixture import load_mixture
+    from dataloading.planner import SourceTable
 
     mix = load_mixture(mixture)
-    indices = {s.name: load_index(s.path, build_if_missing=build_missing_index, progress=progress)
-               for s in mix.sources}
+    cost_model = cost_model or CostModel()
+    indices, tables = {}, {}
+    for s in mix.sources:  # one at a time: only one source's per-sample objects live at once
+        ix = load_index(s.path, build_if_missing=build_missing_index, progress=progress)
+        tables[s.name] = SourceTable(s.name, ix, tokenizer, processors, cost_model, s.options)
+        ix.release_samples()
+        indices[s.name] = ix
     weights = {s.name: s.weight for s in mix.sources}
-    planner = Planner(indices, weights, seed, global_batch_size, dp_size, tokenizer=tokenizer, processors=processors,
+    planner = Planner(tables, weights, seed, global_batch_size, dp_size, tokenizer=tokenizer, processors=processors,
                       budget=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
                       over_budget=over_budget, options={s.name: s.options for s in mix.sources})
     return planner, indices
@@ -230,7 +238,7 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
 def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
                  seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                  on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
-                 worker_timeout_s: float = 600.0,
+                 worker_timeout_s: float = 600.0, max_open_shards: int = 128,
                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
                  backend: str = "inline", ray_address: str | None = None, build_missing_index: bool = False,
                  progress: bool = True) -> StepLoader:
@@ -249,14 +257,15 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
                                     micro_batch_tokens, ProblemCounter(on_error, max_skip_fraction),
                                     options={n: t.options for n, t in planner.tables.items()},
-                                    over_budget=over_budget)
+                                    over_budget=over_budget, max_open_shards=max_open_shards)
+    index_problems = _index_problems(indices, on_error)
     if backend == "ray":
         from dataloading.ray_backend import RayStepLoader
 
         loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address)
     else:
         loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers, worker_timeout_s)
-    loader.problems.update(_index_problems(indices, on_error))
+    loader.problems.update(index_problems)
     return loader
 
 

@@ -81,12 +81,16 @@ def split_piece(unit_id: str) -> tuple[str, int | None]:
 
 
 class SourceTable:
-    """What planning needs of one source, compactly: keys, lengths, costs, policies."""
+    """What planning needs of one source, compactly: keys, lengths, costs, policies.
+
+    It keeps no reference to the index's per-sample objects (hundreds of bytes each): once the
+    tables and the readers are built, the loaded index can be freed.
+    """
 
     def __init__(self, name: str, index: SourceIndex, tokenizer: Tokenizer,
                  processors: Mapping[str, MediaProcessor], cost: CostModel, options: SourceOptions):
         self.name = name
-        self.index = index
+        self.folder = index.folder
         self.options = options
         self.processors = configure_processors(dict(processors), options.media, f"source {name}")
         template = len(options.chat_template.encode()) - len("{prompt}") if options.chat_template else 0
@@ -101,12 +105,13 @@ class SourceTable:
             self.media_cost[i] = sum(float(cost.media_cost(m, k)) for (m, _), k in zip(meta.media, items))
             self.num_media[i] = len(items)
         self.cost = np.asarray(cost.llm_cost(self.tokens)) + self.media_cost
+        self.keys = [meta.key for meta in index.samples]
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.keys)
 
     def key(self, i: int) -> str:
-        return self.index.samples[i].key
+        return self.keys[i]
 
 
 @dataclass
@@ -140,7 +145,7 @@ class StepPlan:
 
 
 class Planner:
-    def __init__(self, sources: Mapping[str, SourceIndex], weights: Mapping[str, float | WeightSchedule],
+    def __init__(self, sources: Mapping[str, SourceIndex | SourceTable], weights: Mapping[str, float | WeightSchedule],
                  seed: int, global_batch_size: int, dp_size: int, *, tokenizer: Tokenizer | None = None,
                  processors: Mapping[str, MediaProcessor] | None = None, budget: int | None = None,
                  cost_model: CostModel | None = None, balance: str = "balanced", balance_group: int = 0,
@@ -163,17 +168,16 @@ class Planner:
         self.names = sorted(sources)
         options = options or {}
         tokenizer = tokenizer or ByteTokenizer()
-        self.tables = {n: SourceTable(n, sources[n], tokenizer, processors or {}, self.cost_model,
-                                      options.get(n, SourceOptions())) for n in self.names}
+        # A source may come as a ready SourceTable (build_planner makes them one index at a time,
+        # so only one source's per-sample objects are in memory at once).
+        self.tables = {n: sources[n] if isinstance(sources[n], SourceTable) else
+                       SourceTable(n, sources[n], tokenizer, processors or {}, self.cost_model,
+                                   options.get(n, SourceOptions())) for n in self.names}
         self.set_weights(weights)
         self.step = 0
         self.state = {n: (0, 0, 0.0) for n in self.names}  # name -> (epoch, cursor, deficit)
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self._keypos: dict[str, dict[str, int]] = {}
-
-    @property
-    def sources(self) -> dict[str, SourceIndex]:
-        return {n: t.index for n, t in self.tables.items()}
 
     # ---- configuration -------------------------------------------------------------
     def set_weights(self, weights: Mapping[str, float | WeightSchedule]) -> None:
@@ -187,7 +191,7 @@ class Planner:
             if peak < 0:
                 raise DataError(f"mixture weight of {n} must be >= 0, got {w}", kind="config")
             if peak > 0 and len(self.tables[n]) == 0:
-                raise DataError(f"source {n} has weight {peak} but no samples in {self.tables[n].index.folder}; "
+                raise DataError(f"source {n} has weight {peak} but no samples in {self.tables[n].folder}; "
                                 f"fix the shards or set its weight to 0", kind="config")
         self.probabilities(0)  # fail now on an all-zero mixture
 
@@ -313,7 +317,7 @@ class Planner:
 
     def _key_pos(self, name: str) -> dict[str, int]:
         if name not in self._keypos:
-            self._keypos[name] = {m.key: i for i, m in enumerate(self.tables[name].index.samples)}
+            self._keypos[name] = {k: i for i, k in enumerate(self.tables[name].keys)}
         return self._keypos[name]
 
     def advance(self) -> None:

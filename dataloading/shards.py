@@ -6,6 +6,7 @@ shard is checked once on open: each member must end inside the file.
 """
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
@@ -65,6 +66,26 @@ class Shard:
             raise self._corrupt(f"unreadable tar ({type(e).__name__}: {e})") from None
         self._check_complete()
         self._keys: dict[str, int] | None = None
+        self._release(0, None)  # opening read every member header: hand those pages back
+
+    def _release(self, start: int, end: int | None) -> None:
+        """Drop this process's resident pages of bytes [start, end) of the memory map.
+
+        Sample bytes are copied out when read, so the mapped pages are not needed afterwards;
+        left mapped they stay resident and count as this process's memory (a rank that touched
+        every shard would hold them all). The page cache keeps them for the next reader.
+        """
+        mm = getattr(self._tar.reader, "mmapped_file", None)
+        if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        lo = start // page * page
+        hi = len(mm) if end is None else min(len(mm), -(-end // page) * page)
+        if hi > lo:
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except (OSError, ValueError):
+                pass  # only a memory hint
 
     def _corrupt(self, why: str) -> DataError:
         return DataError(f"shard {self.label}: {why}; re-create or remove the shard, then rebuild the index with "
@@ -101,7 +122,12 @@ class Shard:
             raise self._corrupt(f"sample #{i} unreadable ({type(e).__name__}: {e})") from None
         key = raw.pop("__key__")
         # wids names fields with a leading dot (".txt"); the data format does not.
-        return key, {name[1:] if name.startswith(".") else name: data.getvalue() for name, data in raw.items()}
+        fields = {name[1:] if name.startswith(".") else name: data.getvalue() for name, data in raw.items()}
+        members = getattr(self._tar.reader, "by_index", None)
+        if members is not None:
+            spans = [members[m] for m in self._tar.samples[i]]
+            self._release(min(o for _, o, _ in spans), max(o + 512 + n for _, o, n in spans))
+        return key, fields
 
     def __iter__(self) -> Iterator[tuple[str, dict[str, bytes]]]:
         for i in range(len(self)):
@@ -137,6 +163,53 @@ def _key_of(member_name: str) -> str:
     return (head + "/" if head else "") + base.split(".", 1)[0]
 
 
+class ShardPool:
+    """One cap on the shards a process keeps open, across all its sources (least recently
+    used closed first). Every open shard holds two file descriptors; with hundreds of sources
+    per-source caps alone would exhaust the descriptor limit. Picklable: open shards stay behind.
+    """
+
+    def __init__(self, max_open: int = 128):
+        if max_open < 1:
+            raise DataError(f"data.max_open_shards={max_open} must be >= 1", kind="config")
+        self.max_open = max_open
+        self._open: OrderedDict[tuple[str, str], Shard] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str], opener) -> Shard:
+        with self._lock:
+            shard = self._open.pop(key, None)
+            if shard is not None:
+                self._open[key] = shard  # most recently used last
+                return shard
+        opened = opener()  # outside the lock: a remote shard may be downloaded first
+        with self._lock:
+            shard = self._open.pop(key, None)  # another thread may have opened it meanwhile
+            if shard is None:
+                shard = opened
+            else:
+                opened.close()
+            self._open[key] = shard
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)[1].close()
+            return shard
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        with self._lock:
+            for shard in self._open.values():
+                shard.close()
+            self._open.clear()
+
+    def __getstate__(self) -> dict:
+        return {"max_open": self.max_open}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["max_open"])
+
+
 class SourceReader:
     """Random access to the samples of one source by key, keeping a few shards open.
 
@@ -153,6 +226,7 @@ class SourceReader:
         self.reindex = f"omni data index {self.folder}" if self.source is None else self.source.index_command()
         self.locate = locate
         self.max_open = max_open
+        self.pool: ShardPool | None = None  # set by the constructor: one cap across its sources
         self._open: OrderedDict[str, Shard] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -162,6 +236,8 @@ class SourceReader:
         return Shard(self.source.open_path(rel), label=self.source.url(rel), reindex=self.reindex)
 
     def shard(self, rel: str) -> Shard:
+        if self.pool is not None:
+            return self.pool.get((self.name, rel), lambda: self._open_shard(rel))
         with self._lock:
             shard = self._open.pop(rel, None)
             if shard is not None:

@@ -170,7 +170,7 @@ def test_a_source_loader_error_reaches_the_constructor_as_that_sample_s_problem(
     """The actors' code in this process (ray.put stands in for the calls): a shard that is gone."""
     base = inline(demo_dir, processors, on_error="stop")
     reader = base.constructor.readers["tones"]
-    reader.locate = {k: ("gone.tar", i) for k, (_, i) in reader.locate.items()}
+    reader.locate = {k: ("gone.tar", reader.locate[k][1]) for k in reader.locate}
     here = SimpleNamespace(fetch=SimpleNamespace(remote=lambda keys: ray.put(SourceLoaderActor(reader).fetch(keys))))
     constructor = copy.copy(base.constructor)
     constructor.readers = {**constructor.readers, "tones": _RemoteReader("tones", [here])}

@@ -113,3 +113,40 @@ def test_summary_names_bad_shards(folder):
     summary = build_index(folder, workers=1, progress=False).summary()
     assert summary.startswith(f"10 samples in 4 shards indexed in {folder / INDEX_NAME}")
     assert "left out {'corrupt_shard': 1}, bad shards: junk.tar" in summary
+
+
+def test_key_locator_is_a_compact_mapping():
+    import pickle
+
+    from dataloading.index import KeyLocator
+
+    keys = ["b", "a", "ä/x", "c10", "c2"]
+    loc = KeyLocator(keys, ["s1.tar", "s0.tar", "s1.tar", "s2.tar", "s2.tar"], [0, 5, 1, 2, 3])
+    assert loc["a"] == ("s0.tar", 5) and loc["ä/x"] == ("s1.tar", 1) and loc["c2"] == ("s2.tar", 3)
+    assert "c10" in loc and "c1" not in loc and len(loc) == 5 and sorted(loc) == sorted(keys)
+    with pytest.raises(KeyError):
+        loc["zz"]
+    assert pickle.loads(pickle.dumps(loc))["b"] == ("s1.tar", 0)
+
+
+def test_one_shard_cap_across_sources_and_reads_stay_correct(tmp_path):
+    from dataloading.shards import ShardPool, SourceReader
+
+    readers, expected = [], {}
+    for s in range(3):
+        folder = tmp_path / f"src{s}"
+        samples = [{"__key__": f"k{i:03d}", "txt": f"source {s} sample {i}"} for i in range(40)]
+        write_shards(samples, folder, "p", samples_per_shard=5)  # 8 shards per source
+        locate = {f"k{i:03d}": (f"p-{i // 5:06d}.tar", i % 5) for i in range(40)}
+        readers.append(SourceReader(f"src{s}", folder, locate))
+        expected.update({(s, f"k{i:03d}"): f"source {s} sample {i}".encode() for i in range(40)})
+    pool = ShardPool(max_open=4)
+    for r in readers:
+        r.pool = pool
+    for (s, key), text in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][0])):  # hop across shards
+        assert readers[s].get(key)["txt"] == text
+        assert len(pool) <= 4
+    assert all(not r._open for r in readers)  # the pool, not the readers, held the shards
+    pool.close()
+    with pytest.raises(DataError, match="max_open_shards=0 must be >= 1"):
+        ShardPool(0)
