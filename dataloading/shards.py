@@ -225,10 +225,8 @@ class SourceReader:
         self.folder = Path(folder) if self.source is None else self.source.target  # for messages
         self.reindex = f"omni data index {self.folder}" if self.source is None else self.source.index_command()
         self.locate = locate
-        self.max_open = max_open
         self.pool: ShardPool | None = None  # set by the constructor: one cap across its sources
-        self._open: OrderedDict[str, Shard] = OrderedDict()
-        self._lock = threading.Lock()
+        self._own = ShardPool(max_open)  # used while no shared pool is set
 
     def _open_shard(self, rel: str) -> Shard:
         if self.source is None:
@@ -236,24 +234,8 @@ class SourceReader:
         return Shard(self.source.open_path(rel), label=self.source.url(rel), reindex=self.reindex)
 
     def shard(self, rel: str) -> Shard:
-        if self.pool is not None:
-            return self.pool.get((self.name, rel), lambda: self._open_shard(rel))
-        with self._lock:
-            shard = self._open.pop(rel, None)
-            if shard is not None:
-                self._open[rel] = shard  # most recently used last
-                return shard
-        opened = self._open_shard(rel)  # outside the lock: a remote shard may be downloaded first
-        with self._lock:
-            shard = self._open.pop(rel, None)  # another thread may have opened it meanwhile
-            if shard is None:
-                shard = opened
-            else:
-                opened.close()
-            self._open[rel] = shard
-            while len(self._open) > self.max_open:
-                self._open.popitem(last=False)[1].close()
-            return shard
+        pool = self.pool if self.pool is not None else self._own
+        return pool.get((self.name, rel), lambda: self._open_shard(rel))
 
     def get(self, key: str) -> dict[str, bytes]:
         try:
@@ -264,16 +246,6 @@ class SourceReader:
         return self.shard(rel).get(key, position)
 
     def close(self) -> None:
-        with self._lock:
-            for shard in self._open.values():
-                shard.close()
-            self._open.clear()
+        """Close the shards opened through this reader's own pool (a shared pool is its owner's)."""
+        self._own.close()
 
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_open"], state["_lock"] = OrderedDict(), None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()

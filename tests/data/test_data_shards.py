@@ -146,7 +146,7 @@ def test_one_shard_cap_across_sources_and_reads_stay_correct(tmp_path):
     for (s, key), text in sorted(expected.items(), key=lambda kv: (kv[0][1], kv[0][0])):  # hop across shards
         assert readers[s].get(key)["txt"] == text
         assert len(pool) <= 4
-    assert all(not r._open for r in readers)  # the pool, not the readers, held the shards
+    assert all(len(r._own) == 0 for r in readers)  # the shared pool, not the readers, held the shards
     pool.close()
     with pytest.raises(DataError, match="max_open_shards=0 must be >= 1"):
         ShardPool(0)
