@@ -24,7 +24,7 @@ class DataConfig:
     # Stop (naming the sample a worker is on) if no step arrives for this long; 0: wait forever.
     worker_timeout_s: float = 600.0
     # Shards each constructor keeps open, over all sources (each holds 2 file descriptors).
-    max_open_shards: int = 128
+    max_open_shards: int = 256
     # How a step's samples are arranged over DP ranks and micro-batches (dataloading/balance.py):
     # balanced (LPT or Karmarkar-Karp + refinement on the cost model), lpt, kk, sorted_greedy, none.
     balance: str = "balanced"

@@ -52,7 +52,7 @@ class SampleConstructor:
     def __init__(self, source_readers: Mapping[str, SourceReader], tokenizer: Tokenizer,
                  processors: Mapping[str, MediaProcessor], micro_batch_tokens: int | None,
                  problems: ProblemCounter | None = None, options: Mapping[str, SourceOptions] | None = None,
-                 over_budget: str = "error", max_open_shards: int = 128):
+                 over_budget: str = "error", max_open_shards: int = 256):
         self.readers = dict(source_readers)
         self.shard_pool = ShardPool(max_open_shards)
         for reader in self.readers.values():

@@ -238,7 +238,7 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
 def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
                  seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                  on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
-                 worker_timeout_s: float = 600.0, max_open_shards: int = 128,
+                 worker_timeout_s: float = 600.0, max_open_shards: int = 256,
                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
                  backend: str = "inline", ray_address: str | None = None, build_missing_index: bool = False,
                  progress: bool = True) -> StepLoader:

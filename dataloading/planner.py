@@ -39,7 +39,7 @@ from dataloading.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
 
 log = logging.getLogger("omni.data")
 
-_COUNTS_TAG, _PERM_TAG = 1, 2  # keep the two random streams of a seed apart
+_COUNTS_TAG, _PERM_TAG, _ORDER_TAG = 1, 2, 3  # keep the random streams of a seed apart
 PIECE_SEP = "#"  # "<source>/<key>#<k>": piece k of a sample split over the budget
 
 
@@ -247,6 +247,10 @@ class Planner:
                 if cursor == n:  # epoch boundary: continue in the next permutation
                     epoch, cursor = epoch + 1, 0
             state[name] = (epoch, cursor, deficit)
+        # Interleave the sources (seeded by the step): the step's set is fixed, and its order is
+        # what `balance=none` keeps — a randomly mixed stream, as a per-rank mixing loader reads.
+        rng = np.random.default_rng([_seed_words(self.seed), int(step), _ORDER_TAG])
+        picked = [picked[i] for i in rng.permutation(len(picked))]
         return picked, state
 
     # ---- samples -> units of work (the over-budget policy) --------------------------

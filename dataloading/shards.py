@@ -169,7 +169,7 @@ class ShardPool:
     per-source caps alone would exhaust the descriptor limit. Picklable: open shards stay behind.
     """
 
-    def __init__(self, max_open: int = 128):
+    def __init__(self, max_open: int = 256):
         if max_open < 1:
             raise DataError(f"data.max_open_shards={max_open} must be >= 1", kind="config")
         self.max_open = max_open

@@ -1,0 +1,86 @@
+"""Small helpers shared by the data-plane benchmarks (tables, results, machine info).
+
+Imported by the scripts in this folder (``python scripts/bench/<name>.py`` puts the folder on
+``sys.path``); holds no benchmark logic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run from anywhere without PYTHONPATH
+    sys.path.insert(0, str(REPO))
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="fast smoke mode (small sizes, few repeats)")
+    p.add_argument("--out", default=str(REPO / "docs" / "img"),
+                   help="folder for the JSON results and the PNG plot (default: docs/img/)")
+    return p
+
+
+def machine() -> dict:
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def git_state() -> dict:
+    """The commit measured and whether dataloading/ had uncommitted changes (read-only git)."""
+    import subprocess
+
+    def run(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": run("rev-parse", "--short", "HEAD"),
+            "dirty": sorted(line[3:] for line in run("status", "--porcelain", "--", "dataloading").splitlines())}
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table; floats get 3 significant decimals unless pre-formatted."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(out: str | Path, name: str, results: dict) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    results = {"benchmark": name, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(),
+               "git": git_state(), **results}
+    path.write_text(json.dumps(results, indent=1, default=float) + "\n")
+    return path
