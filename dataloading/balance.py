@@ -33,6 +33,7 @@ from dataloading.errors import DataError
 METHODS = ("none", "sorted_greedy", "lpt", "kk", "balanced")
 KK_ITEMS_PER_RANK = 4  # `balanced` also tries KK when a rank gets at most this many items
 REFINE_TOLERANCE = 1e-3  # refinement stops within 0.1% of the lower bound
+REFINE_PARTNERS = 16  # bins tried per refinement round, lightest first
 PACK_CANDIDATES = 4  # least-loaded micro-batches tried per item before the roomiest one
 
 
@@ -131,7 +132,9 @@ def _refine(bins: list[list[int]], weights: np.ndarray, max_rounds: int | None =
             break
         improved = False
         wa = weights[bins[a]]
-        for b in np.argsort(loads).tolist():
+        # Partners: the lightest bins only (where a move or swap is most likely to fit); trying
+        # every bin each round costs O(k) numpy calls for little gain at large k.
+        for b in np.argsort(loads)[:REFINE_PARTNERS].tolist():
             if b == a or loads[b] >= top:
                 break
             gap = top - loads[b]
