@@ -37,18 +37,18 @@ def step_losses_of(demo_root, tmp_path, steps):
 
 @pytest.mark.parametrize("experiment", ["demo", "demo_moe"])
 def test_resume_is_exact(demo_root, tmp_path, experiment):
-    """20 steps straight == 10 steps, stop, resume, 10 more (losses bit-identical), through the
+    """12 steps straight == 6 steps, stop, resume, 6 more (losses bit-identical), through the
     data plane's worker processes (demo) and in-process construction (demo_moe)."""
-    common = {"experiment": experiment, "trainer.max_steps": 20, "data.global_batch_size": 4,
+    common = {"experiment": experiment, "trainer.max_steps": 12, "data.global_batch_size": 4,
               "data.num_workers": 1 if experiment == "demo" else 0}
     straight = tmp_path / "straight"
     train(tiny_overrides(demo_root, straight, **common))
     split = tmp_path / "split"
-    train(tiny_overrides(demo_root, split, **common, **{"trainer.stop_at": 10}))
-    assert [r["step"] for r in read_metrics(split)] == list(range(1, 11))
+    train(tiny_overrides(demo_root, split, **common, **{"trainer.stop_at": 6}))
+    assert [r["step"] for r in read_metrics(split)] == list(range(1, 7))
     train(tiny_overrides(demo_root, split, **common, **{"checkpoint.resume": "auto"}))
     a, b = step_losses(straight), step_losses(split)
-    assert len(a) == len(b) == 20
+    assert len(a) == len(b) == 12
     assert a == b
     record = read_metrics(split)[-1]
     assert record["data_wait_s"] >= 0 and record["balance_max_over_mean"] >= record["balance_lower_bound"] >= 1

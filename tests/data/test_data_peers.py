@@ -54,8 +54,7 @@ def _peer(rank, port, mixture, cp_size, out):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cp_size", [1, 2])
-def test_peers_receive_the_source_ranks_steps(demo_dir, tmp_path, cp_size):
+def test_peers_receive_the_source_ranks_steps(demo_dir, tmp_path, cp_size=2):
     mixture = tmp_path / "text.yaml"  # text only: the spawned peers need no media processors
     mixture.write_text(f"sources:\n  - {{name: text, path: {demo_dir / 'text'}, weight: 1}}\n")
     ctx = mp.get_context("spawn")
