@@ -257,6 +257,12 @@ class Planner:
     def _units(self, picked: list[tuple[str, int]]) -> tuple[list[str], list[int], list[float], dict[str, int]]:
         ids, tokens, costs, skipped = [], [], [], {}
         budget = self.budget
+
+        def add(unit_id: str, n: int, cost: float) -> None:
+            ids.append(unit_id)
+            tokens.append(n)
+            costs.append(cost)
+
         for name, i in picked:
             t = self.tables[name]
             sid = f"{name}/{t.key(i)}"
@@ -265,7 +271,7 @@ class Planner:
                 continue
             n = int(t.tokens[i])
             if budget is None or n <= budget:
-                ids.append(sid), tokens.append(n), costs.append(float(t.cost[i]))
+                add(sid, n, float(t.cost[i]))
                 continue
             policy = t.options.over_budget or self.over_budget
             if policy == "error":
@@ -275,15 +281,14 @@ class Planner:
             if policy == "skip":
                 skipped["over_budget"] = skipped.get("over_budget", 0) + 1
             elif policy == "truncate":
-                ids.append(sid), tokens.append(budget)
-                costs.append(float(self.cost_model.llm_cost(budget)) + float(t.media_cost[i]))
+                add(sid, budget, float(self.cost_model.llm_cost(budget)) + float(t.media_cost[i]))
             else:  # split: pieces of `budget` tokens, each its own document
                 k = math.ceil(n / budget)
                 for p in range(k):
                     size = min(budget, n - p * budget)
-                    ids.append(f"{sid}{PIECE_SEP}{p}"), tokens.append(size)
                     # media cost goes with the first piece (an estimate: the constructor knows where items fall)
-                    costs.append(float(self.cost_model.llm_cost(size)) + (float(t.media_cost[i]) if p == 0 else 0.0))
+                    add(f"{sid}{PIECE_SEP}{p}", size,
+                        float(self.cost_model.llm_cost(size)) + (float(t.media_cost[i]) if p == 0 else 0.0))
         return ids, tokens, costs, skipped
 
     # ---- planning -------------------------------------------------------------------
