@@ -71,6 +71,31 @@ class MicroBatch:
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
+    @staticmethod
+    def empty(cp: "CPInfo | None" = None) -> "MicroBatch":
+        """A placeholder with no tokens (pad it to the shape the step needs)."""
+        z = torch.zeros(0, dtype=torch.int64)
+        return MicroBatch(z, z.clone(), z.clone(), torch.zeros(1, dtype=torch.int32), cp=_empty_cp(cp))
+
+    def padded(self, length: int, pad_id: int) -> "MicroBatch":
+        """The row with ``length - num_tokens`` padding tokens appended (no loss, positions
+        restarting at 0, so they form a document of their own that no real token sees).
+        Pipeline stages need equal shapes and sequence parallelism a multiple of its size."""
+        extra = length - self.num_tokens
+        if extra < 0:
+            raise ValueError(f"cannot pad a row of {self.num_tokens} tokens to {length}")
+        if extra == 0:
+            return self
+        dev = self.input_ids.device
+        tail = torch.arange(extra, dtype=self.position_ids.dtype, device=dev)
+        return MicroBatch(
+            input_ids=torch.cat([self.input_ids, torch.full((extra,), pad_id, dtype=self.input_ids.dtype, device=dev)]),
+            position_ids=torch.cat([self.position_ids, tail]),
+            labels=torch.cat([self.labels, torch.full((extra,), IGNORE_INDEX, dtype=self.labels.dtype, device=dev)]),
+            cu_seqlens=torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor([length])]),
+            media=dict(self.media), sample_ids=list(self.sample_ids), cp=self.cp,
+        )
+
     def to(self, device: torch.device | str) -> "MicroBatch":
         return MicroBatch(
             input_ids=self.input_ids.to(device),
@@ -103,3 +128,11 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return sum(mb.num_tokens for mb in self.micro_batches)
+
+
+def _empty_cp(cp: CPInfo | None) -> CPInfo | None:
+    """The CP description of a row with no documents, for the same CP rank."""
+    if cp is None:
+        return None
+    z = torch.zeros(0, dtype=torch.int32)
+    return CPInfo(cp.cp_size, cp.cp_rank, torch.zeros(1, dtype=torch.int32), z, z.clone())

@@ -130,3 +130,15 @@ def _local_to_original(info: CPInfo) -> torch.Tensor:
     doc_lens = info.doc_lens.to(torch.int64)
     orig = _cumsum0(doc_lens)[doc] + offset
     return torch.where(offset < doc_lens[doc], orig, torch.full_like(orig, -1))
+
+
+def local_documents(info: CPInfo, length: int) -> torch.Tensor:
+    """Document number (in the whole row) of each of a CP rank's ``length`` local tokens. Tokens
+    past the sliced row (padding added to even out micro-batch shapes) get a document of their
+    own, different on every rank, so they attend only to themselves."""
+    doc, _ = _local_layout(info)
+    if length < doc.numel():
+        raise ValueError(f"local_documents: length={length} is shorter than the {doc.numel()} sliced tokens")
+    pad = torch.full((length - doc.numel(),), info.chunk_lens.numel() + 1 + info.cp_rank, dtype=doc.dtype,
+                     device=doc.device)
+    return torch.cat([doc, pad])

@@ -42,3 +42,12 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item()
+
+
+def all_reduce_sums(values: list[float], device: torch.device) -> list[float]:
+    """Sum several scalars over all ranks in one all-reduce."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()

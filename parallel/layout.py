@@ -1,34 +1,312 @@
-"""The process layout: which rank does what. Passed around explicitly (no global state).
+"""The process layout: one object that says which rank does what, passed around explicitly
+(no global state).
 
-Only data parallelism is wired at this stage; the 5D mesh (TP/PP/CP/EP) extends this
-object without changing how the rest of the code asks it questions.
+The world is a 5D grid ``pp x dp_replicate x dp_shard x cp x tp``, TP innermost and PP
+outermost: consecutive ranks (one node) share the chattiest groups — TP talks every layer,
+CP every attention, DP once per step, PP only at stage boundaries. Expert parallelism is
+borrowed from ``dp_shard x cp`` (its innermost part): EP ranks hold different experts but still
+count as data-parallel ranks for everything else, as in torchtitan.
+
+Groups are built once here, by every rank in the same order, and handed to the mechanisms
+that need them (FSDP meshes, TP mesh, CP/EP/PP process groups).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import ParallelConfig
 
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_cp_outer", "ep", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CP_IMPLS = ("ring", "ulysses")
+CHECKPOINT_MODES = ("none", "selective", "full")
+PRECISIONS = ("auto", "bf16", "fp32")
+
 
 class LayoutError(ValueError):
-    """A parallel configuration that cannot run on this launch."""
+    """A parallel configuration that cannot run on this launch or this model."""
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """The degree of every dimension (plain numbers: no process group needed)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> its index along every dimension (TP fastest-varying)."""
+        out = {}
+        for name in reversed(DIMS):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in DIMS}
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for name in DIMS:
+            rank = rank * getattr(self, name) + coords.get(name, 0)
+        return rank
+
+
+def resolve_sizes(cfg: ParallelConfig, world: int) -> Sizes:
+    """The sizes for ``world`` ranks, with every launch-level mistake reported by name."""
+    fixed = {"dp_replicate": cfg.dp_replicate, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep}
+    for name, value in fixed.items():
+        if value < 1:
+            raise LayoutError(f"parallel.{name}={value} must be >= 1")
+    others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
+    if cfg.dp_shard == -1:
+        if world % others:
+            raise LayoutError(
+                f"dp_replicate x tp x pp x cp = {cfg.dp_replicate} x {cfg.tp} x {cfg.pp} x {cfg.cp} = {others} "
+                f"does not divide the {world} launched ranks; launch a multiple of {others} ranks or change the sizes"
+            )
+        dp_shard = world // others
+    elif cfg.dp_shard < 1:
+        raise LayoutError(f"parallel.dp_shard={cfg.dp_shard} must be >= 1, or -1 to use the remaining ranks")
+    else:
+        dp_shard = cfg.dp_shard
+    sizes = Sizes(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+    if sizes.world != world:
+        raise LayoutError(
+            f"pp x dp_replicate x dp_shard x cp x tp = {cfg.pp} x {cfg.dp_replicate} x {dp_shard} x {cfg.cp} x "
+            f"{cfg.tp} = {sizes.world}, but {world} ranks were launched; make the product equal the world size "
+            f"(or set parallel.dp_shard=-1)"
+        )
+    if (dp_shard * cfg.cp) % cfg.ep:
+        raise LayoutError(
+            f"parallel.ep={cfg.ep} must divide dp_shard x cp = {dp_shard} x {cfg.cp}: expert parallelism borrows "
+            f"those ranks; choose ep from the divisors of {dp_shard * cfg.cp}"
+        )
+    _check_options(cfg)
+    _check_nodes(sizes, cfg.gpus_per_node, world)
+    return sizes
+
+
+def _check_options(cfg: ParallelConfig) -> None:
+    for key, value, allowed in (("pp_schedule", cfg.pp_schedule, PP_SCHEDULES), ("cp_impl", cfg.cp_impl, CP_IMPLS),
+                                ("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES),
+                                ("mixed_precision", cfg.mixed_precision, PRECISIONS)):
+        if value not in allowed:
+            raise LayoutError(f"parallel.{key}={value} is not one of {', '.join(allowed)}")
+    if cfg.pp_virtual_stages < 1:
+        raise LayoutError(f"parallel.pp_virtual_stages={cfg.pp_virtual_stages} must be >= 1")
+    if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble") and cfg.pp > 1 and cfg.pp_virtual_stages < 2:
+        raise LayoutError(
+            f"parallel.pp_schedule={cfg.pp_schedule} runs several model chunks per pipeline rank; set "
+            f"parallel.pp_virtual_stages=2 (or more), or use pp_schedule=1f1b"
+        )
+    if cfg.pp_schedule in ("gpipe", "1f1b") and cfg.pp_virtual_stages > 1:
+        raise LayoutError(
+            f"parallel.pp_schedule={cfg.pp_schedule} runs one model chunk per rank but pp_virtual_stages="
+            f"{cfg.pp_virtual_stages}; use pp_schedule=interleaved_1f1b or zero_bubble, or pp_virtual_stages=1"
+        )
+    if cfg.fsdp_blocks_per_unit < 1 or cfg.fsdp_prefetch < 0:
+        raise LayoutError("parallel.fsdp_blocks_per_unit must be >= 1 and parallel.fsdp_prefetch >= 0")
+    if cfg.reshard_after_forward not in ("auto", "true", "false", True, False):
+        raise LayoutError(f"parallel.reshard_after_forward={cfg.reshard_after_forward} is not one of auto, true, false")
+
+
+def _check_nodes(sizes: Sizes, gpus_per_node: int, world: int) -> None:
+    """TP talks twice per layer: it must stay inside a node. CP x TP across nodes only warns."""
+    if gpus_per_node < 1:
+        raise LayoutError(f"parallel.gpus_per_node={gpus_per_node} must be >= 1")
+    if world <= gpus_per_node:
+        return
+    if gpus_per_node % sizes.tp:
+        raise LayoutError(
+            f"parallel.tp={sizes.tp} does not fit in a node of {gpus_per_node} ranks (parallel.gpus_per_node): "
+            f"tensor parallelism across nodes is too slow; choose tp from the divisors of {gpus_per_node}"
+        )
+    if gpus_per_node % (sizes.tp * sizes.cp):
+        print(f"omni: warning: tp x cp = {sizes.tp * sizes.cp} spans nodes of {gpus_per_node} ranks; "
+              f"context-parallel traffic will cross the network", file=sys.stderr, flush=True)
+
+
+def check_model_fits(sizes: Sizes, *, num_heads: int, num_kv_heads: int, num_layers: int, num_experts: int = 0,
+                     virtual_stages: int = 1, cp_impl: str = "ring") -> None:
+    """Model-dependent checks, with plain numbers (this package knows no model)."""
+    if num_heads % sizes.tp or num_kv_heads % sizes.tp:
+        raise LayoutError(
+            f"parallel.tp={sizes.tp} must divide the attention heads ({num_heads}) and the KV heads "
+            f"({num_kv_heads}); choose tp from the common divisors"
+        )
+    stages = sizes.pp * virtual_stages
+    if stages > 1 and num_layers % stages:
+        raise LayoutError(
+            f"{num_layers} layers cannot be split evenly into pp x pp_virtual_stages = {sizes.pp} x {virtual_stages} "
+            f"= {stages} pipeline stages; choose sizes whose product divides {num_layers}"
+        )
+    if sizes.ep > 1:
+        if num_experts == 0:
+            raise LayoutError(f"parallel.ep={sizes.ep} needs a mixture-of-experts model (this one is dense); "
+                              f"use model=tiny_moe or parallel.ep=1")
+        if num_experts % sizes.ep:
+            raise LayoutError(f"parallel.ep={sizes.ep} must divide the {num_experts} experts; choose ep from "
+                              f"the divisors of {num_experts}")
+    if cp_impl == "ulysses" and sizes.cp > 1 and num_heads % (sizes.cp * sizes.tp):
+        raise LayoutError(f"parallel.cp_impl=ulysses splits the {num_heads // sizes.tp} heads of a TP rank over "
+                          f"cp={sizes.cp} ranks; use cp_impl=ring or a cp that divides them")
+
+
+def check_sequence(sizes: Sizes, tokens: int, key: str = "data.micro_batch_tokens") -> None:
+    """A row is cut into 2*cp zig-zag chunks and, under TP, into tp sequence shards."""
+    unit = 2 * sizes.cp * sizes.tp if sizes.cp > 1 else sizes.tp
+    if tokens % unit:
+        raise LayoutError(
+            f"{key}={tokens} is not divisible by {'2 x cp x tp' if sizes.cp > 1 else 'tp'} = {unit}; context "
+            f"parallelism cuts each row into 2*cp chunks (and TP into tp shards): use a multiple of {unit}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
 class Layout:
+    """This rank's place in the world and the groups it talks through."""
+
     world_size: int
     rank: int
-    dp_size: int
-    dp_rank: int
     device: torch.device
+    sizes: Sizes = field(default_factory=Sizes)
+    config: ParallelConfig = field(default_factory=ParallelConfig)
+    # DTensor meshes. dp_shard and cp are one mesh dimension here (FSDP shards over both); the CP
+    # group itself is in ``groups``. Same rank order as DIMS.
+    mesh: DeviceMesh | None = None  # dims MESH_DIMS
+    expert_mesh: DeviceMesh | None = None  # dims EXPERT_MESH_DIMS: dp_shard x cp split as (outer, ep)
+    groups: dict = field(default_factory=dict)  # name -> ProcessGroup (see _build_groups)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.sizes.coords(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes.dp
+
+    @property
+    def dp_rank(self) -> int:
+        c = self.coords
+        return c["dp_replicate"] * self.sizes.dp_shard + c["dp_shard"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
+
+    @property
+    def ep_rank(self) -> int:
+        c = self.coords
+        return (c["dp_shard"] * self.sizes.cp + c["cp"]) % self.sizes.ep
+
+    @property
+    def stage_world(self) -> int:
+        """Ranks that hold the same pipeline stage."""
+        return self.world_size // self.sizes.pp
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP shards over dp_shard x cp (CP ranks hold different tokens, like DP ranks) and
+        replicates over dp_replicate (HSDP) when that is > 1."""
+        if self.sizes.dp_replicate == 1:
+            return self.mesh["dp_shard_cp"]
+        return self.mesh["dp_replicate", "dp_shard_cp"]
+
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    def ep_mesh(self) -> DeviceMesh:
+        if self.sizes.ep == 1:
+            raise ValueError("no expert-parallel mesh: parallel.ep=1")
+        return self.expert_mesh["ep"]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self.groups[name]
+
+    @property
+    def peer_source(self) -> int:
+        """The rank that loads data for this rank's TP/CP/PP peers (their lowest rank)."""
+        c = self.coords
+        return self.sizes.rank_of(pp=0, dp_replicate=c["dp_replicate"], dp_shard=c["dp_shard"], cp=0, tp=0)
+
+
+def _partition_groups(world: int, key: Callable[[int], tuple]) -> list[list[int]]:
+    parts: dict[tuple, list[int]] = {}
+    for r in range(world):
+        parts.setdefault(key(r), []).append(r)
+    return list(parts.values())
+
+
+def _build_groups(sizes: Sizes, rank: int, backend: str | None) -> dict[str, dist.ProcessGroup]:
+    """Groups that are not one mesh dimension. Every rank creates every group, same order."""
+    coords = sizes.coords
+    world = sizes.world
+
+    def ep_key(r):
+        c = coords(r)
+        flat = c["dp_shard"] * sizes.cp + c["cp"]
+        return c["pp"], c["dp_replicate"], c["tp"], flat // sizes.ep
+
+    def expert_replica_key(r):  # ranks that hold the same experts (same ep rank in a stage)
+        c = coords(r)
+        return c["pp"], (c["dp_shard"] * sizes.cp + c["cp"]) % sizes.ep
+
+    specs = {
+        "ep": ep_key,
+        "cp": lambda r: (coords(r)["pp"], coords(r)["dp_replicate"], coords(r)["dp_shard"], coords(r)["tp"]),
+        # A tied embedding lives on the first and the last pipeline stage: those pairs sum its gradient.
+        "tie": lambda r: (coords(r)["dp_replicate"], coords(r)["dp_shard"], coords(r)["cp"], coords(r)["tp"],
+                          "ends" if coords(r)["pp"] in (0, sizes.pp - 1) else coords(r)["pp"]),
+        "expert_replicas": expert_replica_key,
+        # Ranks holding different tokens of the same micro-batch: CP chunks x TP sequence shards.
+        "token": lambda r: (coords(r)["pp"], coords(r)["dp_replicate"], coords(r)["dp_shard"]),
+        # Ranks of one pipeline stage (every rank of the stage's model replica set).
+        "stage": lambda r: (coords(r)["pp"],),
+        # Ranks whose target tokens sum to the global count: one per (dp, cp) at tp=0 position.
+        "loss": lambda r: (coords(r)["pp"], coords(r)["tp"]),
+        # Ranks that consume the same samples (one loader, broadcast to the rest).
+        "peers": lambda r: (coords(r)["dp_replicate"], coords(r)["dp_shard"]),
+    }
+    out = {}
+    for name, key in specs.items():
+        for members in _partition_groups(world, key):
+            g = dist.new_group(members, backend=backend) if world > 1 else dist.group.WORLD
+            if rank in members:
+                out[name] = g
+    return out
 
 
 def _pick_device() -> torch.device:
@@ -40,27 +318,41 @@ def _pick_device() -> torch.device:
 
 
 def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
-    """Join (or create) the process group and describe this rank's place in it.
+    """Join (or create) the process group, check the sizes and build the mesh and groups.
 
     A single process still gets a real (world size 1) gloo group, so checkpointing and
     collectives take the same code path as a multi-rank launch.
     """
     dev = _pick_device() if device == "auto" else torch.device(device)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if not dist.is_initialized():
-        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend)
         else:
             store = dist.HashStore()
             dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world if cfg.dp_shard == -1 else cfg.dp_shard
-    if dp != world:
-        raise LayoutError(
-            f"parallel.dp_shard={cfg.dp_shard} does not match the {world} launched ranks; "
-            f"set parallel.dp_shard={world} (or -1) or launch {dp} ranks"
-        )
-    return Layout(world_size=world, rank=rank, dp_size=dp, dp_rank=rank, device=dev)
+    sizes = resolve_sizes(cfg, world)
+    shard_cp = sizes.dp_shard * sizes.cp
+    mesh = init_device_mesh(dev.type, (sizes.pp, sizes.dp_replicate, shard_cp, sizes.tp), mesh_dim_names=MESH_DIMS)
+    expert_mesh = mesh if sizes.ep == 1 else init_device_mesh(
+        dev.type, (sizes.pp, sizes.dp_replicate, shard_cp // sizes.ep, sizes.ep, sizes.tp),
+        mesh_dim_names=EXPERT_MESH_DIMS)
+    groups = _build_groups(sizes, rank, None)
+    return Layout(world_size=world, rank=rank, device=dev, sizes=sizes, config=cfg, mesh=mesh,
+                  expert_mesh=expert_mesh, groups=groups)
+
+
+def describe(sizes: Sizes) -> str:
+    """e.g. "pp=2 x dp_shard=2 x tp=2 (ep=1)" — the sizes above 1, outermost first."""
+    parts = [f"{d}={getattr(sizes, d)}" for d in DIMS if getattr(sizes, d) > 1]
+    text = " x ".join(parts) or "single process"
+    return text + (f" (ep={sizes.ep})" if sizes.ep > 1 else "")
+
+
+def all_coords(sizes: Sizes):
+    """Every rank's coordinates, in rank order (for tests and docs)."""
+    return [dict(zip(DIMS, c)) for c in product(*(range(getattr(sizes, d)) for d in DIMS))]
 
 
 def barrier() -> None:

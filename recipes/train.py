@@ -27,33 +27,41 @@ def run(cfg: OmniConfig):
     from dataloading.tokenizer import load_tokenizer
     from omni.models.build import build_model, media_processors
     from omni.runtime.trainer import Trainer
-    from parallel.layout import barrier, init_layout, shutdown
-    from recipes.data_plane import build_training_loader, mixture_path
+    from omni.runtime.parallelize import parallelize
+    from parallel.layout import barrier, check_sequence, describe, init_layout, shutdown
+    from recipes.data_plane import mixture_path
 
     layout = init_layout(cfg.parallel, device=cfg.trainer.device)
     try:
         show = cfg.trainer.progress and layout.is_main
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        torch.manual_seed(cfg.trainer.seed)
-        model = build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
+        check_sequence(layout.sizes, cfg.data.micro_batch_tokens)
+
+        def full_model():
+            # Same seed on every rank: every rank builds the same weights, then keeps its part.
+            torch.manual_seed(cfg.trainer.seed)
+            return build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
+
+        model = full_model()
         processors = media_processors(model)
         mixture = mixture_path(cfg, layout.is_main, show, barrier)
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
         eval_dir = cfg.data.eval_dir or load_mixture(mixture).eval
-        loader = build_training_loader(cfg, mixture, tokenizer, model, processors, layout.dp_size, layout.dp_rank,
-                                       show)
+        loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
+        n_params = sum(p.numel() for p in model.parameters())
+        pm = parallelize(model, layout)
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            n_params = sum(p.numel() for p in model.parameters())
-            print(f"omni: {cfg.name}: {n_params / 1e6:.2f}M parameters, data {mixture}, run dir {run_dir}", flush=True)
+            print(f"omni: {cfg.name}: {n_params / 1e6:.2f}M parameters, layout {describe(layout.sizes)}, "
+                  f"data {mixture}, run dir {run_dir}", flush=True)
 
         def eval_samples():
             return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples)
 
         trainer = Trainer(
-            model,
+            pm,
             loader,
             layout,
             cfg.trainer,
@@ -61,6 +69,7 @@ def run(cfg: OmniConfig):
             cfg.checkpoint,
             tokenizer=tokenizer,
             eval_samples=eval_samples if (cfg.trainer.eval_at_end and eval_dir) else None,
+            full_model=full_model,
         )
         try:
             return trainer.fit()
@@ -70,3 +79,20 @@ def run(cfg: OmniConfig):
         shutdown()
 
 
+
+
+def _loader(cfg: OmniConfig, layout, mixture, tokenizer, model, processors, show):
+    """One loader per data-parallel rank: its lowest rank runs it and broadcasts each step to the
+    TP/CP/PP peers, which keep their context-parallel slice."""
+    from omni.runtime.data_feed import PeerFeed
+    from recipes.data_plane import build_training_loader
+
+    source = layout.peer_source
+    loader = None
+    if layout.rank == source:
+        loader = build_training_loader(cfg, mixture, tokenizer, model, processors, layout.dp_size, layout.dp_rank,
+                                       show)
+    if layout.world_size == layout.dp_size:
+        return loader  # no peers
+    return PeerFeed(loader, layout.group("peers"), source, cp_size=layout.sizes.cp, cp_rank=layout.cp_rank,
+                    pad_id=getattr(tokenizer, "pad_id", None) or 0)

@@ -9,8 +9,29 @@ of ``omni.kernels`` plug in behind the same function signature.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+
+@dataclass
+class ContextParallelSegments:
+    """Stands in for segment ids when a context-parallel rank holds zig-zag chunks of a packed
+    row: each local token's document (numbered across the whole row) and position in it are
+    enough for ring or Ulysses attention to apply the right mask (same document, key not after
+    the query) whichever rank the keys come from."""
+
+    doc: torch.Tensor  # int64 [B, T_local]
+    pos: torch.Tensor  # int64 [B, T_local]
+    group: dist.ProcessGroup
+    impl: str  # ring | ulysses
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        from parallel.cp_attention import cp_attention
+
+        return cp_attention(q, k, v, self.doc, self.pos, self.group, impl=self.impl, causal=True, scale=scale)
 
 
 def segment_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -4,26 +4,90 @@ Placeholder tokens in the packed text row are replaced by projected encoder outp
 loss is a *sum* over target tokens, and the trainer divides by the number of target tokens
 in the whole global batch, so the result does not depend on how samples were split across
 micro-batches or ranks.
+
+The same module serves every layout. ``forward`` takes a whole micro-batch (one process, data
+or tensor parallelism: returns ``LossParts``) or, as a pipeline stage, the previous stage's
+hidden state (see ``StageFeed``). A pipeline stage is this model with the parts of other stages
+deleted (``keep_stage``); parameter names never change, so checkpoints move between layouts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
+from dataloading.context_parallel import _local_to_original, local_documents
+from omni.models.attention import ContextParallelSegments, segment_ids_from_position_ids
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.llm import Decoder
 from omni.models.projector import Projector
+from parallel.tensor_parallel import (gather_sequence_shards, local_tensor, scatter_to_sequence_shards,
+                                      vocab_parallel_cross_entropy, vocab_range)
+
+
+class LossParts(NamedTuple):
+    # A NamedTuple (a pytree), so FSDP's forward hooks see the tensors inside.
+    ce_sum: torch.Tensor  # summed cross-entropy over target tokens (not normalised)
+    num_targets: int
+    aux_loss: Optional[torch.Tensor]  # MoE router losses (already weighted by their coefficients)
 
 
 @dataclass
-class LossParts:
-    ce_sum: torch.Tensor  # summed cross-entropy over target tokens (not normalised)
-    num_targets: int
-    aux_loss: torch.Tensor | None  # MoE router losses (already weighted by their coefficients)
+class ParallelRuntime:
+    """What the forward pass needs to know about the layout (set by ``omni.runtime.parallelize``;
+    the defaults are one process)."""
+
+    tp_mesh: object = None  # DeviceMesh of the TP group, None without TP
+    tp_group: object = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_group: object = None
+    cp_size: int = 1
+    cp_impl: str = "ring"
+    checkpoint: str = "none"  # activation checkpointing: none | selective | full
+    # Each micro-batch's router loss is weighted by this (1 / micro-batches in the global batch)
+    # and its gradient attached where it is computed; None keeps the single-process contract of
+    # returning aux_loss for the caller to add.
+    aux_weight: Optional[float] = None
+    first_stage: bool = True
+    last_stage: bool = True
+
+
+@dataclass
+class Prepared:
+    """One micro-batch, ready for any stage: the batch plus what attention and the loss need."""
+
+    mb: MicroBatch
+    position_ids: torch.Tensor  # [1, T]
+    segments: object  # segment ids [1, T], None, or ContextParallelSegments
+    token_mask: Optional[torch.Tensor]  # [1, T] bool, None when every token is real
+    global_targets: float = 1.0  # the loss of this micro-batch is ce_sum / global_targets
+
+
+@dataclass
+class StageFeed:
+    """The micro-batches of one step for a pipeline stage. torch's pipeline schedules call the
+    stage with activations only; every schedule runs a stage's forwards in micro-batch order, so
+    the i-th call of the step is micro-batch i."""
+
+    items: list = field(default_factory=list)
+    next_index: int = 0
+    ce_sums: list = field(default_factory=list)  # detached, for logging
+    aux_sums: list = field(default_factory=list)
+
+    def reset(self, items: list) -> None:
+        self.items, self.next_index, self.ce_sums, self.aux_sums = items, 0, [], []
+
+    def pop(self) -> Prepared:
+        if self.next_index >= len(self.items):
+            raise RuntimeError("pipeline stage ran more forwards than the step has micro-batches")
+        item = self.items[self.next_index]
+        self.next_index += 1
+        return item
 
 
 class OmniModel(nn.Module):
@@ -41,10 +105,51 @@ class OmniModel(nn.Module):
         self.projectors = nn.ModuleDict(projectors)
         for modality in frozen or ():
             self.encoders[modality].requires_grad_(False)
+        self.runtime = ParallelRuntime()
+        self.feed = StageFeed()
 
     @property
     def modalities(self) -> list[str]:
         return list(self.encoders.keys())
+
+    # -- pipeline stages --------------------------------------------------------------------
+    def keep_stage(self, layer_ids: list[int], first: bool, last: bool) -> None:
+        """Delete everything stage (``layer_ids``, first?, last?) does not run. The last stage of
+        a tied model keeps the embedding as its LM head (a copy whose gradient is summed with the
+        first stage's)."""
+        for i in [int(k) for k in self.llm.layers.keys()]:
+            if i not in layer_ids:
+                del self.llm.layers[str(i)]
+        if not first:
+            self.encoders = nn.ModuleDict()
+            self.projectors = nn.ModuleDict()
+            if not (last and self.llm.lm_head is None):
+                self.llm.embed_tokens = None
+        if not last:
+            self.llm.norm = None
+            self.llm.lm_head = None
+        self.runtime.first_stage, self.runtime.last_stage = first, last
+
+    # -- inputs -------------------------------------------------------------------------------
+    def prepare(self, mb: MicroBatch, global_targets: float = 1.0, real_tokens: int | None = None) -> Prepared:
+        """Positions, attention segments and the real-token mask of a (possibly CP-sliced or
+        padded) micro-batch. ``real_tokens``: the row's first tokens that are not step padding."""
+        rt = self.runtime
+        position_ids = mb.position_ids[None]
+        t = mb.input_ids.numel()
+        mask = None
+        if mb.cp is not None and mb.cp.cp_size > 1:
+            doc = local_documents(mb.cp, t)
+            segments = ContextParallelSegments(doc[None], position_ids, rt.cp_group, rt.cp_impl)
+            real = _local_to_original(mb.cp) >= 0
+            mask = torch.zeros(t, dtype=torch.bool, device=mb.input_ids.device)
+            mask[: real.numel()] = real
+            mask = mask[None]
+        else:
+            segments = segment_ids_from_position_ids(position_ids)
+            if real_tokens is not None and real_tokens < t:
+                mask = (torch.arange(t, device=mb.input_ids.device) < real_tokens)[None]
+        return Prepared(mb, position_ids, segments, mask, global_targets)
 
     def embed_media(self, modality: str, media: MediaInputs) -> torch.Tensor:
         feats = self.encoders[modality](media.features, media.sizes)
@@ -67,13 +172,69 @@ class OmniModel(nn.Module):
             embeds = embeds.index_copy(0, inputs.positions, out)
         return embeds
 
-    def forward(self, mb: MicroBatch) -> LossParts:
-        embeds = self.embed(mb.input_ids, mb.media)
-        out = self.llm(inputs_embeds=embeds[None], position_ids=mb.position_ids[None], output_hidden=True)
-        hidden = out.hidden_states[0]
-        target_mask = mb.labels != IGNORE_INDEX
-        # Logits only where there is a target: the vocab projection is the costliest matmul of a
-        # small model and most packed positions (prompts, media) carry no loss.
-        logits = self.llm.lm_logits(hidden[target_mask]).float()
-        ce_sum = F.cross_entropy(logits, mb.labels[target_mask], reduction="sum")
-        return LossParts(ce_sum=ce_sum, num_targets=int(target_mask.sum()), aux_loss=out.aux_loss)
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, x):
+        """``x``: a MicroBatch or Prepared (whole model: returns LossParts), or a pipeline stage's
+        input activation (returns the next stage's input, or on the last stage the micro-batch's
+        normalised loss)."""
+        if isinstance(x, MicroBatch):
+            x = self.prepare(x)
+        if isinstance(x, Prepared):
+            h, aux = self._body(self._input_hidden(x), x)
+            ce = self._ce_sum(h, x)
+            return LossParts(ce_sum=ce, num_targets=int((x.mb.labels != IGNORE_INDEX).sum()), aux_loss=aux)
+        p = self.feed.pop()
+        h = self._input_hidden(p) if self.runtime.first_stage else x
+        h, aux = self._body(h, p)
+        if aux is not None:
+            self.feed.aux_sums.append(float(aux))
+        if not self.runtime.last_stage:
+            return h
+        ce = self._ce_sum(h, p)
+        self.feed.ce_sums.append(float(ce.detach()))
+        return ce / p.global_targets
+
+    def _input_hidden(self, p: Prepared) -> torch.Tensor:
+        h = self.embed(p.mb.input_ids, p.mb.media)[None]
+        idle = [m for m in self.encoders if m not in p.mb.media]
+        if idle and torch.is_grad_enabled():
+            h = h + self._zero_touch(idle)
+        if self.runtime.tp_mesh is not None:  # sequence parallelism: each TP rank keeps 1/tp of the row
+            h = scatter_to_sequence_shards(h, self.runtime.tp_mesh)
+        return h
+
+    def _zero_touch(self, modalities: list[str]) -> torch.Tensor:
+        """0 x the trainable weights of encoders this micro-batch does not use: they get zero
+        gradients instead of none, so every data-parallel rank reduces the same gradients (a
+        rank without media would otherwise skip part of FSDP's reduce-scatter and hang the rest)."""
+        params = [q for m in modalities for mod in (self.encoders[m], self.projectors[m])
+                  for q in mod.parameters() if q.requires_grad]
+        if not params:
+            return 0.0
+        return sum(q.reshape(-1)[:1].sum() for q in params) * 0.0
+
+    def _body(self, h: torch.Tensor, p: Prepared):
+        rt = self.runtime
+        cos_sin = self.llm.rotary(p.position_ids, h.dtype)
+        mask = p.token_mask
+        if mask is not None and rt.tp_mesh is not None:
+            mask = mask.chunk(rt.tp_size, dim=1)[rt.tp_rank]
+        return self.llm.run_layers(h, cos_sin, p.segments, mask, rt.aux_weight, rt.checkpoint)
+
+    def _ce_sum(self, h: torch.Tensor, p: Prepared) -> torch.Tensor:
+        """Summed cross-entropy at the target positions. Logits only where there is a target:
+        the vocab projection is the costliest matmul of a small model and most packed positions
+        (prompts, media, padding) carry no loss. Under TP the logits stay split by vocabulary."""
+        rt = self.runtime
+        h = self.llm.norm(h)
+        if rt.tp_mesh is not None:
+            h = gather_sequence_shards(h, rt.tp_mesh, partial_grad=True)
+        target_mask = p.mb.labels != IGNORE_INDEX
+        hidden = h[0][target_mask]
+        labels = p.mb.labels[target_mask]
+        weight = self.llm.embed_tokens.weight if self.llm.lm_head is None else self.llm.lm_head.weight
+        if rt.tp_mesh is None:
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+        local_w = local_tensor(weight)
+        start, _ = vocab_range(self.llm.config.vocab_size, rt.tp_size, rt.tp_rank)
+        return vocab_parallel_cross_entropy(F.linear(hidden, local_w), labels, start, rt.tp_group)

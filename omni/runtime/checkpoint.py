@@ -16,13 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from omni.errors import ConfigError
 from omni.runtime.config import CheckpointConfig
+from omni.runtime.optim import PartOptimizers
 from parallel.layout import barrier
 
 MARKER = "COMPLETE"
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 PREFIX = "step_"
 
 
@@ -78,17 +80,18 @@ class Checkpointer:
         return path
 
     # -- save / load ---------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module, optimizer, scheduler, loader_state: dict) -> Path:
+    def save(self, step: int, optim: PartOptimizers, loader_state: dict) -> Path:
+        """Every rank writes its shards (DCP); names are the unsplit model's, so the folder loads
+        under any layout."""
         path = self.root / f"{PREFIX}{step:08d}"
         if self.rank == 0 and path.exists():
             shutil.rmtree(path)  # a half-written folder from an interrupted save
         barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        dcp.save(_merged_state(optim), checkpoint_id=str(path))
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             torch.save(
-                {"step": step, "scheduler": scheduler.state_dict(), "loader": loader_state},
+                {"step": step, "scheduler": optim.scheduler_state(), "loader": loader_state},
                 path / "trainer_state.pt",
             )
         barrier()
@@ -98,13 +101,14 @@ class Checkpointer:
         barrier()
         return path
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer, scheduler) -> Restored:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+    def load(self, path: Path, optim: PartOptimizers) -> Restored:
+        state = _merged_state(optim)
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for part, opt in zip(optim.parts, optim.optimizers):
+            set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
         extra = torch.load(path / "trainer_state.pt", weights_only=False)
-        scheduler.load_state_dict(extra["scheduler"])
+        optim.load_scheduler_state(extra["scheduler"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.exists():  # absent when resuming on more ranks than were saved
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -115,3 +119,15 @@ class Checkpointer:
             return
         for old in self.completed()[: -self.cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _merged_state(optim: PartOptimizers) -> dict:
+    """Model and optimizer state of every part this rank holds, under the unsplit model's names."""
+    model_sd, optim_sd = {}, {}
+    for part, opt in zip(optim.parts, optim.optimizers):
+        # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the parts'
+        # dicts have disjoint keys and simply merge.
+        m, o = get_state_dict(part, opt, options=FLAT)
+        model_sd.update(m)
+        optim_sd.update(o)
+    return {"model": model_sd, "optim": optim_sd}

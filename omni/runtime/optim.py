@@ -36,3 +36,35 @@ def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: i
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     )
+
+
+class PartOptimizers:
+    """One AdamW and one schedule per model part (a pipeline rank may hold several stage
+    chunks). Checkpoint utilities read state per (part, optimizer) pair, keyed by the original
+    parameter names, so the parts' states merge into one layout-free checkpoint."""
+
+    def __init__(self, parts: list[nn.Module], cfg: OptimConfig, total_steps: int):
+        self.parts = list(parts)
+        self.optimizers = [build_optimizer(p, cfg) for p in self.parts]
+        self.schedulers = [build_scheduler(o, cfg, total_steps) for o in self.optimizers]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+        for sched in self.schedulers:
+            sched.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    def scheduler_state(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for sched in self.schedulers:
+            sched.load_state_dict(state)

@@ -18,9 +18,17 @@ from omni.runtime.checkpoint import Checkpointer
 from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.evaluate import evaluate
 from omni.runtime.metrics import MetricsLog, progress_bar
-from omni.runtime.optim import build_optimizer, build_scheduler
-from parallel.data_parallel import all_reduce_gradients, all_reduce_sum
+from omni.runtime.optim import PartOptimizers
+from omni.models.multimodal import Prepared
+from omni.runtime.parallelize import ParallelModel, gather_full_model
+from parallel.data_parallel import all_reduce_sum, all_reduce_sums
+from parallel.grad_norm import clip_grads
 from parallel.layout import Layout
+from parallel.pipeline import microbatch_count
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
 
 
 @dataclass
@@ -33,7 +41,7 @@ class FitResult:
 class Trainer:
     def __init__(
         self,
-        model: OmniModel,
+        model: OmniModel | ParallelModel,
         loader,  # StepLoader-like: iterator of StepBatch with state_dict()/load_state_dict()
         layout: Layout,
         trainer_cfg: TrainerConfig,
@@ -41,16 +49,23 @@ class Trainer:
         ckpt_cfg: CheckpointConfig,
         tokenizer=None,
         eval_samples: Callable[[], Iterable[tuple[MicroBatch, str]]] | None = None,
+        full_model: Callable[[], OmniModel] | None = None,
     ):
+        """``model``: a ParallelModel from ``omni.runtime.parallelize`` (a bare OmniModel is
+        wrapped as the one-process layout). ``full_model`` builds an unsharded model, into which
+        the final evaluation gathers the weights when the layout splits them."""
         self.cfg = trainer_cfg
         self.layout = layout
         self.device = layout.device
-        self.model = model.to(self.device)
+        if isinstance(model, OmniModel):
+            model = ParallelModel([model.to(self.device)], [0], 1)
+        self.pm = model
         self.loader = loader
         self.tokenizer = tokenizer
+        self.pad_id = getattr(tokenizer, "pad_id", None) or 0
         self.eval_samples = eval_samples
-        self.optimizer = build_optimizer(self.model, optim_cfg)
-        self.scheduler = build_scheduler(self.optimizer, optim_cfg, trainer_cfg.max_steps)
+        self.full_model = full_model
+        self.optim = PartOptimizers(self.pm.chunks, optim_cfg, trainer_cfg.max_steps)
         self.clip = optim_cfg.clip_grad_norm
         self.run_dir = Path(trainer_cfg.run_dir)
         self.ckpt_cfg = ckpt_cfg
@@ -58,58 +73,100 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main, tensorboard=trainer_cfg.tensorboard)
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
 
+    @property
+    def model(self) -> OmniModel:
+        """The (first) model chunk this rank holds."""
+        return self.pm.chunks[0]
+
     def _autocast(self):
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
+    def _counts(self, batch: StepBatch) -> tuple[float, float]:
+        """(target tokens, real micro-batches) of the whole global batch. Peers that hold the
+        same tokens (TP, PP) or the same micro-batches (CP) count them once."""
+        c = self.layout.coords
+        holder = c["pp"] == 0 and c["tp"] == 0
+        targets = batch.num_target_tokens if holder else 0
+        real = sum(1 for mb in batch.micro_batches if mb.sample_ids) if holder and c["cp"] == 0 else 0
+        return tuple(all_reduce_sums([targets, real], self.device))
+
+    def _prepared(self, batch: StepBatch, global_targets: float) -> tuple[list[Prepared], int]:
+        """Every micro-batch padded as the layout needs (and, under PP, to one length and a
+        schedulable count); returns them and the common length (0 when lengths may differ)."""
+        tp, pp = self.layout.sizes.tp, self.layout.sizes.pp
+        mbs = list(batch.micro_batches)
+        length = 0
+        if pp > 1:
+            mbs += [MicroBatch.empty(mbs[0].cp if mbs else None)] * (microbatch_count(len(mbs), pp) - len(mbs))
+            unit = 8 * tp  # coarse lengths: few distinct activation shapes, so few cached schedules
+            length = _round_up(max(max(mb.num_tokens for mb in mbs), 1), unit)
+        out = []
+        for mb in mbs:
+            real = mb.num_tokens
+            target = length or _round_up(max(real, 1), tp)
+            padded = mb.padded(target, self.pad_id).to(self.device)
+            out.append(self.model.prepare(padded, global_targets, real_tokens=real))
+        return out, length
+
     def train_step(self, batch: StepBatch) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # Every rank divides by the same global count, so summing gradients over ranks and
-        # micro-batches yields the gradient of the mean loss over the whole global batch.
-        global_targets = all_reduce_sum(batch.num_target_tokens, self.device)
+        global_targets, global_real = self._counts(batch)
         if global_targets == 0:
             raise UserError(f"step {batch.step} has no target tokens in the whole global batch; check the data")
-        # Placeholder micro-batches (no samples: the planner gave this rank less work) carry no
-        # loss; with data parallelism alone nothing needs them, so they are not run.
-        # FSDP and pipeline schedules will have to run them to keep their collectives in step.
-        real = [mb for mb in batch.micro_batches if mb.sample_ids]
-        n_micro = max(1, len(real))
-        ce_total = 0.0
-        aux_total = 0.0
-        for mb in real:
+        # Every rank divides by the same global count, so summing gradients over ranks and
+        # micro-batches yields the gradient of the mean loss over the whole global batch. Router
+        # losses are averaged over the global batch's micro-batches the same way.
+        for chunk in self.pm.chunks:
+            chunk.runtime.aux_weight = 1.0 / max(global_real, 1.0)
+        prepared, length = self._prepared(batch, global_targets)
+        ce_total, aux_total = 0.0, 0.0
+        if self.pm.runner is not None:
+            for chunk in self.pm.chunks:
+                chunk.feed.reset(prepared)
             with self._autocast():
-                parts = self.model(mb.to(self.device))
-                loss = parts.ce_sum / global_targets
+                # Between stages a TP rank holds its sequence shard of each row.
+                self.pm.runner.run(length // self.layout.sizes.tp, len(prepared))
+            for chunk in self.pm.chunks:
+                ce_total += sum(chunk.feed.ce_sums)
+                aux_total += sum(chunk.feed.aux_sums)
+        else:
+            # Every micro-batch runs, placeholders too: FSDP, TP, CP and EP collectives must
+            # happen the same number of times on every rank.
+            for p in prepared:
+                with self._autocast():
+                    parts = self.model(p)
+                    loss = parts.ce_sum / global_targets
+                loss.backward()
+                ce_total += float(parts.ce_sum.detach())
                 if parts.aux_loss is not None:
-                    # Router losses are per micro-batch means already; average them over micro-batches.
-                    loss = loss + parts.aux_loss / n_micro
-                    aux_total += float(parts.aux_loss.detach()) / n_micro
-            loss.backward()
-            ce_total += float(parts.ce_sum.detach())
-        all_reduce_gradients(params)
+                    aux_total += float(parts.aux_loss)
+        self.pm.sync_gradients()
         max_norm = self.clip if self.clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_value = all_reduce_sum(ce_total, self.device) / global_targets
+        grad_norm = clip_grads(list(self.pm.parameters()), max_norm, self.layout.stage_world, self.pm.norm_skip,
+                               self.device)
+        lr = self.optim.lr
+        self.optim.step()
+        self.optim.zero_grad()
+        c = self.layout.coords
+        counts_loss = c["tp"] == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
+        ce_sum, aux_sum = all_reduce_sums([ce_total if counts_loss else 0.0, aux_total], self.device)
+        loss_value = ce_sum / global_targets
         if not math.isfinite(loss_value):
             raise UserError(
                 f"the loss became {loss_value} at step {batch.step}; lower optim.lr or raise optim.warmup_steps"
             )
         out = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "target_tokens": int(global_targets)}
-        if aux_total:
-            out["aux_loss"] = aux_total
+        if aux_sum:
+            out["aux_loss"] = aux_sum
         return out
 
     def fit(self) -> FitResult:
         start = 0
         resume = self.checkpointer.resume_path()
         if resume is not None:
-            restored = self.checkpointer.load(resume, self.model, self.optimizer, self.scheduler)
+            restored = self.checkpointer.load(resume, self.optim)
             start = restored.step
             self.loader.load_state_dict(restored.loader_state)
             self.metrics.truncate_after(start)
@@ -121,7 +178,8 @@ class Trainer:
         it = iter(self.loader)
         step = start
         last = min(self.cfg.max_steps, self.cfg.stop_at or self.cfg.max_steps)
-        self.model.train()
+        for chunk in self.pm.chunks:
+            chunk.train()
         for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
             batch = next(it)
@@ -140,20 +198,29 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{tokens / dt:,.0f}", lr=f"{stats['lr']:.2e}")
             if self.ckpt_cfg.every and step % self.ckpt_cfg.every == 0:
-                self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.loader.state_dict())
+                self.checkpointer.save(step, self.optim, self.loader.state_dict())
                 last_saved = step
         bar.close()
         if self.ckpt_cfg.save_at_end and step > last_saved:
-            self.checkpointer.save(step, self.model, self.optimizer, self.scheduler, self.loader.state_dict())
+            self.checkpointer.save(step, self.optim, self.loader.state_dict())
         finished = step >= self.cfg.max_steps
         accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None
         self.metrics.close()
         return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy)
 
-    def _final_eval(self, step: int) -> float:
-        # Every rank evaluates the same held-out samples; rank 0 reports.
+    def _final_eval(self, step: int) -> float | None:
+        """Greedy generation needs the whole model: under a split layout the weights are
+        gathered into an unsharded copy on rank 0, which evaluates alone (others get None)."""
+        model = self.model
+        if self.layout.world_size > 1:
+            if self.full_model is None:
+                return None
+            model = gather_full_model(self.pm, self.layout, self.full_model)
+            if model is None:
+                return None
+            model = model.to(self.device)
         result = evaluate(
-            self.model,
+            model,
             self.eval_samples(),
             self.tokenizer,
             self.device,

@@ -117,10 +117,10 @@ def _global_batch() -> list[dict]:
 def _capture_llm_inputs(model: OmniModel) -> dict:
     seen = {}
 
-    def hook(module, args, kwargs):
-        seen["embeds"] = kwargs["inputs_embeds"]
+    def hook(module, args):  # the first block's input is the embedded row
+        seen["embeds"] = args[0]
 
-    model.llm.register_forward_pre_hook(hook, with_kwargs=True)
+    model.llm.layers[0].register_forward_pre_hook(hook)
     return seen
 
 

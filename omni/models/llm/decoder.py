@@ -15,7 +15,7 @@ from torch import nn
 
 from ..attention import segment_ids_from_position_ids
 from .config import DecoderConfig
-from .layers import DecoderBlock, RMSNorm
+from .layers import DecoderBlock, RMSNorm, attach_aux_loss, run_block
 from .moe import Experts, Router
 from .rope import RotaryEmbedding
 
@@ -43,6 +43,18 @@ def as_decoder_config(config: Any) -> DecoderConfig:
     raise TypeError(f"expected a DecoderConfig, got {type(config).__name__}")
 
 
+class LayerDict(nn.ModuleDict):
+    """The blocks keyed by their global index. A pipeline stage deletes the blocks it does not
+    run and the rest keep their names (``layers.7...``), so checkpoints are layout-free.
+    Indexing by int and iterating over blocks work as for a ModuleList."""
+
+    def __getitem__(self, idx):
+        return super().__getitem__(str(idx))
+
+    def __iter__(self):
+        return iter(self.values())
+
+
 class Decoder(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -50,7 +62,7 @@ class Decoder(nn.Module):
         config.validate()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_layers))
+        self.layers = LayerDict({str(i): DecoderBlock(config, i) for i in range(config.num_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied: no separate head, ``lm_logits`` reads the embedding matrix.
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -109,17 +121,33 @@ class Decoder(nn.Module):
             position_ids = position_ids[None] if position_ids.dim() == 1 else position_ids
             position_ids = position_ids.expand(b, t)
             segment_ids = segment_ids_from_position_ids(position_ids)
-        cos_sin = self.rotary(position_ids, h.dtype)
-
-        aux_loss = None
-        for layer in self.layers:
-            h, aux = layer(h, cos_sin, segment_ids)
-            if aux is not None:
-                aux_loss = aux if aux_loss is None else aux_loss + aux
+        h, aux_loss = self.run_layers(h, self.rotary(position_ids, h.dtype), segment_ids)
         h = self.norm(h)
         if output_hidden:
             return DecoderOutput(logits=None, hidden_states=h, aux_loss=aux_loss)
         return DecoderOutput(logits=self.lm_logits(h), hidden_states=None, aux_loss=aux_loss)
+
+    def run_layers(self, h: torch.Tensor, cos_sin, segments, token_mask: Optional[torch.Tensor] = None,
+                   aux_weight: Optional[float] = None, checkpoint: str = "none"):
+        """The blocks this module holds (all of them, or one pipeline stage's), in order.
+
+        ``segments``: segment ids [B, T], None (one document per row), or a context-parallel
+        description (see ``Attention``). ``token_mask`` [B, T] marks real tokens (padding is left out
+        of the MoE router statistics). With ``aux_weight`` set, MoE router losses are not returned
+        for the caller to add: their gradient (times ``aux_weight``) is attached to the hidden
+        state, so it flows whatever pipeline stage the layer sits on; the returned aux value is
+        then detached, for logging. ``checkpoint``: none | selective | full activation recompute.
+        Returns (hidden, summed aux loss or None)."""
+        aux_loss = None
+        for layer in self.layers:
+            h, aux = run_block(layer, h, cos_sin, segments, token_mask, checkpoint)
+            if aux is None:
+                continue
+            if aux_weight is not None:
+                h = attach_aux_loss(h, aux, aux_weight)
+                aux = aux.detach() * aux_weight
+            aux_loss = aux if aux_loss is None else aux_loss + aux
+        return h, aux_loss
 
     def num_active_params(self) -> int:
         """Parameters one token multiplies through (the embedding lookup is free, the LM head is

@@ -6,13 +6,15 @@ column-wise and o/down row-wise without splitting fused weights.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..attention import segment_attention
+from ..attention import ContextParallelSegments, segment_attention
 from .config import DecoderConfig
 from .moe import MoE
 from .rope import apply_rotary
@@ -58,7 +60,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, *cos_sin)
-        out = segment_attention(q, k, v, segment_ids, causal=True, scale=self.head_dim**-0.5)
+        if isinstance(segment_ids, ContextParallelSegments):  # this rank holds zig-zag chunks of the row
+            out = segment_ids.attend(q, k, v, scale=self.head_dim**-0.5)
+        else:
+            out = segment_attention(q, k, v, segment_ids, causal=True, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -92,12 +97,63 @@ class DecoderBlock(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: Tuple[torch.Tensor, torch.Tensor],
-        segment_ids: Optional[torch.Tensor],
+        segment_ids,
+        token_mask: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Returns (hidden, aux_loss); aux_loss is None on dense layers."""
+        """Returns (hidden, aux_loss); aux_loss is None on dense layers. ``token_mask`` marks the
+        real tokens (MoE router statistics leave padding out)."""
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, segment_ids)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            out, aux = self.mlp(h)
+            out, aux = self.mlp(h, token_mask)
             return x + out, aux
         return x + self.mlp(h), None
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the hidden state whose backward also sends ``weight`` into the aux loss, so
+    a router loss computed on any pipeline stage is trained without reaching the last stage's
+    loss (Megatron's MoEAuxLossAutoScaler idea)."""
+
+    @staticmethod
+    def forward(ctx, hidden, aux, weight: float):
+        ctx.weight = weight
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.weight, dtype=dtype, device=device), None
+
+
+def attach_aux_loss(hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+    return _AttachAuxLoss.apply(hidden, aux, weight)
+
+
+# Outputs worth keeping under selective recompute: the matmuls (costly to redo); norms,
+# activations, rotary and softmax are recomputed. Attention kernels are kept too.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_block(block: DecoderBlock, h, cos_sin, segments, token_mask, mode: str = "none"):
+    """One block, with activation checkpointing ``mode``: none | selective | full."""
+    if mode == "none" or not torch.is_grad_enabled():
+        return block(h, cos_sin, segments, token_mask)
+    if mode == "full":
+        return checkpoint(block, h, cos_sin, segments, token_mask, use_reentrant=False)
+    if mode == "selective":
+        context = partial(create_selective_checkpoint_contexts, _selective_policy)
+        return checkpoint(block, h, cos_sin, segments, token_mask, use_reentrant=False, context_fn=context)
+    raise ValueError(f"activation checkpoint mode {mode!r} is not one of none, selective, full")

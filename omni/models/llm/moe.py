@@ -10,15 +10,29 @@ the per-expert counts. This is also transformers 5.x's in-memory layout (``gate_
 
 Compute is grouped, not dense: the (token, slot) pairs are sorted by expert id, each expert runs
 one matmul over its contiguous slice, and the results are un-permuted and combined with the router
-weights. A grouped-GEMM kernel (or the EP all-to-all) slots in at ``Experts.forward``.
+weights. A grouped-GEMM kernel slots in at ``Experts.forward``.
+
+Expert parallelism (``MoE.enable_expert_parallel``): the layer keeps only its EP rank's block of
+experts; the sorted rows go through ``parallel.expert_parallel.dispatch`` to the owning ranks, the
+local experts run, and ``combine`` brings the results back in the sorted order. Router and shared
+expert stay replicated. Parameter names do not change, only the expert dim-0 size.
+
+Token groups (``MoE.set_token_group``): when one micro-batch's tokens are spread over several
+ranks (context / sequence parallel peers), the load-balance and z-loss statistics are all-reduced
+over those ranks so the aux loss is that of the whole micro-batch (see ``aux_loss``).
 """
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallel import expert_parallel
 
 from .config import DecoderConfig
 
@@ -42,15 +56,26 @@ class Experts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """x_sorted [M, H]: rows grouped by local expert, ``counts[e]`` rows for expert e."""
+        # Under EP the runtime may wrap the expert blocks as DTensor shards (for checkpointing);
+        # the compute only ever needs this rank's block.
+        w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
         outs = []
         for e, xe in enumerate(torch.split(x_sorted, counts)):
             if xe.shape[0] == 0:
                 continue
-            gate, up = F.linear(xe, self.w_gate_up[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.w_down[e]))
+            gate, up = F.linear(xe, w_gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, w_down[e]))
         if not outs:
-            return x_sorted.new_zeros(0, self.w_down.shape[1])
+            # Run an expert on the empty input rather than returning fresh zeros: the result stays
+            # in the autograd graph, so under EP a rank that received no rows still joins the
+            # backward all-to-all (and its expert grads are zeros, not None).
+            gate, up = F.linear(x_sorted, w_gate_up[0]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w_down[0])
         return torch.cat(outs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class MoE(nn.Module):
@@ -71,6 +96,47 @@ class MoE(nn.Module):
 
             self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        # Process groups are passed in, never looked up globally (see DESIGN.md).
+        self.ep_group: Optional[dist.ProcessGroup] = None
+        self.ep_rank, self.ep_size = 0, 1
+        self.token_group: Optional[dist.ProcessGroup] = None
+
+    def enable_expert_parallel(self, group: Optional[dist.ProcessGroup], ep_rank: int, ep_size: int) -> None:
+        """Keep only this EP rank's contiguous block of experts and dispatch tokens over ``group``.
+
+        Call it after the weights are initialised or loaded (the block is a copy of the slice),
+        and before the optimizer is built (the expert parameters are replaced). Every rank of the
+        group must run every forward and backward of this layer, even with no tokens.
+        """
+        if self.ep_size != 1:
+            raise RuntimeError(f"MoE: expert parallelism is already enabled (ep_size={self.ep_size}).")
+        if ep_size < 1 or self.num_experts % ep_size != 0:
+            raise ValueError(
+                f"MoE: num_experts={self.num_experts} is not divisible by ep_size={ep_size}; "
+                f"choose an EP size that divides {self.num_experts}."
+            )
+        if not 0 <= ep_rank < ep_size:
+            raise ValueError(f"MoE: ep_rank={ep_rank} must be in 0..{ep_size - 1} (ep_size={ep_size}).")
+        if ep_size > 1 and group is None:
+            raise ValueError(f"MoE: ep_size={ep_size} needs the EP process group; pass it as `group`.")
+        if group is not None and dist.get_world_size(group) != ep_size:
+            raise ValueError(
+                f"MoE: ep_size={ep_size} but the EP process group has {dist.get_world_size(group)} ranks; "
+                "pass the group whose size is the EP size."
+            )
+        if ep_size == 1:
+            return
+        per_rank = self.num_experts // ep_size
+        block = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        for name in ("w_gate_up", "w_down"):
+            full = getattr(self.experts, name)
+            setattr(self.experts, name, nn.Parameter(full.detach()[block].clone(), requires_grad=full.requires_grad))
+        self.ep_group, self.ep_rank, self.ep_size = group, ep_rank, ep_size
+
+    def set_token_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Ranks holding different parts of the same micro-batch's tokens (CP / SP peers); the
+        aux loss is then computed over the whole micro-batch. ``None`` turns it off."""
+        self.token_group = group
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> (logits [N, E], probs fp32 [N, E], top-k weights [N, k], top-k ids [N, k])."""
@@ -81,8 +147,11 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, probs, weights.to(x.dtype), ids
 
-    def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """hidden [..., H] -> (output [..., H], aux_loss scalar with the coefficients applied)."""
+    def forward(self, hidden: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., H] -> (output [..., H], aux_loss scalar with the coefficients applied).
+
+        ``token_mask`` (bool, shape ``hidden.shape[:-1]``) marks the real tokens: padding is still
+        routed and computed (its output is ignored by the caller) but left out of the aux loss."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         n = x.shape[0]
@@ -92,27 +161,60 @@ class MoE(nn.Module):
         # expert, so results do not depend on the sort implementation.
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
-        y_sorted = self.experts(x[order // self.top_k], counts.tolist())
+        # scatter_add rather than bincount: bincount reads the max id back to the host first.
+        counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        x_sorted = x[order // self.top_k]
+        if self.ep_group is not None:
+            x_local, local_counts, handle = expert_parallel.dispatch(x_sorted, counts, self.ep_group)
+            y_sorted = expert_parallel.combine(self.experts(x_local, local_counts), handle)
+        else:
+            y_sorted = self.experts(x_sorted, counts.tolist())
         # Undo the permutation (a gather, so the backward is a scatter-add), then mix the k slots.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        y = y_sorted[inverse].view(n, self.top_k, -1)
+        y = y_sorted[inverse].view(n, self.top_k, y_sorted.shape[-1])  # explicit: n may be 0
         out = (y * weights.unsqueeze(-1)).sum(dim=1)
 
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.view(shape), self.aux_loss(logits, probs, counts, n)
+        return out.view(shape), self.aux_loss(logits, probs, ids, token_mask)
 
-    def aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+    def aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
+                 token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Switch/Mixtral load balancing E * sum_e f_e * P_e, plus the ST-MoE router z-loss.
 
         f_e: fraction of tokens whose top-k includes e (sums to k, as transformers counts it);
         P_e: mean router probability of e. Only P_e carries gradient. Per layer; the decoder sums
         over layers (transformers pools the counts of all layers before the product instead).
+        Tokens outside ``token_mask`` count nowhere; a rank or group without tokens gets 0.
+
+        With a token group, the counts and the token count (no grad), the probability sums and
+        the z-loss sum (differentiable all-reduce) are summed over the group, so f, P and the
+        z-loss are those of the whole micro-batch. Every rank of the group returns the loss
+        divided by the group size: each adds it to its own loss, and the backward of the
+        all-reduce sums the ranks' gradients, so the group together gets the single-process
+        gradient exactly once.
         """
-        frac = counts.to(probs.dtype) / max(n, 1)
-        loss = self.aux_loss_coef * self.num_experts * torch.sum(frac * probs.mean(dim=0))
+        n = ids.shape[0]
+        keep = probs.new_ones(n) if token_mask is None else token_mask.reshape(n).to(probs.dtype)
+        # A weighted scatter, not bincount(ids[mask]): no host sync for the boolean selection.
+        counts = probs.new_zeros(self.num_experts).scatter_add_(
+            0, ids.reshape(-1), keep[:, None].expand(n, self.top_k).reshape(-1))
+        stats = torch.cat([counts, keep.sum()[None]])  # [E + 1]: counts per expert, tokens
+        if token_mask is not None:
+            probs = probs * keep[:, None]
+        sums = probs.sum(dim=0)
         if self.z_loss_coef:
-            loss = loss + self.z_loss_coef * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-        return loss
+            z = torch.logsumexp(logits.float(), dim=-1).pow(2)
+            sums = torch.cat([sums, (z * keep).sum()[None]])  # [E (+1)]: probability sums, z sum
+        group_size = 1
+        if self.token_group is not None:
+            group_size = dist.get_world_size(self.token_group)
+            dist.all_reduce(stats, group=self.token_group)
+            sums = dist_fn.all_reduce(sums, group=self.token_group)  # backward: all-reduce of grads
+        counts, tokens = stats[:-1], stats[-1].clamp_min(1.0)
+        frac, mean_prob = counts / tokens, sums[: self.num_experts] / tokens
+        loss = self.aux_loss_coef * self.num_experts * torch.sum(frac * mean_prob)
+        if self.z_loss_coef:
+            loss = loss + self.z_loss_coef * sums[-1] / tokens
+        return loss / group_size

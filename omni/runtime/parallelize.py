@@ -1,0 +1,208 @@
+"""Put a model on a layout: pipeline split, expert and tensor parallelism, activation
+checkpointing, FSDP — in that order (each wraps what the previous one left).
+
+Returns a ``ParallelModel``: this rank's model chunks (one, or one per virtual pipeline stage),
+and what the trainer must do besides ``backward``: sum the gradients of parameters that FSDP
+does not own (MoE layers, replicated over the ranks that feed them different tokens), sum the
+two copies of a tied embedding that pipeline parallelism splits over the first and last stage,
+and count each gradient once in the norm.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from omni.models.llm.moe import MoE
+from omni.models.llm.parallel_plan import apply_tensor_parallel
+from omni.models.multimodal import OmniModel
+from parallel.config import ParallelConfig
+from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
+from parallel.layout import Layout, check_model_fits
+from parallel.pipeline import PipelineRunner, split_layers, stage_ids
+
+
+@dataclass
+class ParallelModel:
+    chunks: list[OmniModel]
+    stage_ids: list[int]
+    num_stages: int
+    runner: Optional[PipelineRunner] = None
+    # (parameters, group): gradients to all-reduce (sum) after backward.
+    replica_syncs: list = field(default_factory=list)
+    # The last stage's copy of a tied embedding and the group {first stage, last stage}.
+    tied: Optional[tuple[nn.Parameter, dist.ProcessGroup]] = None
+    # (parameters, mesh size): FSDP-sharded parameters whose gradients FSDP averaged.
+    averaged: list = field(default_factory=list)
+
+    def parameters(self):
+        for chunk in self.chunks:
+            yield from chunk.parameters()
+
+    def named_parameters(self):
+        seen = set()
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                if name not in seen:
+                    seen.add(name)
+                    yield name, p
+
+    @property
+    def norm_skip(self) -> list:
+        return [self.tied[0]] if self.tied is not None else []
+
+    @torch.no_grad()
+    def sync_gradients(self) -> None:
+        """After backward: every gradient becomes the sum over the ranks that share it."""
+        for params, size in self.averaged:
+            undo_gradient_average(params, size)
+        for p in self.parameters():
+            # DTensor gradients can come back in another placement than their parameter:
+            # partial sums for replicated TP weights used on sequence shards (norm gains), a
+            # replicated gradient for a vocabulary-parallel embedding whose only use is the
+            # lookup. Bring each to its parameter's placement once, here.
+            g = p.grad
+            if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+                p.grad = g.redistribute(g.device_mesh, p.placements)
+        for params, group in self.replica_syncs:
+            if dist.get_world_size(group) == 1:
+                continue
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                dist.all_reduce(g, group=group)
+        if self.tied is not None:
+            p, group = self.tied
+            for q in self._tied_params():
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+                dist.all_reduce(g, group=group)
+
+    def _tied_params(self):
+        # The first stage's embedding and the last stage's head copy (on different pipeline ranks).
+        for chunk in self.chunks:
+            if chunk.llm.embed_tokens is not None and chunk.llm.lm_head is None:
+                yield chunk.llm.embed_tokens.weight
+
+
+def activation_dtype(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
+    policy = precision_policy(pcfg.mixed_precision, device)
+    return policy.param_dtype or torch.float32
+
+
+def parallelize(model: OmniModel, layout: Layout) -> ParallelModel:
+    """Apply ``layout`` to ``model`` (built identically on every rank) in place / by copies."""
+    pcfg, sizes = layout.config, layout.sizes
+    c = model.llm.config
+    check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
+                     num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,
+                     cp_impl=pcfg.cp_impl)
+    virtual = pcfg.pp_virtual_stages if sizes.pp > 1 else 1
+    num_stages = sizes.pp * virtual
+    ids = stage_ids(layout.pp_rank, sizes.pp, virtual)
+    layers = split_layers(c.num_layers, num_stages)
+    chunks = []
+    for sid in ids:
+        chunk = model if len(ids) == 1 else copy.deepcopy(model)
+        if num_stages > 1:
+            chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1)
+        chunks.append(chunk)
+    pm = ParallelModel(chunks, ids, num_stages)
+    for chunk in chunks:
+        _apply_one(chunk, layout, pm)
+    if num_stages > 1:
+        pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, layout.mesh["pp"].get_group(),
+                                   layout.device, c.hidden_size, activation_dtype(pcfg, layout.device))
+        if c.tie_word_embeddings:
+            pm.tied = (_last_tied_copy(chunks), layout.group("tie"))
+    return pm
+
+
+def _last_tied_copy(chunks: list[OmniModel]):
+    for chunk in chunks:
+        if chunk.runtime.last_stage and chunk.llm.embed_tokens is not None:
+            return chunk.llm.embed_tokens.weight
+    return None
+
+
+def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
+    pcfg, sizes = layout.config, layout.sizes
+    rt = chunk.runtime
+    rt.checkpoint = pcfg.activation_checkpoint
+    if sizes.cp > 1:
+        rt.cp_group, rt.cp_size, rt.cp_impl = layout.group("cp"), sizes.cp, pcfg.cp_impl
+    moe_layers = [b.mlp for b in chunk.llm.layers if isinstance(b.mlp, MoE)]
+    token_group = layout.group("token") if sizes.cp * sizes.tp > 1 else None
+    for moe in moe_layers:
+        if sizes.ep > 1:
+            moe.enable_expert_parallel(layout.group("ep"), layout.ep_rank, sizes.ep)
+            _experts_as_dtensors(moe, layout)
+        if token_group is not None:
+            moe.set_token_group(token_group)
+    if sizes.tp > 1:
+        rt.tp_mesh, rt.tp_group = layout.tp_mesh(), layout.tp_mesh().get_group()
+        rt.tp_rank, rt.tp_size = layout.tp_rank, sizes.tp
+        apply_tensor_parallel(chunk.llm, rt.tp_mesh)
+    # MoE parameters are not sharded by FSDP: the ranks of a stage route different tokens through
+    # them, so their gradients are summed over the stage (experts: over the ranks holding the
+    # same experts).
+    for moe in moe_layers:
+        experts = list(moe.experts.parameters())
+        others = [p for p in moe.parameters() if all(p is not q for q in experts)]
+        pm.replica_syncs.append((others, layout.group("stage")))
+        pm.replica_syncs.append((experts, layout.group("expert_replicas")))
+    if layout.fsdp_mesh().size() > 1:
+        blocks = list(chunk.llm.layers)
+        per = pcfg.fsdp_blocks_per_unit
+        units = [blocks[i:i + per] for i in range(0, len(blocks), per)]
+        # Encoders and projectors stay in the root unit: a micro-batch without media of a kind
+        # skips that encoder's forward, and a unit of its own would then miss its all-gather on
+        # some ranks. (The multiplexing runtime gives encoders their own layout.)
+        reshard = pcfg.reshard_after_forward
+        reshard = (sizes.pp == 1) if reshard == "auto" else str(reshard).lower() == "true"
+        ignored = [p for moe in moe_layers for p in moe.parameters()]
+        sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.device),
+                    cpu_offload=pcfg.cpu_offload, reshard_after_forward=reshard, prefetch=pcfg.fsdp_prefetch,
+                    ignored=ignored)
+        pm.averaged.append((sharded, layout.fsdp_mesh().size()))
+
+
+def _experts_as_dtensors(moe: MoE, layout: Layout) -> None:
+    """Each EP rank's expert block becomes its shard of a DTensor over the EP mesh, so
+    checkpoints store every expert once and reload under another EP size."""
+    mesh = layout.ep_mesh()
+    for name in ("w_gate_up", "w_down"):
+        local = getattr(moe.experts, name)
+        dt = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False)
+        setattr(moe.experts, name, nn.Parameter(dt, requires_grad=local.requires_grad))
+
+
+def gather_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], OmniModel]) -> OmniModel | None:
+    """An unsharded copy of the trained model on rank 0 (None elsewhere): every rank gathers
+    its stage's full weights (a collective), one rank per stage sends them to rank 0. Meant for
+    evaluating small models; a large one would be evaluated under its own layout."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    state: dict = {}
+    for chunk in pm.chunks:
+        state.update({k: v.detach().cpu() for k, v in get_model_state_dict(chunk, options=options).items()})
+    c = layout.coords
+    sender = c["dp_replicate"] == c["dp_shard"] == c["cp"] == c["tp"] == 0
+    parts = [None] * layout.world_size if layout.is_main else None
+    dist.gather_object(state if sender else {}, parts, dst=0)
+    if not layout.is_main:
+        return None
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    model = build()
+    model.load_state_dict(merged)
+    return model

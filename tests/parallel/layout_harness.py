@@ -1,0 +1,162 @@
+"""Equality harness: a layout's first losses and first-step gradients against the single-process run.
+
+The reference runs in the test process, the layout on spawned gloo ranks; both train the same
+tiny decoder (same seed) on the same global batches (packed rows of several documents, some
+positions without a target). Each data-parallel rank takes every dp-th micro-batch, and a
+context-parallel rank its zig-zag slice, exactly as the data plane hands them out.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import asdict
+
+import torch
+
+from dataloading.batch import IGNORE_INDEX, MicroBatch, StepBatch
+from dataloading.context_parallel import slice_for_cp
+from omni.models.llm import Decoder
+from omni.models.llm.config import DecoderConfig
+from omni.models.multimodal import OmniModel
+from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
+from omni.runtime.optim import build_optimizer, build_scheduler
+
+STEPS = 5
+MICRO_PER_STEP = 8
+OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, clip_grad_norm=0.5)
+
+
+def model_config(moe: bool, num_layers: int = 4) -> DecoderConfig:
+    kw = dict(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=num_layers,
+              num_heads=4, num_kv_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    if moe:
+        kw.update(family="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.05,
+                  router_z_loss_coef=0.01)
+    return DecoderConfig(**kw)
+
+
+def build(moe: bool, num_layers: int) -> OmniModel:
+    torch.manual_seed(1234)
+    model = OmniModel(Decoder(model_config(moe, num_layers)), {}, {})
+    with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif "router" in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:
+    lens = []
+    while sum(lens) < 24:
+        lens.append(int(torch.randint(1, 14, (1,), generator=gen)))
+    ids, pos, labels = [], [], []
+    for n in lens:
+        doc = torch.randint(0, vocab, (n + 1,), generator=gen)
+        ids.append(doc[:-1])
+        pos.append(torch.arange(n))
+        lab = doc[1:].clone()
+        lab[: n // 3] = IGNORE_INDEX  # a prompt without loss
+        labels.append(lab)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, sample_ids=[f"mb{index}"])
+
+
+def global_batches(vocab: int) -> list[list[MicroBatch]]:
+    gen = torch.Generator().manual_seed(99)
+    return [[micro_batch(gen, vocab, s * MICRO_PER_STEP + i) for i in range(MICRO_PER_STEP)] for s in range(STEPS)]
+
+
+def reference(moe: bool, num_layers: int) -> dict:
+    """The single-process run: same math as the Trainer with one rank (global-token-normalised
+    CE, router losses averaged over the global batch's micro-batches, clipping, AdamW)."""
+    model = build(moe, num_layers)
+    opt = build_optimizer(model, OPTIM)
+    sched = build_scheduler(opt, OPTIM, 100)
+    losses, grads, norms = [], {}, []
+    for step, mbs in enumerate(global_batches(model.llm.config.vocab_size)):
+        targets = sum(mb.num_target_tokens for mb in mbs)
+        model.runtime.aux_weight = 1.0 / len(mbs)
+        ce = 0.0
+        for mb in mbs:
+            parts = model(mb)
+            (parts.ce_sum / targets).backward()
+            ce += float(parts.ce_sum)
+        losses.append(ce / targets)
+        if step == 0:  # before clipping (which would hide a uniform scale error)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad_norm)))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return {"losses": losses, "grads": grads, "norms": norms}
+
+
+def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int) -> dict:
+    """Train STEPS steps under ``sizes`` on this rank; returns losses, grad norms and the full
+    first-step gradients of the parameters this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    from omni.runtime.parallelize import parallelize
+    from omni.runtime.trainer import Trainer
+    from parallel.config import ParallelConfig
+    from parallel.layout import init_layout
+
+    layout = init_layout(ParallelConfig(**sizes), device="cpu")
+    pm = parallelize(build(moe, num_layers), layout)
+    run_dir = tempfile.mkdtemp(prefix="omni-layout-")
+    trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=100, run_dir=run_dir, progress=False,
+                                                      eval_at_end=False),
+                      OPTIM, CheckpointConfig(save_at_end=False), tokenizer=None)
+    first_grads: dict = {}
+    real_sync = pm.sync_gradients
+
+    def sync_and_capture():  # the summed gradients, before clipping
+        real_sync()
+        if not first_grads:
+            for name, p in pm.named_parameters():
+                g = p.grad
+                if g is None:
+                    continue
+                first_grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+
+    pm.sync_gradients = sync_and_capture
+    dp, cp = layout.dp_size, layout.sizes.cp
+    losses, norms = [], []
+    for step, mbs in enumerate(global_batches(96)):
+        mine = mbs[layout.dp_rank::dp]
+        if cp > 1:
+            mine = [slice_for_cp(mb, cp, layout.cp_rank, pad_id=0) for mb in mine]
+        out = trainer.train_step(StepBatch(step=step + 1, micro_batches=mine))
+        losses.append(out["loss"])
+        norms.append(out["grad_norm"])
+    return {"losses": losses, "norms": norms, "grads": first_grads, "sizes": dict(sizes)}
+
+
+def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
+    """Every mismatch as a line (empty: equal)."""
+    bad = []
+    for i, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
+        if not abs(a - b) <= tol * abs(b):
+            bad.append(f"loss {i}: {a!r} vs single-process {b!r}")
+    for i, (a, b) in enumerate(zip(result["norms"], ref["norms"])):
+        if not abs(a - b) <= tol * abs(b):
+            bad.append(f"grad norm {i}: {a!r} vs {b!r}")
+    for name, g in result["grads"].items():
+        r = ref["grads"].get(name)
+        if r is None or g.shape != r.shape:
+            bad.append(f"grad {name}: shape {tuple(g.shape)} vs {None if r is None else tuple(r.shape)}")
+            continue
+        err = float((g - r).norm() / max(float(r.norm()), 1e-12))
+        if not err <= 1e-5:
+            bad.append(f"grad {name}: relative error {err:.2e}")
+    if not result["grads"]:
+        bad.append("no gradients captured")
+    if not all(math.isfinite(x) for x in result["losses"]):
+        bad.append("non-finite loss")
+    return bad
+
+
+__all__ = ["reference", "run_layout", "compare", "asdict"]
