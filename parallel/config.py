@@ -34,6 +34,10 @@ class ParallelConfig:
     # Explicit prefetch depth: all-gather the next k units while the current one computes
     # (forward and backward); 0 leaves FSDP2's implicit one-ahead prefetch.
     fsdp_prefetch: int = 1
+    # Reduce-scatter gradients after every micro-batch's backward (true: gradients stay sharded,
+    # least memory) or only after the step's last one (false: one reduce per step, but each rank
+    # holds unsharded gradients meanwhile). Pipeline schedules decide this themselves.
+    fsdp_reduce_every_microbatch: bool = True
     # Free gathered parameters after forward: auto (yes, except under pipeline parallelism, where
     # each micro-batch would gather them again) | true | false.
     reshard_after_forward: str = "auto"

@@ -42,8 +42,9 @@ def shard_model(root: nn.Module, units: Sequence[Sequence[nn.Module]], mesh: Dev
         mods = list(unit)
         own = {p for m in mods for p in m.parameters()} & ignored
         target = mods[0] if len(mods) == 1 else mods
-        wrapped.append(fully_shard(target, reshard_after_forward=reshard_after_forward,
-                                   ignored_params=own or None, **common))
+        fully_shard(target, reshard_after_forward=reshard_after_forward, ignored_params=own or None, **common)
+        # A grouped unit shares one FSDP state; its first module stands for it when prefetching.
+        wrapped.append(mods[0])
     wrapped.append(fully_shard(root, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None,
                                **common))
     wrapped.pop()  # the root: gathered first, nothing to prefetch it behind

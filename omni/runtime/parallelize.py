@@ -23,7 +23,7 @@ from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
 from parallel.config import ParallelConfig
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
-from parallel.layout import Layout, check_model_fits
+from parallel.layout import Layout, LayoutError, check_model_fits
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
 
 
@@ -158,6 +158,9 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         others = [p for p in moe.parameters() if all(p is not q for q in experts)]
         pm.replica_syncs.append((others, layout.group("stage")))
         pm.replica_syncs.append((experts, layout.group("expert_replicas")))
+    if pcfg.cpu_offload and layout.device.type != "cuda":
+        raise LayoutError("parallel.cpu_offload=true moves FSDP's sharded state from the GPU to host memory; "
+                          "this run is on the CPU already: set parallel.cpu_offload=false")
     if layout.fsdp_mesh().size() > 1:
         blocks = list(chunk.llm.layers)
         per = pcfg.fsdp_blocks_per_unit

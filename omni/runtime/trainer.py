@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from dataloading.batch import MicroBatch, StepBatch
 from omni.errors import UserError
@@ -21,7 +22,7 @@ from omni.runtime.metrics import MetricsLog, progress_bar
 from omni.runtime.optim import PartOptimizers
 from omni.models.multimodal import Prepared
 from omni.runtime.parallelize import ParallelModel, gather_full_model
-from parallel.data_parallel import all_reduce_sum, all_reduce_sums
+from parallel.data_parallel import all_reduce_sums
 from parallel.grad_norm import clip_grads
 from parallel.layout import Layout
 from parallel.pipeline import microbatch_count
@@ -134,7 +135,10 @@ class Trainer:
         else:
             # Every micro-batch runs, placeholders too: FSDP, TP, CP and EP collectives must
             # happen the same number of times on every rank.
-            for p in prepared:
+            defer = not self.layout.config.fsdp_reduce_every_microbatch and isinstance(self.model, FSDPModule)
+            for i, p in enumerate(prepared):
+                if defer:  # reduce-scatter once, after the last micro-batch
+                    self.model.set_requires_gradient_sync(i == len(prepared) - 1)
                 with self._autocast():
                     parts = self.model(p)
                     loss = parts.ce_sum / global_targets
@@ -185,7 +189,8 @@ class Trainer:
             batch = next(it)
             stats = self.train_step(batch)
             dt = time.perf_counter() - t0
-            tokens = all_reduce_sum(batch.num_tokens, self.device)
+            c = self.layout.coords  # TP and PP peers hold the same tokens: count them once
+            tokens = all_reduce_sums([batch.num_tokens if c["pp"] == c["tp"] == 0 else 0], self.device)[0]
             record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt,
                       "data_wait_s": batch.data_wait_s, **batch.plan_stats}
             # Running totals kept by the loader (and in its checkpointed state), index-time ones included.

@@ -32,6 +32,7 @@ results. Ratios are against the default (B=1, P=1, R=true). Timings on a shared 
 move with the load; the counts do not.
 
     python scripts/bench/fsdp_comm.py [--steps 3] [--quick] [--out /tmp/omni-fsdp-traces]
+        [--from-json /tmp/omni-fsdp-traces/fsdp_comm.json]
 """
 from __future__ import annotations
 
@@ -49,11 +50,9 @@ WORLD = 2
 TOKENS = 256  # per micro-batch
 MICRO = 4  # micro-batches per rank per step
 # (blocks_per_unit, prefetch, reshard_after_forward); the first one is the reference.
-# B > 1 runs with P = 0 as well: B > 1 with P > 0 fails in parallel.fsdp.shard_model at the time of
-# writing (a multi-module unit is a list, which has no set_modules_to_forward_prefetch); such a
-# variant is reported as failed, not dropped, and is measured once that is fixed.
-VARIANTS = [(1, 1, True), (1, 0, True), (1, 2, True), (2, 0, True), (4, 0, True), (1, 1, False),
-            (2, 1, True), (4, 1, True)]
+# B = 4 runs with P = 0 as well, to see prefetch with big units. A variant that fails to build
+# (the same way on every rank, before any collective) is reported as failed, not dropped.
+VARIANTS = [(1, 1, True), (1, 0, True), (1, 2, True), (2, 1, True), (4, 1, True), (4, 0, True), (1, 1, False)]
 QUICK_VARIANTS = [(1, 1, True), (4, 0, True), (1, 1, False)]
 
 
@@ -214,7 +213,6 @@ def collective_names(events) -> dict:
 def rank_main(rank: int, world: int, variants, steps: int, num_layers: int, out: str) -> None:
     import json
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from torch.profiler import ProfilerActivity, profile
@@ -280,6 +278,9 @@ def rank_main(rank: int, world: int, variants, steps: int, num_layers: int, out:
             for i in range(n):
                 one_step(runs[(i + s) % n], step + s, prof=phase == "profiled", trace=s == count - 1)
         step += count
+        if phase == "warmup":
+            for run in runs:
+                run["times"].clear()
         if rank == 0:
             print(f"  {phase}: done", flush=True)
     if rank == 0:
@@ -296,11 +297,13 @@ def summarise(rows: list[dict]) -> list[dict]:
         per = lambda f: median([f(p) for p in prof])  # noqa: E731
         out.append({
             "variant": tuple(r["variant"]), "step_ms": median(r["step_s"]) * 1e3,
+            "step_ms_range": (min(r["step_s"]) * 1e3, max(r["step_s"]) * 1e3),
             "profiled_step_ms": per(lambda p: p["wall_ms"]),
             "all_gather": per(lambda p: p["counts"]["all_gather"]),
             "reduce_scatter": per(lambda p: p["counts"]["reduce_scatter"]),
             "all_reduce": per(lambda p: p["counts"]["all_reduce"]),
             "ag_ms": per(lambda p: p["ms"]["all_gather"]), "rs_ms": per(lambda p: p["ms"]["reduce_scatter"]),
+            "ms_per_ag": per(lambda p: p["ms"]["all_gather"] / max(p["counts"]["all_gather"], 1)),
             "comm_ms": per(lambda p: p["comm_ms"]),
             "comm_share": per(lambda p: p["comm_ms"] / p["wall_ms"]),
             "exposed_share": per(lambda p: p["exposed_ms"] / max(p["comm_ms"], 1e-9)),
@@ -312,13 +315,16 @@ def summarise(rows: list[dict]) -> list[dict]:
 def report(res: dict) -> str:
     s = res["summary"]
     ref = s[0]
-    headers = ["variant (B, P, R)", "step ms (median)", "vs default", "all-gathers / step", "reduce-scatters / step",
-               "all-gather ms", "reduce-scatter ms", "collectives ms (in flight)", "vs default",
+    headers = ["variant (B, P, R)", "step ms median (min-max)", "vs default", "all-gathers / step",
+               "reduce-scatters / step", "all-gather ms", "ms per all-gather", "reduce-scatter ms",
+               "collectives ms (in flight)", "vs default",
                "collective share of step", "exposed share of collective time", "params held fwd->bwd MiB"]
     rows = []
     for x in s:
-        rows.append([label(x["variant"]), f"{x['step_ms']:.0f}", f"{x['step_ms'] / ref['step_ms']:.2f}x",
-                     f"{x['all_gather']:.0f}", f"{x['reduce_scatter']:.0f}", f"{x['ag_ms']:.0f}", f"{x['rs_ms']:.0f}",
+        lo, hi = x["step_ms_range"]
+        rows.append([label(x["variant"]), f"{x['step_ms']:.0f} ({lo:.0f}-{hi:.0f})", f"{x['step_ms'] / ref['step_ms']:.2f}x",
+                     f"{x['all_gather']:.0f}", f"{x['reduce_scatter']:.0f}", f"{x['ag_ms']:.0f}", f"{x['ms_per_ag']:.1f}",
+                     f"{x['rs_ms']:.0f}",
                      f"{x['comm_ms']:.0f}", f"{x['comm_ms'] / ref['comm_ms']:.2f}x", f"{100 * x['comm_share']:.0f}%",
                      f"{100 * x['exposed_share']:.0f}%", f"{x['held_mib']:.2f}"])
     lines = [table(headers, rows), "",
@@ -337,7 +343,15 @@ def main() -> None:
     p = parser(__doc__.split("\n")[0])
     p.set_defaults(out="/tmp/omni-fsdp-traces")
     p.add_argument("--steps", type=int, default=3, help="timed steps and profiled steps per variant (default 3)")
+    p.add_argument("--from-json", default="", help="re-print the table of a saved result (fsdp_comm.json)")
     args = p.parse_args()
+    if args.from_json:
+        import json
+
+        res = json.loads(Path(args.from_json).read_text())
+        res["summary"] = summarise(res["rows"])
+        print(report(res))
+        return
     variants = QUICK_VARIANTS if args.quick else VARIANTS
     steps = 1 if args.quick else args.steps
     layers = 4 if args.quick else 8

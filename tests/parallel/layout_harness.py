@@ -149,8 +149,8 @@ def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
         if r is None or g.shape != r.shape:
             bad.append(f"grad {name}: shape {tuple(g.shape)} vs {None if r is None else tuple(r.shape)}")
             continue
-        err = float((g - r).norm() / max(float(r.norm()), 1e-12))
-        if not err <= 1e-5:
+        err = float((g.float() - r).norm() / max(float(r.norm()), 1e-12))
+        if not err <= tol:
             bad.append(f"grad {name}: relative error {err:.2e}")
     if not result["grads"]:
         bad.append("no gradients captured")

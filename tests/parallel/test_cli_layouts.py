@@ -6,8 +6,10 @@ changes) and the loss is normalised by the global target count, so a dense run's
 equal the single-process ones. For the MoE demo the router loss depends on how samples are
 grouped into micro-batches, so only the first loss (before any update) must be equal.
 
-CI runs two 8-rank combinations and the checkpoint re-layout; the rest are opt-in
-(`pytest -m scale`), because eight ranks on two cores take about a minute each.
+CI runs the 8-rank MoE combination (EP x TP x FSDP, with the final evaluation gathering the
+weights) and the checkpoint re-layout; the rest are opt-in (`pytest -m scale`), because eight
+ranks on two cores take about a minute each. tests/parallel/test_layouts_equal_single.py proves
+every combination equal to the single-process run in CI, below the CLI.
 """
 from __future__ import annotations
 
@@ -60,10 +62,10 @@ def _check(losses: list[float], ref: list[float], moe: bool) -> None:
 
 
 CI = [
-    ("dp_shard=2 x tp=2 x pp=2", 8, dict(dp_shard=2, tp=2, pp=2), "demo"),
     ("dp_shard=4 x ep=4 x tp=2", 8, dict(dp_shard=4, ep=4, tp=2), "demo_moe"),
 ]
 OPT_IN = [
+    ("dp_shard=2 x tp=2 x pp=2", 8, dict(dp_shard=2, tp=2, pp=2), "demo"),
     ("dp_shard=2", 2, dict(dp_shard=2), "demo"),
     ("dp_replicate=2 x dp_shard=2", 4, dict(dp_replicate=2, dp_shard=2), "demo"),
     ("tp=2", 2, dict(dp_shard=1, tp=2), "demo"),
@@ -79,7 +81,8 @@ OPT_IN = [
 ]
 
 
-def _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment):
+def _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment, eval_opts=None):
+    eval_opts = eval_opts or {}
     extra = {}
     if experiment == "demo8":  # 4 pipeline ranks x 2 virtual stages need 8 layers
         experiment, extra = "demo", {"model.num_layers": 8}
@@ -90,7 +93,7 @@ def _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment)
         _REFERENCE[ref_key] = step_losses(run_dir)
     run_dir = tmp_path / "run"
     over = tiny_overrides(demo_root, run_dir, experiment=experiment, **extra, **COMMON,
-                          **{f"parallel.{k}": v for k, v in sizes.items()})
+                          **{f"parallel.{k}": v for k, v in sizes.items()}, **eval_opts)
     _torchrun(nproc, over, tmp_path)
     _check(step_losses(run_dir), _REFERENCE[ref_key], moe=experiment == "demo_moe")
     return run_dir
@@ -99,7 +102,10 @@ def _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment)
 @pytest.mark.slow
 @pytest.mark.parametrize("name,nproc,sizes,experiment", CI, ids=[c[0] for c in CI])
 def test_cli_layout(name, nproc, sizes, experiment, demo_root, tmp_path, tmp_path_factory):
-    _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment)
+    run_dir = _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment,
+                          {"trainer.eval_at_end": True, "trainer.eval_samples": 4, "trainer.max_new_tokens": 8})
+    evals = [r for r in read_metrics(run_dir) if r.get("event") == "eval"]
+    assert len(evals) == 1 and evals[0]["num_samples"] == 4  # rank 0 evaluated the gathered model
 
 
 @pytest.mark.scale

@@ -16,6 +16,7 @@ from layout_harness import compare, reference, run_layout
 DENSE = {"moe": False, "num_layers": 4}
 DENSE8 = {"moe": False, "num_layers": 8}  # pp=4 x 2 virtual stages needs 8 layers
 MOE = {"moe": True, "num_layers": 4}
+BF16_TOL = 3e-2  # bf16 keeps 8 mantissa bits: ~4e-3 per rounding, a few roundings deep
 
 LAYOUTS = {
     2: [
@@ -28,6 +29,14 @@ LAYOUTS = {
         ("cp=2 ring", dict(dp_shard=1, cp=2, cp_impl="ring"), DENSE),
         ("cp=2 ulysses", dict(dp_shard=1, cp=2, cp_impl="ulysses"), DENSE),
         ("ep=2 (MoE)", dict(dp_shard=2, ep=2), MOE),
+        # Memory and communication knobs change nothing numerically.
+        ("dp_shard=2 full recompute, 2-block units, prefetch 2, one reduce per step",
+         dict(dp_shard=2, activation_checkpoint="full", fsdp_blocks_per_unit=2, fsdp_prefetch=2,
+              fsdp_reduce_every_microbatch=False), DENSE),
+        ("dp_shard=2 x ep=2 selective recompute", dict(dp_shard=2, ep=2, activation_checkpoint="selective"), MOE),
+        # bf16 parameters with fp32 gradient reduction (the GPU default) also run on CPU: close
+        # to the fp32 run, not equal (BF16_TOL).
+        ("dp_shard=2 bf16 mixed precision", dict(dp_shard=2, mixed_precision="bf16"), DENSE),
     ],
     4: [
         ("dp_replicate=2 x dp_shard=2", dict(dp_replicate=2, dp_shard=2), DENSE),
@@ -67,10 +76,11 @@ def test_layouts_equal_single_process(world, tmp_path):
     problems = []
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            for (name, _, model), (_, result, error) in zip(layouts, pickle.load(f)):
+            for (name, sizes, model), (_, result, error) in zip(layouts, pickle.load(f)):
                 if error:
                     problems.append(f"[{name}] rank {rank}: {error}")
                     continue
                 ref = refs[tuple(sorted(model.items()))]
-                problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref)]
+                tol = BF16_TOL if sizes.get("mixed_precision") == "bf16" else 1e-5
+                problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, tol)]
     assert not problems, "\n".join(problems[:40])
