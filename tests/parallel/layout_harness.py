@@ -22,7 +22,7 @@ from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.optim import build_optimizer, build_scheduler
 
 STEPS = 5
-MICRO_PER_STEP = 8
+MICRO_PER_STEP = 4
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, clip_grad_norm=0.5)
 
 

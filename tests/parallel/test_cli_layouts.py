@@ -6,9 +6,9 @@ changes) and the loss is normalised by the global target count, so a dense run's
 equal the single-process ones. For the MoE demo the router loss depends on how samples are
 grouped into micro-batches, so only the first loss (before any update) must be equal.
 
-CI runs the 8-rank MoE combination (EP x TP x FSDP, with the final evaluation gathering the
-weights) and the checkpoint re-layout; the rest are opt-in (`pytest -m scale`), because eight
-ranks on two cores take about a minute each. tests/parallel/test_layouts_equal_single.py proves
+CI runs the checkpoint re-layout (4 FSDP ranks, then tp=2 x pp=2 with the final evaluation
+gathering the weights); the layouts are opt-in (`pytest -m scale`), because eight ranks on two
+cores take about a minute each. tests/parallel/test_layouts_equal_single.py proves
 every combination equal to the single-process run in CI, below the CLI.
 """
 from __future__ import annotations
@@ -61,10 +61,8 @@ def _check(losses: list[float], ref: list[float], moe: bool) -> None:
         assert abs(ours - want) <= 1e-5 * abs(want), (losses, ref)
 
 
-CI = [
-    ("dp_shard=4 x ep=4 x tp=2", 8, dict(dp_shard=4, ep=4, tp=2), "demo_moe"),
-]
 OPT_IN = [
+    ("dp_shard=4 x ep=4 x tp=2", 8, dict(dp_shard=4, ep=4, tp=2), "demo_moe"),
     ("dp_shard=2 x tp=2 x pp=2", 8, dict(dp_shard=2, tp=2, pp=2), "demo"),
     ("dp_shard=2", 2, dict(dp_shard=2), "demo"),
     ("dp_replicate=2 x dp_shard=2", 4, dict(dp_replicate=2, dp_shard=2), "demo"),
@@ -99,15 +97,6 @@ def _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment,
     return run_dir
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,nproc,sizes,experiment", CI, ids=[c[0] for c in CI])
-def test_cli_layout(name, nproc, sizes, experiment, demo_root, tmp_path, tmp_path_factory):
-    run_dir = _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment,
-                          {"trainer.eval_at_end": True, "trainer.eval_samples": 4, "trainer.max_new_tokens": 8})
-    evals = [r for r in read_metrics(run_dir) if r.get("event") == "eval"]
-    assert len(evals) == 1 and evals[0]["num_samples"] == 4  # rank 0 evaluated the gathered model
-
-
 @pytest.mark.scale
 @pytest.mark.parametrize("name,nproc,sizes,experiment", OPT_IN, ids=[c[0] for c in OPT_IN])
 def test_cli_layout_opt_in(name, nproc, sizes, experiment, demo_root, tmp_path, tmp_path_factory):
@@ -124,9 +113,13 @@ def test_checkpoint_from_dp_shard4_resumes_at_tp2_pp2(demo_root, tmp_path, tmp_p
                                                             "parallel.dp_shard": 4})
     _torchrun(4, first, tmp_path)
     assert step_losses(run_dir) == pytest.approx(ref[:2], rel=1e-5)
+    # The final evaluation gathers the split weights into one model on rank 0.
     second = tiny_overrides(demo_root, run_dir, **COMMON, **{"parallel.dp_shard": 1, "parallel.tp": 2,
-                                                             "parallel.pp": 2})
+                                                             "parallel.pp": 2, "trainer.eval_at_end": True,
+                                                             "trainer.eval_samples": 4, "trainer.max_new_tokens": 8})
     _torchrun(4, second, tmp_path)
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert abs(records[2]["loss"] - ref[2]) <= 1e-5 * abs(ref[2]), (records, ref)
+    evals = [r for r in read_metrics(run_dir) if r.get("event") == "eval"]
+    assert len(evals) == 1 and evals[0]["num_samples"] == 4
