@@ -83,7 +83,7 @@ def reference(moe: bool, num_layers: int) -> dict:
         for mb in mbs:
             parts = model(mb)
             (parts.ce_sum / targets).backward()
-            ce += float(parts.ce_sum)
+            ce += float(parts.ce_sum.detach())
         losses.append(ce / targets)
         if step == 0:  # before clipping (which would hide a uniform scale error)
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
