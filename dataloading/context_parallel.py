@@ -142,3 +142,11 @@ def local_documents(info: CPInfo, length: int) -> torch.Tensor:
     pad = torch.full((length - doc.numel(),), info.chunk_lens.numel() + 1 + info.cp_rank, dtype=doc.dtype,
                      device=doc.device)
     return torch.cat([doc, pad])
+
+
+def local_real_tokens(info: CPInfo, length: int) -> torch.Tensor:
+    """Which of a CP rank's ``length`` local tokens are real (not per-document or step padding)."""
+    real = _local_to_original(info) >= 0
+    if length < real.numel():
+        raise ValueError(f"local_real_tokens: length={length} is shorter than the {real.numel()} sliced tokens")
+    return torch.cat([real, real.new_zeros(length - real.numel())])

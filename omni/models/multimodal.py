@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.context_parallel import _local_to_original, local_documents
+from dataloading.context_parallel import local_documents, local_real_tokens
 from omni.models.attention import ContextParallelSegments, segment_ids_from_position_ids
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.llm import Decoder
@@ -141,10 +141,7 @@ class OmniModel(nn.Module):
         if mb.cp is not None and mb.cp.cp_size > 1:
             doc = local_documents(mb.cp, t)
             segments = ContextParallelSegments(doc[None], position_ids, rt.cp_group, rt.cp_impl)
-            real = _local_to_original(mb.cp) >= 0
-            mask = torch.zeros(t, dtype=torch.bool, device=mb.input_ids.device)
-            mask[: real.numel()] = real
-            mask = mask[None]
+            mask = local_real_tokens(mb.cp, t)[None]
         else:
             segments = segment_ids_from_position_ids(position_ids)
             if real_tokens is not None and real_tokens < t:

@@ -5,7 +5,7 @@ import torch
 
 from dataloading.batch import IGNORE_INDEX, MicroBatch
 from dataloading.constructor import SampleConstructor, assemble, dummy_micro_batch
-from dataloading.context_parallel import merge_cp_slices, slice_for_cp
+from dataloading.context_parallel import local_documents, local_real_tokens, merge_cp_slices, slice_for_cp
 from dataloading.sample import DecodedSample
 from dataloading.tokenizer import ByteTokenizer
 
@@ -221,3 +221,27 @@ def test_merge_refuses_incomplete_or_unsliced(rows):
         merge_cp_slices([mb])
     with pytest.raises(ValueError, match="already"):
         slice_for_cp(slice_for_cp(mb, 2, 0, PAD), 2, 0, PAD)
+
+
+@pytest.mark.parametrize("name,cp", [c for c in all_cases() if c[1] > 1])
+def test_local_documents_and_real_tokens_cover_the_row(rows, name, cp):
+    """What ring/Ulysses attention and the MoE statistics read: each local token's document, and
+    which tokens are real; step padding beyond the slice is a document of its own per rank."""
+    mb = rows[name]
+    n_docs = mb.cu_seqlens.numel() - 1
+    real_total, pad_docs = 0, set()
+    for r in range(cp):
+        s = slice_for_cp(mb, cp, r, PAD)
+        length = s.num_tokens + 3  # as if the step padded every row to a longer one
+        doc = local_documents(s.cp, length)
+        real = local_real_tokens(s.cp, length)
+        assert doc.shape == real.shape == (length,)
+        assert not real[-3:].any() and (doc[-3:] >= n_docs).all()
+        pad_docs.add(int(doc[-1]))
+        real_total += int(real.sum())
+        # a real token's document is the one whose (padded) chunk holds it
+        assert (doc[: s.num_tokens] < n_docs).all()
+    assert real_total == mb.num_tokens
+    assert len(pad_docs) == cp
+    with pytest.raises(ValueError, match="shorter than"):
+        local_documents(slice_for_cp(mb, cp, 0, PAD).cp, 0 if mb.num_tokens else -1)
