@@ -10,6 +10,7 @@ schedules are built per (length, micro-batch count) and cached.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import torch
@@ -25,6 +26,7 @@ SCHEDULES = {
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+CACHED_SCHEDULES = 4
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
@@ -59,11 +61,17 @@ class PipelineRunner:
         self.modules, self.ids, self.num_stages = list(modules), list(ids), num_stages
         self.schedule_name, self.group, self.device = schedule, group, device
         self.hidden_size, self.dtype = hidden_size, dtype
-        self._cache: dict[tuple[int, int], object] = {}
+        # Least recently used schedules are dropped first: each holds its stages' receive
+        # buffers, so only a few row lengths are kept.
+        self._cache: OrderedDict[tuple[int, int], object] = OrderedDict()
 
     def _schedule(self, length: int, n_micro: int):
         key = (length, n_micro)
-        if key not in self._cache:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
+            while len(self._cache) >= CACHED_SCHEDULES:
+                self._cache.popitem(last=False)
             # requires_grad: torch sends gradients back only for activations that want them.
             act = torch.empty(1, length, self.hidden_size, dtype=self.dtype, device="meta", requires_grad=True)
             stages = []
