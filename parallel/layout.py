@@ -234,6 +234,13 @@ class Layout:
         return (c["dp_shard"] * self.sizes.cp + c["cp"]) % self.sizes.ep
 
     @property
+    def counts_data(self) -> bool:
+        """Whether this rank counts its tokens in global totals: TP and PP peers hold the same
+        tokens, so only the first stage's TP rank 0 of each (dp, cp) position does."""
+        c = self.coords
+        return c["pp"] == 0 and c["tp"] == 0
+
+    @property
     def stage_world(self) -> int:
         """Ranks that hold the same pipeline stage."""
         return self.world_size // self.sizes.pp
@@ -295,8 +302,6 @@ def _build_groups(sizes: Sizes, rank: int, backend: str | None) -> dict[str, dis
         "token": lambda r: (coords(r)["pp"], coords(r)["dp_replicate"], coords(r)["dp_shard"]),
         # Ranks of one pipeline stage (every rank of the stage's model replica set).
         "stage": lambda r: (coords(r)["pp"],),
-        # Ranks whose target tokens sum to the global count: one per (dp, cp) at tp=0 position.
-        "loss": lambda r: (coords(r)["pp"], coords(r)["tp"]),
         # Ranks that consume the same samples (one loader, broadcast to the rest).
         "peers": lambda r: (coords(r)["dp_replicate"], coords(r)["dp_shard"]),
     }

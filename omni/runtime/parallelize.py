@@ -33,10 +33,12 @@ class ParallelModel:
     stage_ids: list[int]
     num_stages: int
     runner: Optional[PipelineRunner] = None
-    # (parameters, group): gradients to all-reduce (sum) after backward.
+    # (parameters, group): gradients to all-reduce (sum) after backward. Includes the two copies
+    # of a tied embedding, summed over {first stage, last stage}.
     replica_syncs: list = field(default_factory=list)
-    # The last stage's copy of a tied embedding and the group {first stage, last stage}.
-    tied: Optional[tuple[nn.Parameter, dist.ProcessGroup]] = None
+    # Parameters whose gradient another rank also holds on purpose (the last stage's copy of a
+    # tied embedding): left out of the gradient norm so they count once.
+    norm_skip: list = field(default_factory=list)
     # (parameters, mesh size): FSDP-sharded parameters whose gradients FSDP averaged.
     averaged: list = field(default_factory=list)
 
@@ -51,10 +53,6 @@ class ParallelModel:
                 if name not in seen:
                     seen.add(name)
                     yield name, p
-
-    @property
-    def norm_skip(self) -> list:
-        return [self.tied[0]] if self.tied is not None else []
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
@@ -77,19 +75,6 @@ class ParallelModel:
                     p.grad = torch.zeros_like(p)
                 g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 dist.all_reduce(g, group=group)
-        if self.tied is not None:
-            p, group = self.tied
-            for q in self._tied_params():
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-                g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
-                dist.all_reduce(g, group=group)
-
-    def _tied_params(self):
-        # The first stage's embedding and the last stage's head copy (on different pipeline ranks).
-        for chunk in self.chunks:
-            if chunk.llm.embed_tokens is not None and chunk.llm.lm_head is None:
-                yield chunk.llm.embed_tokens.weight
 
 
 def activation_dtype(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
@@ -121,15 +106,13 @@ def parallelize(model: OmniModel, layout: Layout) -> ParallelModel:
         pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, layout.mesh["pp"].get_group(),
                                    layout.device, c.hidden_size, activation_dtype(pcfg, layout.device))
         if c.tie_word_embeddings:
-            pm.tied = (_last_tied_copy(chunks), layout.group("tie"))
+            # The first stage's embedding and the last stage's head copy (on different pipeline
+            # ranks) receive each other's gradient.
+            copies = [ch.llm.embed_tokens.weight for ch in chunks if ch.llm.embed_tokens is not None]
+            pm.replica_syncs.append((copies, layout.group("tie")))
+            pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
+                            if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
     return pm
-
-
-def _last_tied_copy(chunks: list[OmniModel]):
-    for chunk in chunks:
-        if chunk.runtime.last_stage and chunk.llm.embed_tokens is not None:
-            return chunk.llm.embed_tokens.weight
-    return None
 
 
 def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:

@@ -87,10 +87,9 @@ class Trainer:
     def _counts(self, batch: StepBatch) -> tuple[float, float]:
         """(target tokens, real micro-batches) of the whole global batch. Peers that hold the
         same tokens (TP, PP) or the same micro-batches (CP) count them once."""
-        c = self.layout.coords
-        holder = c["pp"] == 0 and c["tp"] == 0
+        holder = self.layout.counts_data
         targets = batch.num_target_tokens if holder else 0
-        real = sum(1 for mb in batch.micro_batches if mb.sample_ids) if holder and c["cp"] == 0 else 0
+        real = sum(1 for mb in batch.micro_batches if mb.sample_ids) if holder and self.layout.cp_rank == 0 else 0
         return tuple(all_reduce_sums([targets, real], self.device))
 
     def _prepared(self, batch: StepBatch, global_targets: float) -> tuple[list[Prepared], int]:
@@ -153,8 +152,8 @@ class Trainer:
         lr = self.optim.lr
         self.optim.step()
         self.optim.zero_grad()
-        c = self.layout.coords
-        counts_loss = c["tp"] == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
+        # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
+        counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
         ce_sum, aux_sum = all_reduce_sums([ce_total if counts_loss else 0.0, aux_total], self.device)
         loss_value = ce_sum / global_targets
         if not math.isfinite(loss_value):
@@ -189,8 +188,7 @@ class Trainer:
             batch = next(it)
             stats = self.train_step(batch)
             dt = time.perf_counter() - t0
-            c = self.layout.coords  # TP and PP peers hold the same tokens: count them once
-            tokens = all_reduce_sums([batch.num_tokens if c["pp"] == c["tp"] == 0 else 0], self.device)[0]
+            tokens = all_reduce_sums([batch.num_tokens if self.layout.counts_data else 0], self.device)[0]
             record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt,
                       "data_wait_s": batch.data_wait_s, **batch.plan_stats}
             # Running totals kept by the loader (and in its checkpointed state), index-time ones included.
