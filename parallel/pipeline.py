@@ -52,7 +52,11 @@ class PipelineRunner:
     """Runs one step's micro-batches through this rank's stages with the chosen schedule."""
 
     def __init__(self, modules: Sequence[nn.Module], ids: Sequence[int], num_stages: int, schedule: str,
-                 group: dist.ProcessGroup, device: torch.device, hidden_size: int, dtype: torch.dtype):
+                 group: dist.ProcessGroup, device: torch.device, hidden_size: int, dtype: torch.dtype,
+                 timeline=None):
+        """``timeline``: anything with ``span(kind, name)`` (a context manager); each stage's
+        forward and backward computations are recorded as "llm" spans, so the time between
+        them is what the rank spent waiting (bubbles, activation transfers)."""
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
         if (schedule in MULTI_STAGE) != (len(modules) > 1):
@@ -61,6 +65,7 @@ class PipelineRunner:
         self.modules, self.ids, self.num_stages = list(modules), list(ids), num_stages
         self.schedule_name, self.group, self.device = schedule, group, device
         self.hidden_size, self.dtype = hidden_size, dtype
+        self.timeline = timeline
         # Least recently used schedules are dropped first: each holds its stages' receive
         # buffers, so only a few row lengths are kept.
         self._cache: OrderedDict[tuple[int, int], object] = OrderedDict()
@@ -79,8 +84,11 @@ class PipelineRunner:
                 first, last = sid == 0, sid == self.num_stages - 1
                 inp = torch.empty(1, device="meta") if first else act
                 out = torch.empty((), dtype=torch.float32, device="meta") if last else act
-                stages.append(PipelineStage(module, sid, self.num_stages, self.device, input_args=(inp,),
-                                            output_args=(out,), group=self.group))
+                stage = PipelineStage(module, sid, self.num_stages, self.device, input_args=(inp,),
+                                      output_args=(out,), group=self.group)
+                if self.timeline is not None:
+                    _time_stage(stage, self.timeline, sid)
+                stages.append(stage)
             cls = SCHEDULES[self.schedule_name]
             # The last stage returns each micro-batch's loss already divided by the global target
             # count, so the schedule must neither average nor rescale gradients.
@@ -100,6 +108,20 @@ class PipelineRunner:
             kwargs.update(target=torch.zeros(n_micro, device=self.device), losses=[])
         args = (torch.zeros(n_micro, device=self.device),) if 0 in self.ids else ()
         schedule.step(*args, **kwargs)
+
+
+def _time_stage(stage: PipelineStage, timeline, sid: int) -> None:
+    """Record the stage's computations (not its waits) as "llm" spans of ``timeline``."""
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
+
+        def timed(*args, _inner=inner, _name=name, **kwargs):
+            with timeline.span("llm", f"stage{sid} {_name.split('_')[0]} mb{args[0] if args else ''}"):
+                return _inner(*args, **kwargs)
+
+        setattr(stage, name, timed)
 
 
 def _identity_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

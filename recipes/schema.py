@@ -9,7 +9,7 @@ from hydra.core.config_store import ConfigStore
 
 from dataloading.config import DataConfig
 from omni.models.config import EncoderSlot, ModelConfig
-from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
+from omni.runtime.config import CheckpointConfig, MultiplexConfig, OptimConfig, TrainerConfig
 from parallel.config import ParallelConfig
 
 
@@ -22,6 +22,7 @@ class OmniConfig:
     encoders: Dict[str, EncoderSlot] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    multiplex: MultiplexConfig = field(default_factory=MultiplexConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -49,7 +49,9 @@ def run(cfg: OmniConfig):
         eval_dir = cfg.data.eval_dir or load_mixture(mixture).eval
         loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
         n_params = sum(p.numel() for p in model.parameters())
-        pm = parallelize(model, layout)
+        from recipes.data_plane import cost_model
+
+        pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model))
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,6 +72,7 @@ def run(cfg: OmniConfig):
             tokenizer=tokenizer,
             eval_samples=eval_samples if (cfg.trainer.eval_at_end and eval_dir) else None,
             full_model=full_model,
+            trace_step=cfg.multiplex.trace_step,
         )
         try:
             return trainer.fit()

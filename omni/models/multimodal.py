@@ -66,6 +66,7 @@ class Prepared:
     segments: object  # segment ids [1, T], None, or ContextParallelSegments
     token_mask: Optional[torch.Tensor]  # [1, T] bool, None when every token is real
     global_targets: float = 1.0  # the loss of this micro-batch is ce_sum / global_targets
+    index: int = 0  # the micro-batch's place in the step (its encoder chunk under multiplexing)
 
 
 @dataclass
@@ -107,20 +108,24 @@ class OmniModel(nn.Module):
             self.encoders[modality].requires_grad_(False)
         self.runtime = ParallelRuntime()
         self.feed = StageFeed()
+        # Set by omni.runtime.parallelize on the model chunk that runs encoder work: the media
+        # embeddings then come from the multiplexing runtime instead of inline encoders.
+        self.multiplexer = None
+        self.timeline = None  # omni.runtime.timeline.Timeline, when the step is being timed
 
     @property
     def modalities(self) -> list[str]:
         return list(self.encoders.keys())
 
     # -- pipeline stages --------------------------------------------------------------------
-    def keep_stage(self, layer_ids: list[int], first: bool, last: bool) -> None:
+    def keep_stage(self, layer_ids: list[int], first: bool, last: bool, keep_encoders: bool = False) -> None:
         """Delete everything stage (``layer_ids``, first?, last?) does not run. The last stage of
         a tied model keeps the embedding as its LM head (a copy whose gradient is summed with the
-        first stage's)."""
+        first stage's). ``keep_encoders``: this stage's ranks encode media too (multiplexing)."""
         for i in [int(k) for k in self.llm.layers.keys()]:
             if i not in layer_ids:
                 del self.llm.layers[str(i)]
-        if not first:
+        if not first and not keep_encoders:
             self.encoders = nn.ModuleDict()
             self.projectors = nn.ModuleDict()
             if not (last and self.llm.lm_head is None):
@@ -192,12 +197,24 @@ class OmniModel(nn.Module):
         return ce / p.global_targets
 
     def _input_hidden(self, p: Prepared) -> torch.Tensor:
+        if self.multiplexer is not None:
+            return self._multiplexed_hidden(p)
         h = self.embed(p.mb.input_ids, p.mb.media)[None]
         idle = [m for m in self.encoders if m not in p.mb.media]
         if idle and torch.is_grad_enabled():
             h = h + self._zero_touch(idle)
         if self.runtime.tp_mesh is not None:  # sequence parallelism: each TP rank keeps 1/tp of the row
             h = scatter_to_sequence_shards(h, self.runtime.tp_mesh)
+        return h
+
+    def _multiplexed_hidden(self, p: Prepared) -> torch.Tensor:
+        """Text embeddings with the media rows the multiplexing runtime delivered to this rank:
+        under sequence parallelism only this TP shard's rows, written after the split."""
+        h = self.llm.embed(p.mb.input_ids)[None]
+        if self.runtime.tp_mesh is not None:
+            h = scatter_to_sequence_shards(h, self.runtime.tp_mesh)
+        for rows, positions in self.multiplexer.embeddings(p.index).values():
+            h = h[0].index_copy(0, positions, rows.to(h.dtype))[None]
         return h
 
     def _zero_touch(self, modalities: list[str]) -> torch.Tensor:

@@ -52,3 +52,22 @@ class CheckpointConfig:
     # Keep the last N checkpoints (0: keep all).
     keep_last: int = 2
     save_at_end: bool = True
+
+
+@dataclass
+class MultiplexConfig:
+    """Encoder-LLM multiplexing (the ``multiplex`` group; see docs/multiplexing.md)."""
+
+    # colocated: encoders on every rank, each chunk inserted into the LLM pipeline when the
+    # first stage needs it (the joint pipeline). stage0: encoders on the first pipeline stage
+    # only (Megatron-style). encoder_first: every encoder forward before the LLM pipeline.
+    placement: str = "colocated"
+    # Ranks that split one long media item (Ulysses over the encoder's heads); 1: never split.
+    encoder_sp: int = 1
+    # Encoder tokens above which an item is long (split over encoder_sp ranks). "auto": an item
+    # whose cost alone exceeds its chunk's balanced share per rank.
+    long_threshold: str = "auto"
+    # Record each rank's encoder / LLM / communication / idle time per step (metrics.jsonl).
+    timeline: bool = True
+    # Write a Chrome trace (chrome://tracing, Perfetto) of this step to <run_dir>/trace_step<N>.json; 0: none.
+    trace_step: int = 0

@@ -20,11 +20,16 @@ from torch.distributed.tensor import DTensor, Shard
 
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
+from dataloading.cost import CostModel
 from omni.models.multimodal import OmniModel
+from omni.runtime.config import MultiplexConfig
+from omni.runtime.multiplex import Multiplexer
+from omni.runtime.timeline import Timeline
 from parallel.config import ParallelConfig
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
 from parallel.layout import Layout, LayoutError, check_model_fits
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
+from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
 
 
 @dataclass
@@ -32,7 +37,7 @@ class ParallelModel:
     chunks: list[OmniModel]
     stage_ids: list[int]
     num_stages: int
-    runner: Optional[PipelineRunner] = None
+    runner: Optional[PipelineRunner | PipelineExecutor] = None
     # (parameters, group): gradients to all-reduce (sum) after backward. Includes the two copies
     # of a tied embedding, summed over {first stage, last stage}.
     replica_syncs: list = field(default_factory=list)
@@ -41,6 +46,10 @@ class ParallelModel:
     norm_skip: list = field(default_factory=list)
     # (parameters, mesh size): FSDP-sharded parameters whose gradients FSDP averaged.
     averaged: list = field(default_factory=list)
+    # The encoder-LLM multiplexing runtime (None for a model without encoders).
+    multiplexer: Optional[Multiplexer] = None
+    # Per-step encoder / LLM / communication / idle time of this rank (None: not recorded).
+    timeline: Optional[Timeline] = None
 
     def parameters(self):
         for chunk in self.chunks:
@@ -82,9 +91,16 @@ def activation_dtype(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
     return policy.param_dtype or torch.float32
 
 
-def parallelize(model: OmniModel, layout: Layout) -> ParallelModel:
-    """Apply ``layout`` to ``model`` (built identically on every rank) in place / by copies."""
+def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | None = None,
+                cost: CostModel | None = None) -> ParallelModel:
+    """Apply ``layout`` to ``model`` (built identically on every rank) in place / by copies.
+    A model with encoders gets the multiplexing runtime (``multiplex``: its config, default
+    colocated; ``cost``: the shared cost model, default from the model's FLOPs)."""
     pcfg, sizes = layout.config, layout.sizes
+    multiplex = multiplex or MultiplexConfig()
+    has_media = len(model.encoders) > 0
+    # Encoders live on every rank (colocated, encoder_first) or on the first stage (stage0).
+    encoders_everywhere = has_media and multiplex.placement != "stage0"
     c = model.llm.config
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,
@@ -94,17 +110,25 @@ def parallelize(model: OmniModel, layout: Layout) -> ParallelModel:
     ids = stage_ids(layout.pp_rank, sizes.pp, virtual)
     layers = split_layers(c.num_layers, num_stages)
     chunks = []
-    for sid in ids:
+    for k, sid in enumerate(ids):
         chunk = model if len(ids) == 1 else copy.deepcopy(model)
         if num_stages > 1:
-            chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1)
+            chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1,
+                             keep_encoders=encoders_everywhere and k == 0)
         chunks.append(chunk)
-    pm = ParallelModel(chunks, ids, num_stages)
+    timeline = Timeline(layout.rank, enabled=multiplex.timeline)
+    pm = ParallelModel(chunks, ids, num_stages, timeline=timeline)
     for chunk in chunks:
         _apply_one(chunk, layout, pm)
     if num_stages > 1:
-        pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, layout.mesh["pp"].get_group(),
-                                   layout.device, c.hidden_size, activation_dtype(pcfg, layout.device))
+        group, dtype = layout.mesh["pp"].get_group(), activation_dtype(pcfg, layout.device)
+        if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # one stage per rank, with cuts for encoder work
+            defer = not pcfg.fsdp_reduce_every_microbatch and layout.fsdp_mesh().size() > 1
+            pm.runner = PipelineExecutor(chunks[0], ids[0], num_stages, pcfg.pp_schedule, group, layout.device,
+                                         c.hidden_size, dtype, timeline, defer_grad_sync=defer)
+        else:
+            pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, group, layout.device,
+                                       c.hidden_size, dtype, timeline)
         if c.tie_word_embeddings:
             # The first stage's embedding and the last stage's head copy (on different pipeline
             # ranks) receive each other's gradient.
@@ -112,7 +136,39 @@ def parallelize(model: OmniModel, layout: Layout) -> ParallelModel:
             pm.replica_syncs.append((copies, layout.group("tie")))
             pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
                             if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
+    if has_media:
+        _multiplex(pm, model, layout, multiplex, cost, timeline)
     return pm
+
+
+def _multiplex(pm: ParallelModel, model: OmniModel, layout: Layout, cfg: MultiplexConfig, cost: CostModel | None,
+               timeline) -> None:
+    """The multiplexing runtime on this rank's first chunk, and the encoders' gradient sum over
+    every rank that encodes (a rank without media adds zeros: no dilution)."""
+    from omni.models.cost import default_cost_model
+
+    holder = pm.chunks[0]
+    encodes = len(holder.encoders) > 0
+    mux = Multiplexer(holder if encodes else None, layout, cfg, cost or default_cost_model(model), timeline)
+    pm.multiplexer = mux
+    if isinstance(pm.runner, PipelineExecutor):
+        pm.runner.on_cut = mux.cut
+    if encodes:
+        holder.multiplexer = mux
+    elif layout.pp_rank == 0:
+        raise LayoutError("the first pipeline stage lost its encoders; this is a bug in parallelize")
+    if not mux.active:
+        return
+    params = [p for mod in (*holder.encoders.values(), *holder.projectors.values()) for p in mod.parameters()
+              if p.requires_grad]
+    group = mux.group if mux.group is not None else dist.group.WORLD
+    pm.replica_syncs.append((params, group))
+    if layout.pp_rank > 0:  # the copies on later stages are counted once, on the first stage
+        pm.norm_skip = list(pm.norm_skip) + params
+
+
+def _media_params(chunk: OmniModel) -> list:
+    return [p for mod in (*chunk.encoders.values(), *chunk.projectors.values()) for p in mod.parameters()]
 
 
 def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
@@ -148,12 +204,10 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         blocks = list(chunk.llm.layers)
         per = pcfg.fsdp_blocks_per_unit
         units = [blocks[i:i + per] for i in range(0, len(blocks), per)]
-        # Encoders and projectors stay in the root unit: a micro-batch without media of a kind
-        # skips that encoder's forward, and a unit of its own would then miss its all-gather on
-        # some ranks. (The multiplexing runtime gives encoders their own layout.)
         reshard = pcfg.reshard_after_forward
         reshard = (sizes.pp == 1) if reshard == "auto" else str(reshard).lower() == "true"
-        ignored = [p for moe in moe_layers for p in moe.parameters()]
+        # Encoders run outside the LLM's forward (the multiplexing runtime): not FSDP's to gather.
+        ignored = [p for moe in moe_layers for p in moe.parameters()] + _media_params(chunk)
         sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.device),
                     cpu_offload=pcfg.cpu_offload, reshard_after_forward=reshard, prefetch=pcfg.fsdp_prefetch,
                     ignored=ignored)

@@ -22,6 +22,8 @@ from omni.runtime.metrics import MetricsLog, progress_bar
 from omni.runtime.optim import PartOptimizers
 from omni.models.multimodal import Prepared
 from omni.runtime.parallelize import ParallelModel, gather_full_model
+from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
+                                   write_chrome_trace)
 from parallel.data_parallel import all_reduce_sums
 from parallel.grad_norm import clip_grads
 from parallel.layout import Layout
@@ -51,6 +53,7 @@ class Trainer:
         tokenizer=None,
         eval_samples: Callable[[], Iterable[tuple[MicroBatch, str]]] | None = None,
         full_model: Callable[[], OmniModel] | None = None,
+        trace_step: int = 0,
     ):
         """``model``: a ParallelModel from ``omni.runtime.parallelize`` (a bare OmniModel is
         wrapped as the one-process layout). ``full_model`` builds an unsharded model, into which
@@ -72,6 +75,7 @@ class Trainer:
         self.ckpt_cfg = ckpt_cfg
         self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank)
         self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main, tensorboard=trainer_cfg.tensorboard)
+        self.trace_step = trace_step
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
 
     @property
@@ -102,13 +106,17 @@ class Trainer:
             mbs += [MicroBatch.empty(mbs[0].cp if mbs else None)] * (microbatch_count(len(mbs), pp) - len(mbs))
             unit = 8 * tp  # coarse lengths: few distinct activation shapes, so few cached schedules
             length = _round_up(max(max(mb.num_tokens for mb in mbs), 1), unit)
-        out = []
-        for mb in mbs:
-            real = mb.num_tokens
-            target = length or _round_up(max(real, 1), tp)
-            padded = mb.padded(target, self.pad_id).to(self.device)
-            out.append(self.model.prepare(padded, global_targets, real_tokens=real))
-        return out, length
+        return [self._prepare_one(mb, length, global_targets) for mb in mbs], length
+
+    def _prepare_one(self, mb: MicroBatch, length: int, global_targets: float) -> Prepared:
+        real = mb.num_tokens
+        target = length or _round_up(max(real, 1), self.layout.sizes.tp)
+        padded = mb.padded(target, self.pad_id).to(self.device)
+        return self.model.prepare(padded, global_targets, real_tokens=real)
+
+    def _span(self, kind: str, name: str):
+        tl = self.pm.timeline
+        return tl.span(kind, name) if tl is not None else contextlib.nullcontext()
 
     def train_step(self, batch: StepBatch) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics."""
@@ -121,13 +129,27 @@ class Trainer:
         for chunk in self.pm.chunks:
             chunk.runtime.aux_weight = 1.0 / max(global_real, 1.0)
         prepared, length = self._prepared(batch, global_targets)
+        mux = self.pm.multiplexer
+        if mux is not None:
+            # Every rank learns every group's media and plans the encoder chunks; groups with
+            # fewer micro-batches run empty ones, so the encoder chunks line up.
+            n = mux.begin_step(prepared)
+            cp = prepared[0].mb.cp if prepared else None
+            prepared += [self._prepare_one(MicroBatch.empty(cp), length, global_targets)
+                         for _ in range(n - len(prepared))]
+        for i, p in enumerate(prepared):
+            p.index = i
         ce_total, aux_total = 0.0, 0.0
         if self.pm.runner is not None:
             for chunk in self.pm.chunks:
                 chunk.feed.reset(prepared)
             with self._autocast():
+                if mux is not None:
+                    mux.before_pipeline()
                 # Between stages a TP rank holds its sequence shard of each row.
                 self.pm.runner.run(length // self.layout.sizes.tp, len(prepared))
+                if mux is not None:
+                    mux.finish()
             for chunk in self.pm.chunks:
                 ce_total += sum(chunk.feed.ce_sums)
                 aux_total += sum(chunk.feed.aux_sums)
@@ -135,16 +157,25 @@ class Trainer:
             # Every micro-batch runs, placeholders too: FSDP, TP, CP and EP collectives must
             # happen the same number of times on every rank.
             defer = not self.layout.config.fsdp_reduce_every_microbatch and isinstance(self.model, FSDPModule)
+            if mux is not None:
+                mux.before_pipeline()
             for i, p in enumerate(prepared):
                 if defer:  # reduce-scatter once, after the last micro-batch
                     self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-                with self._autocast():
+                if mux is not None:
+                    with self._autocast():
+                        mux.cut(i)  # this micro-batch's encoder chunk, and the previous one's backward
+                with self._autocast(), self._span("llm", f"forward mb{i}"):
                     parts = self.model(p)
                     loss = parts.ce_sum / global_targets
-                loss.backward()
+                with self._span("llm", f"backward mb{i}"):
+                    loss.backward()
                 ce_total += float(parts.ce_sum.detach())
                 if parts.aux_loss is not None:
                     aux_total += float(parts.aux_loss)
+            if mux is not None:
+                with self._autocast():
+                    mux.finish()
         self.pm.sync_gradients()
         max_norm = self.clip if self.clip > 0 else math.inf
         grad_norm = clip_grads(list(self.pm.parameters()), max_norm, self.layout.stage_world, self.pm.norm_skip,
@@ -183,10 +214,16 @@ class Trainer:
         last = min(self.cfg.max_steps, self.cfg.stop_at or self.cfg.max_steps)
         for chunk in self.pm.chunks:
             chunk.train()
+        summary = RunSummary()
         for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
             batch = next(it)
+            reset_peak_memory(self.device)
+            if self.pm.timeline is not None:
+                self.pm.timeline.begin_step(step)
             stats = self.train_step(batch)
+            stats.update(self._step_profile(step))
+            summary.add(stats)
             dt = time.perf_counter() - t0
             tokens = all_reduce_sums([batch.num_tokens if self.layout.counts_data else 0], self.device)[0]
             record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt,
@@ -204,12 +241,31 @@ class Trainer:
                 self.checkpointer.save(step, self.optim, self.loader.state_dict())
                 last_saved = step
         bar.close()
+        if self.layout.is_main and self.pm.timeline is not None and self.pm.timeline.enabled:
+            for line in summary.lines():
+                print(f"omni: {line}", flush=True)
         if self.ckpt_cfg.save_at_end and step > last_saved:
             self.checkpointer.save(step, self.optim, self.loader.state_dict())
         finished = step >= self.cfg.max_steps
         accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None
         self.metrics.close()
         return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy)
+
+    def _step_profile(self, step: int) -> dict:
+        """The step's time split over ranks (encoder / LLM / communication / idle), the
+        encoder plan's figures and peak memory; the Chrome trace of ``multiplex.trace_step``."""
+        out: dict = {}
+        tl = self.pm.timeline
+        if tl is not None and tl.enabled:
+            trace = step == self.trace_step
+            per_rank = gather_step_times(tl.end_step(), keep_events=trace)
+            out.update(summarise_ranks(per_rank))
+            if trace and self.layout.is_main:
+                write_chrome_trace(self.run_dir / f"trace_step{step}.json", per_rank)
+        if self.pm.multiplexer is not None:
+            out.update(self.pm.multiplexer.step_metrics())
+        out.update(peak_memory(self.device))
+        return out
 
     def _final_eval(self, step: int) -> float | None:
         """Greedy generation needs the whole model: under a split layout the weights are

@@ -7,6 +7,9 @@ An encoder plugin is an ``nn.Module`` subclass of :class:`EncoderAnchor` that br
   that data-loading workers run, and that counts tokens from index metadata alone;
 - ``forward(features, sizes)`` on *packed* input: the items of a micro-batch concatenated
   along the first axis, never padded to a common size; attention stays inside each item;
+- optionally the three steps ``forward`` is made of (``embed_inputs`` -> ``encode_tokens`` ->
+  ``finish``), which let :mod:`omni.models.encoders.sequence_parallel` split one long item
+  over an SP group; an encoder that has them sets ``supports_sequence_parallel = True``;
 - ``cost_coefficients()`` for the planner's cost model (FLOPs ~ alpha*n^2 + beta*n);
 - ``from_pretrained(dir)`` for transformers checkpoints (config.json + safetensors).
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,9 @@ class EncoderAnchor(nn.Module):
     hf_model_types: ClassVar[Tuple[str, ...]] = ()
     #: key prefixes under which the encoder's weights may sit, tried in order.
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("",)
+    #: True when the encoder implements embed_inputs / encode_tokens / finish / attention_heads,
+    #: so a long item can be split over a Ulysses group (sequence_parallel.encode_long_items).
+    supports_sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         super().__init__()
@@ -73,8 +79,46 @@ class EncoderAnchor(nn.Module):
         raise NotImplementedError
 
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """features [sum n_units, feat_dim], sizes int64 [n_items, k] -> [sum num_tokens, output_dim]."""
-        raise NotImplementedError
+        """features [sum n_units, feat_dim], sizes int64 [n_items, k] -> [sum num_tokens, output_dim].
+
+        Default: the three steps below with attention inside each item. A plugin may override
+        ``forward`` alone instead (it then cannot run sequence-parallel)."""
+        x, tokens = self.embed_inputs(features, sizes)
+        if not tokens:  # no items: nothing to attend over, but keep the tail in the graph
+            return self.finish(x)
+        return self.finish(self.encode_tokens(x, packed_segment_ids(tokens, x.device)))
+
+    # --- the steps of forward (optional; needed for sequence parallelism) -------------------
+    def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
+        """The per-item front-end: features, sizes -> (token states [sum tokens, D], tokens per item)."""
+        raise NotImplementedError(self._missing_step("embed_inputs"))
+
+    def encode_tokens(self, x: torch.Tensor, attention: "AttentionSpec") -> torch.Tensor:
+        """The transformer layers on token states [T, D]. ``attention``: segment ids [T] (None
+        for a single item) or an object with ``attend(q, k, v, scale)`` that replaces local
+        attention (see :func:`packed_self_attention`)."""
+        raise NotImplementedError(self._missing_step("encode_tokens"))
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The per-token tail after the layers (e.g. the final layernorm): [T, D] -> [T, output_dim]."""
+        raise NotImplementedError(self._missing_step("finish"))
+
+    def attention_heads(self) -> int:
+        """Attention heads per layer (a Ulysses group must divide it)."""
+        raise NotImplementedError(self._missing_step("attention_heads"))
+
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        """Rows of ``features`` each item has (the multiplexing runtime slices features per
+        item). Default: the product of the item's ``sizes`` entries (a grid of patches, a
+        number of frames); override when features are laid out otherwise."""
+        return [int(torch.tensor(row).prod()) if row else 0 for row in sizes.tolist()]
+
+    def _missing_step(self, name: str) -> str:
+        return (
+            f"encoder {type(self).__name__} ({self.modality}) does not implement {name}(); "
+            "implement forward(), or embed_inputs/encode_tokens/finish (plus attention_heads and "
+            "input_units for sequence parallelism)"
+        )
 
     def cost_coefficients(self) -> Tuple[float, float]:
         """(alpha, beta): forward FLOPs of one item of n tokens ~ alpha*n^2 + beta*n."""
@@ -191,6 +235,19 @@ def packed_segment_ids(tokens_per_item: Sequence[int], device: torch.device) -> 
     return segment_ids_from_cu_seqlens(cu, int(cu[-1])).to(device)
 
 
+class TokenAttention(Protocol):
+    """Stands in for segment ids when the tokens of an item are spread over several ranks
+    (e.g. sequence parallelism): it computes the attention itself, collectives included."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q, k, v [1, H, T, D] (this rank's tokens) -> [1, H, T, D]; bidirectional."""
+        ...
+
+
+#: What encode_tokens and packed_self_attention take as ``attention``.
+AttentionSpec = Union[torch.Tensor, None, TokenAttention]
+
+
 def packed_self_attention(
     x: torch.Tensor,
     q_proj: nn.Linear,
@@ -198,12 +255,15 @@ def packed_self_attention(
     v_proj: nn.Linear,
     out_proj: nn.Linear,
     num_heads: int,
-    segment_ids: Optional[torch.Tensor],
+    attention: AttentionSpec,
     prescale_q: bool = False,
 ) -> torch.Tensor:
-    """Bidirectional multi-head self-attention over packed tokens x [T, D]; tokens attend only
-    within their segment. ``prescale_q`` multiplies q by head_dim**-0.5 before the product (the
-    order Whisper uses) instead of scaling the scores."""
+    """Bidirectional multi-head self-attention over packed tokens x [T, D].
+
+    ``attention`` is segment ids [T] (tokens attend only within their segment; None: one
+    segment) or a :class:`TokenAttention`, which then computes the attention. ``prescale_q``
+    multiplies q by head_dim**-0.5 before the product (the order Whisper uses) instead of
+    scaling the scores."""
     t, d = x.shape
     hd = d // num_heads
     q = q_proj(x).view(t, num_heads, hd).transpose(0, 1)[None]
@@ -213,8 +273,11 @@ def packed_self_attention(
     if prescale_q:
         q = q * hd**-0.5
         scale = 1.0
-    seg = None if segment_ids is None else segment_ids[None]
-    o = segment_attention(q, k, v, seg, causal=False, scale=scale)
+    if attention is None or isinstance(attention, torch.Tensor):
+        seg = None if attention is None else attention[None]
+        o = segment_attention(q, k, v, seg, causal=False, scale=scale)
+    else:
+        o = attention.attend(q, k, v, hd**-0.5 if scale is None else scale)
     return out_proj(o[0].transpose(0, 1).reshape(t, d))
 
 

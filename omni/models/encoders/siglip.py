@@ -24,7 +24,7 @@ from omni.models.encoders.base import (
     EncoderAnchor,
     activation,
     check_sizes,
-    packed_segment_ids,
+    AttentionSpec,
     packed_self_attention,
     transformer_flops,
 )
@@ -223,9 +223,9 @@ class _Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
 
-    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
         return packed_self_attention(
-            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, segment_ids
+            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, attention
         )
 
 
@@ -237,8 +237,8 @@ class _Layer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = _MLP(config)
 
-    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), segment_ids)
+    def forward(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), attention)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -259,6 +259,7 @@ class SiglipEncoder(EncoderAnchor):
     Config: ClassVar[type] = SiglipEncoderConfig
     hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip_vision_model", "siglip")
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("vision_model.", "")
+    supports_sequence_parallel: ClassVar[bool] = True
 
     def __init__(self, config: SiglipEncoderConfig):
         super().__init__(config)
@@ -298,9 +299,10 @@ class SiglipEncoder(EncoderAnchor):
         grid = F.interpolate(grid, size=(grid_h, grid_w), mode="bicubic", align_corners=False)
         return grid.permute(0, 2, 3, 1).reshape(grid_h * grid_w, d)
 
-    def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
+        """Patch embedding plus each image's interpolated position table."""
         if sizes.shape[0] == 0:
-            return self.post_layernorm(features.new_zeros(0, self.output_dim, dtype=self.post_layernorm.weight.dtype))
+            return features.new_zeros(0, self.output_dim, dtype=self.post_layernorm.weight.dtype), []
         grids = [(int(h), int(w)) for h, w in sizes.tolist()]
         tokens = check_sizes("SiglipEncoder", features, (h * w for h, w in grids))
         x = self.embeddings.patch_embedding(features.to(self.embeddings.patch_embedding.weight.dtype))
@@ -308,11 +310,22 @@ class SiglipEncoder(EncoderAnchor):
         for g in grids:
             if g not in cache:
                 cache[g] = self.position_embeddings(*g)
-        x = x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype)
-        seg = packed_segment_ids(tokens, x.device)
+        return x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype), tokens
+
+    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
         for layer in self.encoder.layers:
-            x = layer(x, seg)
+            x = layer(x, attention)
+        return x
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_layernorm(x)
+
+    def attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        """One feature row (patch) per token: grid_h * grid_w per image."""
+        return [int(h) * int(w) for h, w in sizes.tolist()]
 
     def cost_coefficients(self) -> Tuple[float, float]:
         c = self.config

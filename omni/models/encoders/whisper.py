@@ -26,7 +26,7 @@ from omni.models.encoders.base import (
     EncoderAnchor,
     activation,
     check_sizes,
-    packed_segment_ids,
+    AttentionSpec,
     packed_self_attention,
     transformer_flops,
 )
@@ -241,9 +241,9 @@ class _Attention(nn.Module):
         self.q_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
         return packed_self_attention(
-            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, segment_ids, prescale_q=True
+            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, attention, prescale_q=True
         )
 
 
@@ -258,8 +258,8 @@ class _Layer(nn.Module):
         self.fc2 = nn.Linear(config.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
 
-    def forward(self, x: torch.Tensor, segment_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), segment_ids)
+    def forward(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), attention)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
@@ -271,6 +271,7 @@ class WhisperEncoder(EncoderAnchor):
     Config: ClassVar[type] = WhisperEncoderConfig
     hf_model_types: ClassVar[Tuple[str, ...]] = ("whisper",)
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("model.encoder.", "encoder.", "")
+    supports_sequence_parallel: ClassVar[bool] = True
 
     def __init__(self, config: WhisperEncoderConfig):
         super().__init__(config)
@@ -307,10 +308,11 @@ class WhisperEncoder(EncoderAnchor):
         as_t = lambda a: torch.from_numpy(a).to(device)
         return int(sum(slots)), as_t(in_idx), as_t(out_idx), as_t(pos)
 
-    def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
+        """conv1 + conv2 over the zero-separated clip layout, plus positions 0..n-1 per clip."""
         if sizes.shape[0] == 0:
-            return self.layer_norm(features.new_zeros(0, self.output_dim, dtype=self.layer_norm.weight.dtype))
-        frames = check_sizes("WhisperEncoder", features, sizes[:, 0].tolist())
+            return features.new_zeros(0, self.output_dim, dtype=self.layer_norm.weight.dtype), []
+        frames = check_sizes("WhisperEncoder", features, self.input_units(sizes))
         tokens = [output_frames(t) for t in frames]
         if max(tokens, default=0) > self.config.max_source_positions:
             raise ValueError(
@@ -325,11 +327,22 @@ class WhisperEncoder(EncoderAnchor):
         mask = torch.zeros(length, dtype=dtype, device=features.device).index_fill(0, in_idx, 1.0)
         h = F.gelu(self.conv1(row.T[None])) * mask  # zero the separators again
         h = F.gelu(self.conv2(h))[0].T  # [ceil(length/2), D]
-        x = h.index_select(0, out_idx) + self.embed_positions(pos)
-        seg = packed_segment_ids(tokens, x.device)
+        return h.index_select(0, out_idx) + self.embed_positions(pos), tokens
+
+    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, seg)
+            x = layer(x, attention)
+        return x
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(x)
+
+    def attention_heads(self) -> int:
+        return self.config.encoder_attention_heads
+
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        """Mel frames per clip (feature rows); the clip yields output_frames(n) tokens."""
+        return [int(n) for n in sizes[:, 0].tolist()]
 
     def cost_coefficients(self) -> Tuple[float, float]:
         c = self.config

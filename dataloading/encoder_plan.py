@@ -1,0 +1,258 @@
+"""Where each media item of an encoder chunk is encoded, and where its outputs go.
+
+The encoder-LLM multiplexing runtime runs, for micro-batch j of every data-parallel group at
+once, one *encoder chunk*: all media items of micro-batch j, wherever they came from, are
+spread over the encoder ranks; then every output row travels to the one LLM rank that embeds
+it. This module decides both from metadata alone (plain numbers, no tensors, no collectives),
+so every rank computes the same plan and the exchanges need no negotiation:
+
+- **Long-short split**: an item whose encoder token count exceeds the long threshold is split
+  over an SP block (``sp`` consecutive ranks, Ulysses attention); the rest are *short* and
+  encoded whole on one rank.
+- **Balancing**: long items first, then short ones, heaviest first (by the shared cost model),
+  each onto the least-loaded eligible rank (a block's load counts 1/sp of the item on each
+  member). Ties prefer a rank that already holds the item's features (no transfer), then the
+  lowest rank.
+- **Features**: a rank that encodes an item it does not hold receives its feature rows from a
+  holder (the item's data group), round-robin over holders to spread the sending.
+- **Outputs**: row ``i`` of an item is produced by its short rank, or by the SP member whose
+  piece holds it (``piece_bounds``), and sent to every rank that needs it.
+
+Buffers are laid out canonically: what rank p sends to rank q is ordered by (modality, group,
+item, row), and q reads its receive buffer in source-rank order, so both sides agree without
+exchanging indices.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dataloading.cost import CostModel
+
+
+@dataclass(frozen=True)
+class ItemMeta:
+    """One media item of one micro-batch: what planning needs to know about it."""
+
+    group: int  # the data group (data-parallel rank) whose micro-batch holds it
+    modality: str
+    index: int  # position among that micro-batch's items of this modality
+    tokens: int  # encoder tokens = output rows
+    units: int  # feature rows (patches, mel frames) the encoder reads
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.modality, self.group, self.index)
+
+
+@dataclass
+class RankPlan:
+    """One rank's part of an encoder chunk."""
+
+    # modality -> per peer rank: the items (group, index) whose full features go to / come from it.
+    feat_send: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    feat_recv: dict[str, list[list[tuple[int, int]]]] = field(default_factory=dict)
+    # modality -> items encoded whole here / long items of this rank's SP block (same list and
+    # order on every member of the block).
+    short: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    long: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    sp_block: int | None = None
+    # The local output table: for modality in sorted order, the short items' rows (item after
+    # item), then this member's pieces of the long items. out_send[q]: table rows for rank q.
+    out_send: list[np.ndarray] = field(default_factory=list)
+    out_recv_counts: list[int] = field(default_factory=list)
+    # modality -> index into the receive buffer for each row this rank asked for (its order).
+    need_index: dict[str, np.ndarray] = field(default_factory=dict)
+    table_size: int = 0  # rows of the local output table
+    load: float = 0.0  # planned encoder cost on this rank
+
+
+@dataclass
+class ChunkPlan:
+    ranks: list[RankPlan]
+    long_items: int
+    max_over_mean: float  # encoder load balance of the chunk (1.0 = perfect)
+
+
+def piece_bounds(n_tokens: int, sp: int, member: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of an item of ``n_tokens`` that SP member ``member`` of ``sp``
+    holds: pieces of ceil(n/sp) rows (the last members of a short item may hold none, e.g. 3
+    tokens over 4 members: 1, 1, 1, 0)."""
+    if sp < 1 or not 0 <= member < sp or n_tokens < 0:
+        raise ValueError(f"piece_bounds: need sp >= 1, 0 <= member < sp and n_tokens >= 0, got sp={sp}, "
+                         f"member={member}, n_tokens={n_tokens}")
+    c = -(-n_tokens // sp)
+    lo = min(member * c, n_tokens)
+    return lo, min(lo + c, n_tokens)
+
+
+def plan_chunk(
+    items: Sequence[ItemMeta],
+    needs: Mapping[int, Mapping[str, np.ndarray]],
+    group_of: Sequence[int],
+    world: int,
+    cost: CostModel,
+    sp: int = 1,
+    long_threshold: int | None = None,
+    sp_modalities: Sequence[str] = (),
+    eligible: Mapping[int, Sequence[int]] | None = None,
+) -> ChunkPlan:
+    """Plan one encoder chunk over ranks ``0..world-1`` (indices into the exchange group).
+
+    ``items``: every item of the chunk, all groups. ``needs[r][modality]``: the rows rank r
+    embeds, as indices into the concatenated outputs (item after item) of its group's
+    micro-batch for that modality. ``group_of[r]``: rank r's data group (whose features it
+    holds). ``eligible[g]``: the ranks allowed to encode group g's items (None: all).
+    ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an item
+    whose cost alone exceeds the chunk's balanced share per rank). Only ``sp_modalities`` can
+    be split.
+    """
+    if sp < 1 or world % sp:
+        raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
+    plans = [RankPlan() for _ in range(world)]
+    holders: dict[int, list[int]] = {}
+    for r, g in enumerate(group_of):
+        holders.setdefault(g, []).append(r)
+    allowed = {g: list(range(world)) if eligible is None else sorted(eligible[g]) for g in holders}
+    costs = {it.key: float(cost.media_cost(it.modality, it.tokens)) for it in items}
+    total = sum(costs.values())
+    share = total / world if world else 0.0
+    blocks = [list(range(b * sp, (b + 1) * sp)) for b in range(world // sp)]
+
+    def is_long(it: ItemMeta) -> bool:
+        if sp == 1 or it.modality not in sp_modalities or it.tokens < sp:
+            return False
+        if long_threshold is None:
+            return costs[it.key] > share
+        return it.tokens > long_threshold
+
+    loads = np.zeros(world)
+    order = sorted(items, key=lambda it: (-costs[it.key], it.key))
+    long_items = [it for it in order if is_long(it)]
+    short_items = [it for it in order if not is_long(it)]
+    long_of_block: dict[int, list[ItemMeta]] = {}
+    block_of: dict[tuple, int] = {}
+    for it in long_items:  # each onto the block whose busiest member is least loaded
+        ok = [b for b, members in enumerate(blocks) if all(m in allowed[it.group] for m in members)]
+        if not ok:
+            raise ValueError(f"no encoder SP block of {sp} ranks may encode group {it.group}'s {it.modality} items; "
+                             f"lower multiplex.encoder_sp")
+        b = min(ok, key=lambda b: (max(loads[m] for m in blocks[b]), b))
+        long_of_block.setdefault(b, []).append(it)
+        block_of[it.key] = b
+        loads[blocks[b]] += costs[it.key] / sp
+    placed: dict[tuple, int] = {}
+    for it in short_items:
+        cand = allowed[it.group]
+        best = min(loads[r] for r in cand)
+        ties = [r for r in cand if loads[r] == best]
+        local = [r for r in ties if group_of[r] == it.group]
+        r = (local or ties)[0]
+        placed[it.key] = r
+        loads[r] += costs[it.key]
+
+    by_key = {it.key: it for it in items}
+    # Features: who sends what to whom.
+    sent = {g: 0 for g in holders}
+
+    def sender(it: ItemMeta, dst: int) -> int:
+        if group_of[dst] == it.group:
+            return dst
+        hs = holders[it.group]
+        s = hs[sent[it.group] % len(hs)]
+        sent[it.group] += 1
+        return s
+
+    for p in plans:
+        p.feat_send = {m: [[] for _ in range(world)] for m in sorted({it.modality for it in items})}
+        p.feat_recv = {m: [[] for _ in range(world)] for m in p.feat_send}
+    for it in sorted(items, key=lambda it: it.key):
+        dsts = [placed[it.key]] if it.key in placed else blocks[block_of[it.key]]
+        for dst in dsts:
+            src = sender(it, dst)
+            plans[src].feat_send[it.modality][dst].append((it.group, it.index))
+            plans[dst].feat_recv[it.modality][src].append((it.group, it.index))
+    # Who encodes what, and the local output tables.
+    row_home: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(rank, lo, table offset of lo)]
+    for r, p in enumerate(plans):
+        p.load = float(loads[r])
+        b = r // sp
+        p.sp_block = b if b in long_of_block else None
+        offset = 0
+        for m in sorted({it.modality for it in items}):
+            p.short[m] = sorted((k[1], k[2]) for k, rr in placed.items() if rr == r and k[0] == m)
+            for g, i in p.short[m]:
+                n = by_key[(m, g, i)].tokens
+                row_home.setdefault((m, g, i), []).append((r, 0, offset))
+                offset += n
+            p.long[m] = sorted((it.group, it.index) for it in long_of_block.get(b, []) if it.modality == m)
+            for g, i in p.long[m]:
+                lo, hi = piece_bounds(by_key[(m, g, i)].tokens, sp, r - b * sp)
+                row_home.setdefault((m, g, i), []).append((r, lo, offset))
+                offset += hi - lo
+        p.table_size = offset
+    # Outputs: the rows each rank needs, from the rank that produced them.
+    starts = _item_starts(items)
+    send_rows: list[list[list[tuple]]] = [[[] for _ in range(world)] for _ in range(world)]  # [src][dst]
+    for q in range(world):
+        g = group_of[q]
+        for m, rows in sorted(needs.get(q, {}).items()):
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.size == 0:
+                continue
+            st = starts.get((m, g))
+            if st is None or rows.max() >= st[-1]:
+                raise ValueError(f"rank {q} needs {m} output row {int(rows.max())} but group {g}'s micro-batch has "
+                                 f"{0 if st is None else int(st[-1])}")
+            item = np.searchsorted(st, rows, side="right") - 1
+            for row, i in zip(rows.tolist(), item.tolist()):
+                within = row - int(st[i])
+                src, table = _producer(row_home[(m, g, i)], within)
+                send_rows[src][q].append(((m, g, i, within), table))
+    for src in range(world):
+        plans[src].out_send = []
+        for q in range(world):
+            rows = sorted(set(send_rows[src][q]))
+            plans[src].out_send.append(np.asarray([t for _, t in rows], dtype=np.int64))
+            send_rows[src][q] = [k for k, _ in rows]
+    for q in range(world):
+        p = plans[q]
+        p.out_recv_counts = [len(send_rows[src][q]) for src in range(world)]
+        where: dict[tuple, int] = {}
+        base = 0
+        for src in range(world):
+            for k, key in enumerate(send_rows[src][q]):
+                where[key] = base + k
+            base += len(send_rows[src][q])
+        g = group_of[q]
+        for m, rows in needs.get(q, {}).items():
+            rows = np.asarray(rows, dtype=np.int64)
+            st = starts.get((m, g), np.zeros(1, dtype=np.int64))
+            item = np.searchsorted(st, rows, side="right") - 1
+            p.need_index[m] = np.asarray([where[(m, g, i, r - int(st[i]))] for r, i in zip(rows.tolist(), item.tolist())],
+                                         dtype=np.int64)
+    mean = loads.mean() if world else 0.0
+    return ChunkPlan(plans, len(long_items), float(loads.max() / mean) if mean > 0 else 1.0)
+
+
+def _item_starts(items: Sequence[ItemMeta]) -> dict[tuple[str, int], np.ndarray]:
+    """(modality, group) -> first output row of each item in the concatenation, plus the total."""
+    tokens: dict[tuple[str, int], dict[int, int]] = {}
+    for it in items:
+        tokens.setdefault((it.modality, it.group), {})[it.index] = it.tokens
+    out = {}
+    for key, per in tokens.items():
+        n = [per[i] for i in range(len(per))]
+        out[key] = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    return out
+
+
+def _producer(homes: list[tuple[int, int, int]], within: int) -> tuple[int, int]:
+    """(rank, table row) that produced row ``within`` of an item (its short rank, or the SP
+    member whose piece holds the row)."""
+    for rank, lo, offset in reversed(homes):
+        if within >= lo:
+            return rank, offset + within - lo
+    raise AssertionError("row before the first piece")
