@@ -312,8 +312,10 @@ class Multiplexer:
         # encoder or projector trains, whether or not this rank encoded anything.
         chunk.recv = recv.requires_grad_(self._trainable)
         self.stats.live_bytes += chunk.saved_bytes
+        self.stats.max_chunk_bytes = max(self.stats.max_chunk_bytes, chunk.saved_bytes)
         self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
         self.stats.live_chunks += 1
+        self.stats.media_chunks += 1
         self.stats.peak_live_chunks = max(self.stats.peak_live_chunks, self.stats.live_chunks)
 
     def _backward(self, j: int) -> None:
@@ -384,8 +386,10 @@ class _StepStats:
     balance: float = 1.0
     live_chunks: int = 0
     peak_live_chunks: int = 0
+    media_chunks: int = 0  # chunks of the step with media anywhere
     live_bytes: int = 0
     peak_live_bytes: int = 0
+    max_chunk_bytes: int = 0
 
 
 class _CountSaved:

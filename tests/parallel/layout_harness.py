@@ -137,19 +137,19 @@ def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:
     return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, sample_ids=[f"mb{index}"])
 
 
-def global_batches(vocab: int, media: tuple = (), long_items: bool = False,
-                   only_group: int | None = None, dp: int = 1) -> list[list[MicroBatch]]:
-    """``media``: modalities the rows carry. ``only_group``: only data group ``only_group`` (of
-    ``dp``) gets media (the others' rows are text only)."""
+def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text_only: bool = False,
+                   only_group: int | None = None, dp: int = 1, steps: int = STEPS) -> list[list[MicroBatch]]:
+    """``media``: modalities the rows carry (``text_only``: none, for a model with encoders).
+    ``only_group``: only data group ``only_group`` (of ``dp``) gets media."""
     gen = torch.Generator().manual_seed(99)
     if not media:
         return [[micro_batch(gen, vocab, s * MICRO_PER_STEP + i) for i in range(MICRO_PER_STEP)]
-                for s in range(STEPS)]
+                for s in range(steps)]
     out = []
-    for s in range(STEPS):
+    for s in range(steps):
         row = []
         for i in range(MICRO_PER_STEP):
-            kinds = media if only_group is None or i % dp == only_group else ()
+            kinds = () if text_only else media if only_group is None or i % dp == only_group else ()
             row.append(media_micro_batch(gen, vocab, s * MICRO_PER_STEP + i, kinds, long_items))
         out.append(row)
     return out

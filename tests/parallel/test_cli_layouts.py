@@ -13,6 +13,7 @@ every combination equal to the single-process run in CI, below the CLI.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -61,15 +62,25 @@ def _check(losses: list[float], ref: list[float], moe: bool) -> None:
         assert abs(ours - want) <= 1e-5 * abs(want), (losses, ref)
 
 
+# torch's interleaved schedules take no encoder insertion: encoders run before the pipeline.
+ENCODER_FIRST = {"multiplex.placement": "encoder_first"}
+
 OPT_IN = [
     ("dp_shard=4 x ep=4 x tp=2", 8, dict(dp_shard=4, ep=4, tp=2), "demo_moe"),
     ("dp_shard=2 x tp=2 x pp=2", 8, dict(dp_shard=2, tp=2, pp=2), "demo"),
     ("dp_shard=2", 2, dict(dp_shard=2), "demo"),
     ("dp_replicate=2 x dp_shard=2", 4, dict(dp_replicate=2, dp_shard=2), "demo"),
     ("tp=2", 2, dict(dp_shard=1, tp=2), "demo"),
-    *[(f"pp=2 {s}", 2, dict(dp_shard=1, pp=2, pp_schedule=s, pp_virtual_stages=v), "demo")
-      for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2))],
-    ("pp=4 interleaved", 4, dict(dp_shard=1, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), "demo8"),
+    *[(f"pp=2 {s}", 2, dict(dp_shard=1, pp=2, pp_schedule=s, pp_virtual_stages=v, **placement), "demo")
+      for s, v, placement in (("gpipe", 1, {}), ("1f1b", 1, {}), ("interleaved_1f1b", 2, ENCODER_FIRST),
+                              ("zero_bubble", 2, ENCODER_FIRST))],
+    ("pp=4 interleaved", 4, dict(dp_shard=1, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
+                                 **ENCODER_FIRST), "demo8"),
+    # Encoder-LLM multiplexing placements and long-short SP on the demo's vision + audio data.
+    *[(f"pp=2 x tp=2 x dp_shard=2 {p}", 8, dict(dp_shard=2, tp=2, pp=2, **{"multiplex.placement": p}), "demo")
+      for p in ("stage0", "encoder_first")],
+    ("pp=2 x dp_shard=2 colocated encoder_sp=2", 4,
+     dict(dp_shard=2, pp=2, **{"multiplex.encoder_sp": 2, "multiplex.long_threshold": 16}), "demo"),
     ("cp=2 ring", 2, dict(dp_shard=1, cp=2, cp_impl="ring"), "demo"),
     ("cp=2 ulysses", 2, dict(dp_shard=1, cp=2, cp_impl="ulysses"), "demo"),
     ("ep=2", 2, dict(dp_shard=2, ep=2), "demo_moe"),
@@ -91,7 +102,7 @@ def _run_layout(demo_root, tmp_path, tmp_path_factory, nproc, sizes, experiment,
         _REFERENCE[ref_key] = step_losses(run_dir)
     run_dir = tmp_path / "run"
     over = tiny_overrides(demo_root, run_dir, experiment=experiment, **extra, **COMMON,
-                          **{f"parallel.{k}": v for k, v in sizes.items()}, **eval_opts)
+                          **{k if "." in k else f"parallel.{k}": v for k, v in sizes.items()}, **eval_opts)
     _torchrun(nproc, over, tmp_path)
     _check(step_losses(run_dir), _REFERENCE[ref_key], moe=experiment == "demo_moe")
     return run_dir
@@ -116,10 +127,19 @@ def test_checkpoint_from_dp_shard4_resumes_at_tp2_pp2(demo_root, tmp_path, tmp_p
     # The final evaluation gathers the split weights into one model on rank 0.
     second = tiny_overrides(demo_root, run_dir, **COMMON, **{"parallel.dp_shard": 1, "parallel.tp": 2,
                                                              "parallel.pp": 2, "trainer.eval_at_end": True,
-                                                             "trainer.eval_samples": 4, "trainer.max_new_tokens": 8})
+                                                             "trainer.eval_samples": 4, "trainer.max_new_tokens": 8,
+                                                             "multiplex.trace_step": 3})
     _torchrun(4, second, tmp_path)
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
+    # The step's time split over the 4 ranks, and a Chrome trace with every rank's lanes.
+    for key in ("busy_encoder_s", "busy_llm_s", "busy_comm_s", "idle_s", "bubble_fraction", "imbalance"):
+        assert key in records[2], key
+    assert 0.0 <= records[2]["bubble_fraction"] < 1.0 and records[2]["imbalance"] >= 1.0
+    trace = json.loads((run_dir / "trace_step3.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert {e["name"].split()[0] for e in spans} >= {"F0", "B0", "stage0", "stage1"}
     assert abs(records[2]["loss"] - ref[2]) <= 1e-5 * abs(ref[2]), (records, ref)
     evals = [r for r in read_metrics(run_dir) if r.get("event") == "eval"]
     assert len(evals) == 1 and evals[0]["num_samples"] == 4

@@ -16,35 +16,52 @@ from layout_harness import compare, reference, run_layout
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
-LONG = {"long_items": True}
+LONG = {"long_items": True, "steps": 3}
+SHORT = {"steps": 3}  # 8 ranks on 2 cores: 3 steps keep the suite within its budget
 # Image items of >= 6x1 patches, audio of >= 12 tokens: the long ones of LONG, and some short ones.
 SPLIT = {"encoder_sp": 2, "long_threshold": "5"}
 PP_TP_DP = dict(pp=2, tp=2, dp_shard=2, pp_schedule="1f1b")
+PP2 = dict(dp_shard=1, pp=2, pp_schedule="1f1b")
+PP2_DP2 = dict(dp_shard=2, pp=2, pp_schedule="1f1b")
+TEXT = {"text_only": True, "steps": 3}
+ONE_GROUP = {"only_group": 0, "dp": 2, "steps": 3}  # data group 1 never has media
+PLACEMENTS = ("colocated", "stage0", "encoder_first")
 
 LAYOUTS = {
     2: [
         ("dp_shard=2 colocated", dict(dp_shard=2), IMAGE, {}, {}),
-        ("pp=2 1f1b colocated", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), IMAGE, {}, {}),
+        ("pp=2 1f1b colocated", PP2, IMAGE, {}, {}),
+        ("pp=2 1f1b encoder_first", PP2, IMAGE, {}, {"placement": "encoder_first"}),
         ("pp=2 gpipe colocated", dict(dp_shard=1, pp=2, pp_schedule="gpipe"), IMAGE, {}, {}),
         ("tp=2 colocated sp=2 long items", dict(dp_shard=1, tp=2), BOTH, LONG, SPLIT),
         ("cp=2 ring stage0", dict(dp_shard=1, cp=2), IMAGE, {}, {"placement": "stage0"}),
+        *[(f"pp=2 text only {p}", PP2, IMAGE, TEXT, {"placement": p}) for p in PLACEMENTS],
     ],
+    4: [(f"pp=2 x dp_shard=2 media on one data group only, {p}", PP2_DP2, BOTH, ONE_GROUP, {"placement": p})
+        for p in PLACEMENTS],
     8: [
-        ("pp=2 x tp=2 x dp_shard=2 colocated", PP_TP_DP, IMAGE, {}, {}),
-        ("pp=2 x tp=2 x dp_shard=2 stage0", PP_TP_DP, IMAGE, {}, {"placement": "stage0"}),
-        ("pp=2 x tp=2 x dp_shard=2 encoder_first", PP_TP_DP, IMAGE, {}, {"placement": "encoder_first"}),
+        ("pp=2 x tp=2 x dp_shard=2 colocated", PP_TP_DP, IMAGE, SHORT, {}),
+        ("pp=2 x tp=2 x dp_shard=2 stage0", PP_TP_DP, IMAGE, SHORT, {"placement": "stage0"}),
+        ("pp=2 x tp=2 x dp_shard=2 encoder_first", PP_TP_DP, IMAGE, SHORT, {"placement": "encoder_first"}),
         ("pp=2 x tp=2 x dp_shard=2 colocated, encoder_sp=2, long items split", PP_TP_DP, IMAGE, LONG, SPLIT),
-        ("pp=2 x cp=2 x tp=2 colocated", dict(pp=2, cp=2, tp=2, dp_shard=1, pp_schedule="1f1b"), IMAGE, {}, {}),
+        ("pp=2 x cp=2 x tp=2 colocated", dict(pp=2, cp=2, tp=2, dp_shard=1, pp_schedule="1f1b"), IMAGE, SHORT, {}),
         ("pp=2 x tp=2 x dp_shard=2 colocated, vision + audio, sp=2", PP_TP_DP, BOTH, LONG, SPLIT),
     ],
 }
+
+
+def _memory(pm, result):
+    """After each step: how much encoder activation memory was alive at once."""
+    s = pm.multiplexer.stats
+    result.setdefault("encoder_memory", []).append((s.peak_live_chunks, s.peak_live_bytes, s.max_chunk_bytes,
+                                                    s.media_chunks))
 
 
 def _worker(rank, world, layouts, out_dir):
     results = []
     for name, sizes, model, data, mux in layouts:
         try:
-            results.append((name, run_layout(rank, sizes, data=data, multiplex=mux, **model), None))
+            results.append((name, run_layout(rank, sizes, data=data, multiplex=mux, probe=_memory, **model), None))
         except Exception as e:
             raise RuntimeError(f"layout [{name}] failed on rank {rank}") from e
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
@@ -67,3 +84,20 @@ def test_multiplexing_equals_single_process(world, tmp_path):
                 ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
                 problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref)]
     assert not problems, "\n".join(problems[:40])
+    if world == 2:
+        _check_memory_bound(tmp_path)
+
+
+def _check_memory_bound(tmp_path):
+    """Under the joint pipeline (1F1B, pp=2) a rank keeps the encoder activations of at most pp
+    chunks (the micro-batches in flight); encoder_first keeps every chunk of the step."""
+    with open(tmp_path / "rank0.pkl", "rb") as f:
+        runs = {name: result for name, result, _ in pickle.load(f)}
+    colocated, first = runs["pp=2 1f1b colocated"], runs["pp=2 1f1b encoder_first"]
+    steps = list(zip(colocated["encoder_memory"], first["encoder_memory"]))
+    for (chunks, peak, largest, _), (chunks_f, peak_f, _, media_f) in steps:
+        assert chunks <= 2 and peak <= 2 * largest, (chunks, peak, largest)
+        assert chunks_f == media_f  # every chunk with media is alive when the pipeline starts
+        if media_f > 2:
+            assert peak < peak_f, (peak, peak_f)
+    assert any(media_f > 2 for _, (_, _, _, media_f) in steps), "no step has more media chunks than pp"
