@@ -136,3 +136,27 @@ def test_pretrained_checkpoint_missing(capsys, demo_root, tmp_path):
     line = _fails(capsys, ["train", "model=hf", f"model.pretrained={tmp_path / 'nope'}",
                            *tiny_overrides(demo_root, tmp_path / "r")])
     assert "nope" in line
+
+
+def test_multiplex_mistakes_name_the_key_and_fix(capsys, demo_root, tmp_path):
+    base = ["train", *tiny_overrides(demo_root, tmp_path / "r")]
+    line = _fails(capsys, base + ["multiplex.placement=everywhere"])
+    assert "multiplex.placement='everywhere'" in line and "colocated" in line
+    # One process is one encoder rank: no SP block of 3 fits.
+    line = _fails(capsys, base + ["multiplex.encoder_sp=3"])
+    assert "multiplex.encoder_sp=3" in line and "encoder ranks" in line
+
+
+def test_interleaved_schedule_needs_encoder_first():
+    import pytest
+    import torch
+
+    from omni.runtime.config import MultiplexConfig
+    from omni.runtime.multiplex import Multiplexer
+    from parallel.config import ParallelConfig
+    from parallel.layout import Layout, LayoutError, Sizes
+
+    layout = Layout(world_size=2, rank=0, device=torch.device("cpu"), sizes=Sizes(pp=2),
+                    config=ParallelConfig(pp=2, dp_shard=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2))
+    with pytest.raises(LayoutError, match="multiplex.placement=encoder_first"):
+        Multiplexer(None, layout, MultiplexConfig(), cost=None)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from dataloading.cost import CostModel
 from dataloading.encoder_plan import ChunkPlan, ItemMeta, plan_chunk
-from omni.models.encoders.sequence_parallel import encode_long_items
+from omni.models.encoders.sequence_parallel import check_sequence_parallel, encode_long_items
 from omni.runtime.config import MultiplexConfig
 from parallel.layout import Layout, LayoutError
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
@@ -96,6 +96,11 @@ class Multiplexer:
         self.sp_group = self._sp_groups(layout, sp)
         self.sp_modalities = [m for m, enc in (model.encoders.items() if model is not None else ())
                               if getattr(enc, "supports_sequence_parallel", False)]
+        for m in self.sp_modalities if sp > 1 else ():
+            try:  # fail at start-up, not at the first long item
+                check_sequence_parallel(model.encoders[m], sp)
+            except ValueError as e:
+                raise LayoutError(str(e)) from None
         threshold = str(cfg.long_threshold).lower()
         self.long_threshold = None if threshold == "auto" else int(threshold)
         # Chunk j's backward runs `window` chunks later (pipeline stage 0 then has its
@@ -110,7 +115,7 @@ class Multiplexer:
         self._actions: list[tuple[str, int]] = []
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
-        self._needs: dict[int, dict[str, tuple[np.ndarray, torch.Tensor]]] = {}
+        self._needs: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch -> modality -> local positions
         self.media: StepMedia | None = None
         self.stats = _StepStats()
         self._trainable = model is not None and any(

@@ -1,0 +1,402 @@
+"""Encoder-LLM multiplexing placements side by side: ``stage0``, ``encoder_first``, ``colocated``
+and ``colocated`` with long-short sequence parallelism (see docs/multiplexing.md).
+
+Each variant is a real training run of the CLI on the CPU:
+
+    torchrun --standalone --nproc-per-node 4 --no-python <venv>/bin/omni train ...
+
+(``-m recipes.cli train`` when the ``omni`` script is not installed next to the interpreter), with
+``OMP_NUM_THREADS=1`` and ``PYTHONPATH=<repo>``, gloo, fp32. Layout: ``parallel.dp_shard=2
+parallel.pp=2 parallel.pp_schedule=1f1b`` (ranks 0-1 are the first pipeline stage, 2-3 the
+second). Data: the generated demo dataset (``omni data demo``, written once into
+``--out/demo``) with an image-heavy mixture written next to it (``mixture_image_heavy.yaml``:
+shapes 0.8, tones 0.1, text 0.1; the demo's own mixture is 0.6 / 0.2 / 0.2). The workload is
+made encoder-heavy through ``encoders.vision.params.*``: patch 4 instead of 8 (the demo's 32-64 px
+images become 64-256 patches instead of 16-64) and a wider, deeper SigLIP tower (see VISION). The
+LLM (the demo's 4-layer, hidden-128 llama) and the audio encoder stay as in the demo.
+
+Variants (the first is the reference of every ratio; speedup = its step time / the variant's):
+
+- ``stage0``: Megatron-style, encoders only on the first pipeline stage;
+- ``encoder_first``: encoders on every rank, every chunk's forward before the LLM pipeline and
+  every backward after it;
+- ``colocated``: encoders on every rank, each chunk inserted into the 1F1B pipeline (the default);
+- ``colocated+sp2``: the same with ``multiplex.encoder_sp=2`` and ``multiplex.long_threshold``
+  (default 192 encoder tokens: images of 14x14 patches and more are split over 2 ranks).
+
+Every run trains ``--steps`` steps from the same seed on the same samples; the first
+``--warmup`` steps are dropped. From ``<run_dir>/metrics.jsonl`` (written by rank 0; the
+timeline fields are means over the 4 ranks, see docs/multiplexing.md) per variant: median step
+time (``step_time_s``, rank 0's wall time of the whole step, data construction included, with
+``data.num_workers=0``) with min-max over all timed steps of all repeats, the means of
+``bubble_fraction``, ``busy_encoder_s``, ``busy_llm_s``, ``busy_comm_s``, ``idle_s`` and
+``imbalance``, the largest ``encoder_peak_activation_mib`` (rank 0) and ``peak_rss_gib``, the
+mean ``encoder_long_items`` per step, and every step's loss. Placements change where work runs,
+not the math, so losses must agree across variants to 1e-5 relative; the report says whether they
+do. Variants run ``--repeats`` times in a rotating order (repeat r starts with variant r), so
+machine noise is spread over all of them.
+
+The first repeat writes a Chrome trace (``multiplex.trace_step``) of its last step for every
+variant; they are copied to ``--out/trace_<variant>.json`` and that step is left out of the
+timings of every variant. The micro-batches per data-parallel rank are counted in the traces.
+JSON results go to ``--out`` (default /tmp/omni-multiplex-bench, outside the repository), the
+plot (stacked mean per-rank time split) to ``--plot`` (default docs/img/multiplex_placements.png).
+
+    python scripts/bench/multiplex.py [--steps 8] [--repeats 2] [--quick] [--out DIR]
+        [--from-json DIR/multiplex.json]
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import REPO, median, parser, save, table
+
+WORLD = 4
+LAYOUT = {"parallel.dp_shard": 2, "parallel.pp": 2, "parallel.pp_schedule": "1f1b"}
+MIX = {"shapes": 0.8, "tones": 0.1, "text": 0.1}
+# The demo tower is hidden 96, MLP 256, 2 layers, 4 heads, patch 8, <= 64 patches.
+VISION = {"patch_size": 4, "max_patches": 256, "hidden_size": 256, "intermediate_size": 1024,
+          "num_hidden_layers": 8, "num_attention_heads": 4}
+QUICK_VISION = dict(VISION, num_hidden_layers=4)
+GLOBAL_BATCH = 40
+QUICK_GLOBAL_BATCH = 24
+MICRO_BATCH_TOKENS = 1024
+DEMO_SCALE = 0.25  # 500 shapes, 375 tones, 375 texts: more than the runs draw
+LONG_THRESHOLD = 192
+KEYS = ("busy_encoder_s", "busy_llm_s", "busy_comm_s", "idle_s")
+
+
+def variants(long_threshold: int) -> list[tuple[str, dict]]:
+    return [("stage0", {"multiplex.placement": "stage0"}),
+            ("encoder_first", {"multiplex.placement": "encoder_first"}),
+            ("colocated", {"multiplex.placement": "colocated"}),
+            ("colocated+sp2", {"multiplex.placement": "colocated", "multiplex.encoder_sp": 2,
+                               "multiplex.long_threshold": long_threshold})]
+
+
+# ---- running -------------------------------------------------------------------------------
+def launcher() -> tuple[list[str], str]:
+    """The torchrun prefix up to ``train`` (as tests/parallel/test_cli_layouts.py launches it)."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
+    omni = shutil.which("omni", path=str(Path(sys.executable).parent))
+    if omni:
+        return run + ["--no-python", omni, "train"], f"torchrun --no-python {omni} train"
+    return run + ["-m", "recipes.cli", "train"], "torchrun -m recipes.cli train (no omni script next to python)"
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                OMP_NUM_THREADS="1")
+
+
+def ensure_data(out: Path) -> Path:
+    demo = out / "demo"
+    if not (demo / "mixture.yaml").exists():
+        cmd = [sys.executable, "-m", "recipes.cli", "data", "demo", "--out", str(demo), "--scale", str(DEMO_SCALE)]
+        subprocess.run(cmd, env=env(), check=True, capture_output=True, text=True)
+    mix = demo / "mixture_image_heavy.yaml"
+    lines = ["# image-heavy mixture of the demo sources (scripts/bench/multiplex.py)", "sources:"]
+    lines += [f"  - name: {name}\n    path: {name}\n    weight: {w}" for name, w in MIX.items()]
+    mix.write_text("\n".join(lines + ["eval: eval", ""]))
+    return demo
+
+
+def overrides(demo: Path, run_dir: Path, steps: int, batch: int, vision: dict, extra: dict, trace: int) -> list[str]:
+    o = {"data.mixture": demo / "mixture_image_heavy.yaml", "data.eval_dir": demo / "eval",
+         "data.global_batch_size": batch, "data.micro_batch_tokens": MICRO_BATCH_TOKENS, "data.num_workers": 0,
+         "trainer.run_dir": run_dir, "trainer.max_steps": steps, "trainer.progress": "false",
+         "trainer.eval_at_end": "false", "checkpoint.every": 0, "checkpoint.save_at_end": "false",
+         **LAYOUT, **{f"encoders.vision.params.{k}": v for k, v in vision.items()}, **extra}
+    if trace:
+        o["multiplex.trace_step"] = trace
+    return [f"{k}={v}" for k, v in o.items()]
+
+
+def run_one(prefix: list[str], args: list[str], run_dir: Path, timeout_s: float) -> dict:
+    """One training run; its metrics lines, wall time, and the tail of its log on failure."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    t0, c0 = time.perf_counter(), os.times()
+    try:
+        p = subprocess.run(prefix + args, env=env(), cwd=run_dir, capture_output=True, text=True, timeout=timeout_s)
+        rc, log = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, log = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    wall, c1 = time.perf_counter() - t0, os.times()
+    # CPU seconds of the whole torchrun tree (reaped children) over the cores' wall seconds: how much
+    # of the machine the run got (1.0: both cores all the time; lower: waiting, or other jobs).
+    cpu = (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)
+    (run_dir / "log.txt").write_text(log)
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    rows = [r for r in rows if "loss" in r and "step" in r]
+    m = re.search(r"([\d.]+)M parameters", log)
+    return {"rc": rc, "wall_s": wall, "cpu_share": cpu / (wall * (os.cpu_count() or 1)), "metrics": rows, "params_m": float(m.group(1)) if m else None,
+            "log_tail": log[-3000:] if rc != 0 else ""}
+
+
+def micro_batches(trace: Path) -> int | None:
+    """Micro-batches per data-parallel rank in one step: distinct 'stage0 forward mbN' on rank 0."""
+    try:
+        events = json.loads(trace.read_text())["traceEvents"]
+    except (OSError, ValueError, KeyError):
+        return None
+    names = {e["name"] for e in events if e.get("ph") == "X" and e.get("pid") == 0}
+    return len({n for n in names if re.fullmatch(r"stage0 forward mb\d+", n)}) or None
+
+
+def trace_tail(trace: Path, metrics: list[dict], step: int) -> float | None:
+    """Seconds per rank after the last recorded span of the traced step (mean over ranks): the
+    mean per-rank step time of the timeline (busy + idle at that step) minus the mean end of each
+    rank's last span. It is the un-instrumented end of the step (gradient sync over the encoder
+    ranks, clipping, optimizer step, loss all-reduce), which the timeline counts as idle."""
+    try:
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    except (OSError, ValueError, KeyError):
+        return None
+    m = next((m for m in metrics if m["step"] == step), None)
+    ranks = sorted({e["pid"] for e in events})
+    if m is None or not ranks:
+        return None
+    ends = [max(e["ts"] + e["dur"] for e in events if e["pid"] == r) / 1e6 for r in ranks]
+    return sum(m.get(k, 0.0) for k in KEYS) - sum(ends) / len(ends)
+
+
+def vision_params(vision: dict) -> float | None:
+    try:
+        from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
+
+        return sum(p.numel() for p in SiglipEncoder(SiglipEncoderConfig(**vision)).parameters()) / 1e6
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+# ---- summary -------------------------------------------------------------------------------
+def summarise(res: dict) -> list[dict]:
+    warmup, trace_step = res["warmup"], res["trace_step"]
+    out = []
+    for name, _ in res["variants"]:
+        runs = [r for r in res["runs"] if r["variant"] == name]
+        ok = [r for r in runs if r["rc"] == 0 and r["metrics"]]
+        timed = [m for r in ok for m in r["metrics"]
+                 if m["step"] > warmup and not (r["traced"] and m["step"] == trace_step)]
+        if not timed:
+            out.append({"variant": name, "failed": True, "runs": len(runs), "ok_runs": len(ok)})
+            continue
+        mean = lambda k: statistics.fmean(m.get(k, float("nan")) for m in timed)  # noqa: E731
+        times = [m["step_time_s"] for m in timed]
+        out.append({
+            "variant": name, "failed": False, "runs": len(runs), "ok_runs": len(ok), "timed_steps": len(timed),
+            "step_s": median(times), "step_s_min": min(times), "step_s_max": max(times),
+            "step_s_per_repeat": [median([m["step_time_s"] for m in r["metrics"] if m["step"] > warmup
+                                          and not (r["traced"] and m["step"] == trace_step)]) for r in ok],
+            "bubble_fraction": mean("bubble_fraction"), "imbalance": mean("imbalance"),
+            **{k: mean(k) for k in KEYS},
+            "data_wait_s": mean("data_wait_s"),
+            "encoder_peak_activation_mib": max(m.get("encoder_peak_activation_mib", 0.0) for m in timed),
+            "encoder_long_items": mean("encoder_long_items"),
+            "peak_rss_gib": max(m.get("peak_rss_gib", 0.0) for m in timed),
+            "losses": ok[0]["metrics"] and [m["loss"] for m in ok[0]["metrics"]],
+        })
+    ref = out[0]
+    for s in out:
+        if not s["failed"] and not ref["failed"]:
+            s["speedup"] = ref["step_s"] / s["step_s"]
+    return out
+
+
+def loss_check(res: dict) -> dict:
+    """Largest relative difference of any step's loss from the reference run (first variant,
+    first repeat), over every successful run; steps must match."""
+    runs = [r for r in res["runs"] if r["rc"] == 0 and r["metrics"]]
+    if not runs:
+        return {"max_rel": float("nan"), "equal": False, "worst": None}
+    ref_name = res["variants"][0][0]
+    ref = next((r for r in runs if r["variant"] == ref_name), runs[0])
+    want = {m["step"]: m["loss"] for m in ref["metrics"]}
+    want_gn = {m["step"]: m.get("grad_norm") for m in ref["metrics"]}
+    worst, max_rel, gn_rel, missing = None, 0.0, 0.0, []
+    for r in runs:
+        got = {m["step"]: m["loss"] for m in r["metrics"]}
+        if set(got) != set(want):
+            missing.append(f"{r['variant']} r{r['repeat']}")
+        for step in set(got) & set(want):
+            rel = abs(got[step] - want[step]) / max(abs(want[step]), 1e-12)
+            if rel > max_rel:
+                max_rel, worst = rel, f"{r['variant']} repeat {r['repeat']} step {step}"
+        for m in r["metrics"]:
+            g, w = m.get("grad_norm"), want_gn.get(m["step"])
+            if g is not None and w is not None:
+                gn_rel = max(gn_rel, abs(g - w) / max(abs(w), 1e-12))
+    return {"max_rel": max_rel, "equal": max_rel <= 1e-5 and not missing, "worst": worst, "step_mismatch": missing,
+            "grad_norm_max_rel": gn_rel}
+
+
+def report(res: dict) -> str:
+    s = summarise(res)
+    lc = loss_check(res)
+    headers = ["placement", "step s median (min-max)", "speedup vs stage0", "bubble fraction",
+               "encoder s", "LLM s", "comm s", "idle s", "imbalance", "encoder peak act. MiB",
+               "long items / step", "peak RSS GiB", "final loss"]
+    rows = []
+    for x in s:
+        if x["failed"]:
+            rows.append([x["variant"], f"FAILED ({x['ok_runs']}/{x['runs']} runs ok)"] + [""] * (len(headers) - 2))
+            continue
+        rows.append([x["variant"], f"{x['step_s']:.2f} ({x['step_s_min']:.2f}-{x['step_s_max']:.2f})",
+                     f"{x.get('speedup', float('nan')):.2f}x", f"{100 * x['bubble_fraction']:.1f}%",
+                     *(f"{x[k]:.2f}" for k in KEYS), f"{x['imbalance']:.2f}",
+                     f"{x['encoder_peak_activation_mib']:.1f}", f"{x['encoder_long_items']:.1f}",
+                     f"{x['peak_rss_gib']:.2f}", f"{x['losses'][-1]:.6f}"])
+    tails = {r["variant"]: r["trace_tail_s"] for r in res["runs"] if r.get("trace_tail_s") is not None}
+    cpu = {name: [r["cpu_share"] for r in res["runs"] if r["variant"] == name and "cpu_share" in r]
+           for name, _ in res["variants"]}
+    per_rep = "; ".join(f"{x['variant']} " + " / ".join(f"{v:.2f}" for v in x["step_s_per_repeat"])
+                        for x in s if not x["failed"])
+    timed = s[0].get("timed_steps", 0)
+    lines = [table(headers, rows), "",
+             f"step s: rank 0's wall time per step, median over {timed} timed steps ({res['repeats']} repeat(s) x "
+             f"{res['steps']} steps, first {res['warmup']} dropped, the traced step left out); the other columns are "
+             f"means over those steps of the per-rank means (busy seconds are exclusive per kind), peak act. and "
+             f"RSS the largest. Micro-batches per DP rank (from the trace): {res.get('micro_batches')}.",
+             f"per-repeat medians (s): {per_rep}"]
+    if tails:
+        lines.append("un-instrumented end of the traced step, counted as idle (s per rank): "
+                     + "; ".join(f"{k} {v:.2f}" for k, v in tails.items()))
+    if any(cpu.values()):
+        lines.append("CPU share per run (CPU seconds of the run / (wall seconds x cores), launch included): "
+                     + "; ".join(f"{k} " + " / ".join(f"{v:.2f}" for v in vs) for k, vs in cpu.items() if vs))
+    if lc["equal"]:
+        lines.append(f"losses equal across placements: yes (every step of every run; max relative difference "
+                     f"{lc['max_rel']:.1e}; gradient norms {lc.get('grad_norm_max_rel', float('nan')):.1e})")
+    else:
+        lines.append(f"!!! LOSSES DIFFER ACROSS PLACEMENTS: max relative difference {lc['max_rel']:.3e} at {lc['worst']}"
+                     + (f"; runs with other steps: {lc['step_mismatch']}" if lc.get("step_mismatch") else "") + " !!!")
+    for r in res["runs"]:
+        if r["rc"] != 0:
+            lines.append(f"FAILED {r['variant']} repeat {r['repeat']} (rc {r['rc']}):\n{r['log_tail']}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> str:
+    try:
+        import matplotlib
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = [x for x in summarise(res) if not x["failed"]]
+    names = [x["variant"] for x in s]
+    colors = {"busy_encoder_s": "#4c72b0", "busy_llm_s": "#dd8452", "busy_comm_s": "#55a868", "idle_s": "#c8c8c8"}
+    labels = {"busy_encoder_s": "encoder", "busy_llm_s": "LLM", "busy_comm_s": "communication", "idle_s": "idle"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    bottom = [0.0] * len(s)
+    for k in KEYS:
+        vals = [x[k] for x in s]
+        ax.bar(names, vals, bottom=bottom, color=colors[k], label=labels[k], width=0.6)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, x in enumerate(s):
+        ax.plot([i - 0.3, i + 0.3], [x["step_s"]] * 2, color="black", lw=1.5)
+        ax.annotate(f"{x['step_s']:.2f} s\n{x.get('speedup', float('nan')):.2f}x",
+                    (i, max(x["step_s"], bottom[i])), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 3), textcoords="offset points")
+    ax.set_ylabel("seconds per step (mean over ranks)")
+    ax.set_ylim(0, 1.22 * max(max(bottom), max(x["step_s"] for x in s)))
+    ax.set_title(f"Encoder-LLM placements, {WORLD} gloo ranks on {res['machine_cpus']} CPU cores "
+                 f"(pp=2 x dp_shard=2, 1F1B)", fontsize=9)
+    ax.plot([], [], color="black", lw=1.5, label="median step time (rank 0)")
+    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def wait_note() -> str:
+    load = os.getloadavg()
+    return f"1-min load average {load[0]:.1f} on {os.cpu_count()} CPUs"
+
+
+def main() -> None:
+    p = parser(__doc__.split("\n")[0])
+    p.set_defaults(out="/tmp/omni-multiplex-bench")
+    p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per variant, in rotating order (default 2)")
+    p.add_argument("--long-threshold", type=int, default=LONG_THRESHOLD,
+                   help=f"multiplex.long_threshold of the SP variant (default {LONG_THRESHOLD} encoder tokens)")
+    p.add_argument("--plot", default=str(REPO / "docs" / "img" / "multiplex_placements.png"),
+                   help="PNG of the time split (default docs/img/multiplex_placements.png; --quick: in --out)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per training run before it is killed")
+    p.add_argument("--from-json", default="", help="re-print the table and redraw the plot of a saved result")
+    args = p.parse_args()
+    plot_path = Path(args.plot)
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+        print(report(res))
+        print(plot(res, plot_path))
+        return
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 3, 1, 1
+        if args.plot == p.get_default("plot"):
+            plot_path = out / "multiplex_placements_quick.png"
+    if args.steps <= args.warmup + 1:
+        p.error("--steps must exceed --warmup + 1 (the last step of the first repeat is traced, not timed)")
+    vision = QUICK_VISION if args.quick else VISION
+    batch = QUICK_GLOBAL_BATCH if args.quick else GLOBAL_BATCH
+    vs = variants(args.long_threshold)
+    prefix, how = launcher()
+    demo = ensure_data(out)
+    load_start = os.getloadavg()
+    print(f"multiplex: {len(vs)} variants x {args.repeats} repeat(s) x {args.steps} steps, {WORLD} ranks "
+          f"({how}); {wait_note()}; results -> {out}", flush=True)
+    t0 = time.perf_counter()
+    runs = []
+    for rep in range(args.repeats):
+        for i in range(len(vs)):
+            name, extra = vs[(i + rep) % len(vs)]
+            run_dir = out / "runs" / f"{name}-r{rep}"
+            trace = args.steps if rep == 0 else 0
+            r = run_one(prefix, overrides(demo, run_dir, args.steps, batch, vision, extra, trace), run_dir, args.timeout)
+            r.update(variant=name, repeat=rep, traced=bool(trace), run_dir=str(run_dir))
+            if trace and (run_dir / f"trace_step{trace}.json").exists():
+                shutil.copy(run_dir / f"trace_step{trace}.json", out / f"trace_{name}.json")
+                r["trace_tail_s"] = trace_tail(out / f"trace_{name}.json", r["metrics"], trace)
+            runs.append(r)
+            steps = [m["step_time_s"] for m in r["metrics"] if m["step"] > args.warmup]
+            print(f"  repeat {rep} {name}: rc {r['rc']}, {r['wall_s']:.0f}s wall, median step "
+                  f"{median(steps):.2f}s, CPU share {r['cpu_share']:.2f}; {wait_note()}", flush=True)
+    res = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "trace_step": args.steps,
+           "world": WORLD, "layout": LAYOUT, "mix": MIX, "vision": vision, "vision_params_m": vision_params(vision),
+           "global_batch_size": batch, "micro_batch_tokens": MICRO_BATCH_TOKENS, "long_threshold": args.long_threshold,
+           "variants": [[n, {k: str(v) for k, v in e.items()}] for n, e in vs], "launcher": how,
+           "command_prefix": " ".join(prefix), "overrides_example": overrides(demo, out / "runs" / "VARIANT", args.steps,
+                                                                                batch, vision, {}, 0),
+           "micro_batches": micro_batches(out / f"trace_{vs[0][0]}.json"),
+           "model_params_m": next((r["params_m"] for r in runs if r["params_m"]), None),
+           "machine_cpus": os.cpu_count(), "runs": runs,
+           "load_avg_start": load_start, "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - t0}
+    res["summary"] = summarise(res)
+    res["loss_check"] = loss_check(res)
+    print(report(res))
+    path = save(out, "multiplex" + ("_quick" if args.quick else ""), res)
+    print(plot(res, plot_path))
+    print(f"\nwrote {path}, traces {out}/trace_*.json ({res['wall_s']:.0f}s; 1-min load average "
+          f"{load_start[0]:.1f} at the start, {res['load_avg'][0]:.1f} at the end, on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
