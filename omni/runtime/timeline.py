@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 # The kinds the summary always reports (other kinds are accepted and reported when they occur).
-KINDS = ("encoder", "llm", "comm")
+KINDS = ("encoder", "llm", "comm", "optim")
 
 
 class Event(NamedTuple):

@@ -176,13 +176,15 @@ class Trainer:
             if mux is not None:
                 with self._autocast():
                     mux.finish()
-        self.pm.sync_gradients()
-        max_norm = self.clip if self.clip > 0 else math.inf
-        grad_norm = clip_grads(list(self.pm.parameters()), max_norm, self.layout.stage_world, self.pm.norm_skip,
-                               self.device)
-        lr = self.optim.lr
-        self.optim.step()
-        self.optim.zero_grad()
+        with self._span("comm", "gradient sync"):
+            self.pm.sync_gradients()
+        with self._span("optim", "clip and step"):
+            max_norm = self.clip if self.clip > 0 else math.inf
+            grad_norm = clip_grads(list(self.pm.parameters()), max_norm, self.layout.stage_world,
+                                   self.pm.norm_skip, self.device)
+            lr = self.optim.lr
+            self.optim.step()
+            self.optim.zero_grad()
         # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
         counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
         ce_sum, aux_sum = all_reduce_sums([ce_total if counts_loss else 0.0, aux_total], self.device)

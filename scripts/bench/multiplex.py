@@ -36,6 +36,12 @@ not the math, so losses must agree across variants to 1e-5 relative; the report 
 do. Variants run ``--repeats`` times in a rotating order (repeat r starts with variant r), so
 machine noise is spread over all of them.
 
+Two diagnostics: each run's CPU seconds (the reaped torchrun tree, ``os.times``) over its wall
+time x cores, which shows whether the run had the cores to itself and how much work it did in all;
+and, from the traced step, the seconds per rank after each rank's last recorded span. The
+timeline only instruments encoder chunks, LLM stage work and the multiplexer's all-to-alls, so
+``idle_s`` also holds the end of the step (encoder gradient all-reduce, clipping, optimizer step).
+
 The first repeat writes a Chrome trace (``multiplex.trace_step``) of its last step for every
 variant; they are copied to ``--out/trace_<variant>.json`` and that step is left out of the
 timings of every variant. The micro-batches per data-parallel rank are counted in the traces.
@@ -172,10 +178,15 @@ def trace_tail(trace: Path, metrics: list[dict], step: int) -> float | None:
 
 
 def vision_params(vision: dict) -> float | None:
+    """Parameters (millions) of the vision tower: the demo's params with the overrides on top."""
     try:
+        from omegaconf import OmegaConf
+
         from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 
-        return sum(p.numel() for p in SiglipEncoder(SiglipEncoderConfig(**vision)).parameters()) / 1e6
+        params = dict(OmegaConf.to_container(OmegaConf.load(REPO / "conf/encoders/vision/siglip_demo.yaml"))["params"])
+        params.update(vision)
+        return sum(p.numel() for p in SiglipEncoder(SiglipEncoderConfig(**params)).parameters()) / 1e6
     except Exception:  # noqa: BLE001 - informational only
         return None
 
@@ -263,7 +274,9 @@ def report(res: dict) -> str:
     per_rep = "; ".join(f"{x['variant']} " + " / ".join(f"{v:.2f}" for v in x["step_s_per_repeat"])
                         for x in s if not x["failed"])
     timed = s[0].get("timed_steps", 0)
-    lines = [table(headers, rows), "",
+    lines = [f"vision tower {res.get('vision_params_m') or float('nan'):.2f}M parameters ({res['vision']}); global batch "
+             f"{res['global_batch_size']}, micro-batch budget {res['micro_batch_tokens']} tokens, mix {res['mix']}", "",
+             table(headers, rows), "",
              f"step s: rank 0's wall time per step, median over {timed} timed steps ({res['repeats']} repeat(s) x "
              f"{res['steps']} steps, first {res['warmup']} dropped, the traced step left out); the other columns are "
              f"means over those steps of the per-rank means (busy seconds are exclusive per kind), peak act. and "
@@ -273,8 +286,10 @@ def report(res: dict) -> str:
         lines.append("un-instrumented end of the traced step, counted as idle (s per rank): "
                      + "; ".join(f"{k} {v:.2f}" for k, v in tails.items()))
     if any(cpu.values()):
-        lines.append("CPU share per run (CPU seconds of the run / (wall seconds x cores), launch included): "
-                     + "; ".join(f"{k} " + " / ".join(f"{v:.2f}" for v in vs) for k, vs in cpu.items() if vs))
+        lines.append("per run, launch included: wall s, CPU s of the whole run, CPU share = CPU s / (wall s x "
+                     f"{res['machine_cpus']} cores): " + "; ".join(
+                         f"{r['variant']} r{r['repeat']} {r['wall_s']:.0f} / {r['cpu_share'] * r['wall_s'] * res['machine_cpus']:.0f}"
+                         f" / {r['cpu_share']:.2f}" for r in res["runs"] if "cpu_share" in r))
     if lc["equal"]:
         lines.append(f"losses equal across placements: yes (every step of every run; max relative difference "
                      f"{lc['max_rel']:.1e}; gradient norms {lc.get('grad_norm_max_rel', float('nan')):.1e})")
@@ -298,8 +313,8 @@ def plot(res: dict, path: Path) -> str:
     s = [x for x in summarise(res) if not x["failed"]]
     names = [x["variant"] for x in s]
     colors = {"busy_encoder_s": "#4c72b0", "busy_llm_s": "#dd8452", "busy_comm_s": "#55a868", "idle_s": "#c8c8c8"}
-    labels = {"busy_encoder_s": "encoder", "busy_llm_s": "LLM", "busy_comm_s": "communication", "idle_s": "idle"}
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    labels = {"busy_encoder_s": "encoder", "busy_llm_s": "LLM", "busy_comm_s": "communication", "idle_s": "idle (incl. the un-instrumented end of the step)"}
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     bottom = [0.0] * len(s)
     for k in KEYS:
         vals = [x[k] for x in s]
@@ -315,7 +330,7 @@ def plot(res: dict, path: Path) -> str:
     ax.set_title(f"Encoder-LLM placements, {WORLD} gloo ranks on {res['machine_cpus']} CPU cores "
                  f"(pp=2 x dp_shard=2, 1F1B)", fontsize=9)
     ax.plot([], [], color="black", lw=1.5, label="median step time (rank 0)")
-    ax.legend(fontsize=8, loc="upper right", ncol=2)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3, frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -344,6 +359,7 @@ def main() -> None:
     plot_path = Path(args.plot)
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())
+        res["vision_params_m"] = vision_params(res["vision"])
         print(report(res))
         print(plot(res, plot_path))
         return

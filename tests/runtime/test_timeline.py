@@ -48,7 +48,7 @@ def test_nested_spans_are_accounted_exclusively():
     clock = FakeClock()
     st = _nested_step(Timeline(rank=3, clock=clock), clock)
     assert (st.step, st.rank, st.step_time_s) == (0, 3, 12.0)
-    assert st.busy_s == {"llm": 6.0, "encoder": 3.0, "comm": 1.0}
+    assert st.busy_s == {"llm": 6.0, "encoder": 3.0, "comm": 1.0, "optim": 0.0}
     assert st.idle_s == 2.0
     assert [(e.kind, e.name, e.start_s, e.dur_s, e.args) for e in st.events] == [
         ("llm", "stage0.fwd", 0.0, 10.0, {"mb": 0}), ("encoder", "vision", 2.0, 4.0, {}), ("comm", "a2a", 3.0, 1.0, {})]
@@ -64,7 +64,7 @@ def test_step_start_is_the_time_origin_and_steps_do_not_leak():
         clock.now = 101.5
     clock.now = 102.0
     st = tl.end_step()
-    assert st.busy_s == {"encoder": 0.0, "llm": 0.0, "comm": 1.5}
+    assert st.busy_s == {"encoder": 0.0, "llm": 0.0, "comm": 1.5, "optim": 0.0}
     assert st.idle_s == 0.5
     assert [(e.name, e.start_s) for e in st.events] == [("comm", 0.0)]
 
@@ -84,7 +84,7 @@ def test_add_intervals_follow_the_same_innermost_rule():
     tl.add("encoder", "tail", 11.0, 20.0)
     clock.now = 12.0
     st = tl.end_step()
-    assert st.busy_s == {"llm": 10.0 - 4.0 - 1.0, "encoder": 3.0 + 1.0, "comm": 1.0 + 1.0}
+    assert st.busy_s == {"llm": 10.0 - 4.0 - 1.0, "encoder": 3.0 + 1.0, "comm": 1.0 + 1.0, "optim": 0.0}
     assert st.idle_s == 1.0
     assert sum(st.busy_s.values()) + st.idle_s == st.step_time_s
     tail = [e for e in st.events if e.name == "tail"]
@@ -102,7 +102,7 @@ def test_overlapping_add_intervals_latest_start_wins():
     tl.add("comm", "b", 4.0, 9.0)  # overlaps a without nesting: from 4 on, b started last
     clock.now = 10.0
     st = tl.end_step()
-    assert st.busy_s == {"encoder": 4.0, "llm": 0.0, "comm": 5.0}
+    assert st.busy_s == {"encoder": 4.0, "llm": 0.0, "comm": 5.0, "optim": 0.0}
     assert st.idle_s == 1.0
 
 
@@ -149,7 +149,7 @@ def test_summarise_ranks_numbers():
                 _st(2, 10.0, 6.0, llm=4.0, zero=0.0)]
     m = summarise_ranks(per_rank)
     assert m == pytest.approx({
-        "busy_encoder_s": 1.0, "busy_llm_s": 13.0 / 3, "busy_comm_s": 2.0 / 3, "busy_zero_s": 0.0,
+        "busy_encoder_s": 1.0, "busy_llm_s": 13.0 / 3, "busy_comm_s": 2.0 / 3, "busy_optim_s": 0.0, "busy_zero_s": 0.0,
         "idle_s": 10.0 / 3, "bubble_fraction": (0.4 + 0.0 + 0.6) / 3,
         "imbalance": 8.0 / 6.0, "busy_max_rank": 1, "step_time_s": 10.0})
     assert json.loads(json.dumps(m)) == m
@@ -174,7 +174,7 @@ def test_chrome_trace_has_every_interval_in_microseconds(tmp_path):
     for r in range(2):
         assert meta[(r, "process_name", 0)] == {"name": f"rank {r}"}
         lanes[r] = {args["name"]: tid for (pid, name, tid), args in meta.items() if pid == r and name == "thread_name"}
-        assert set(lanes[r]) == {"encoder", "llm", "comm"}
+        assert set(lanes[r]) == {"encoder", "llm", "comm", "optim"}
     spans = sorted((e["pid"], e["tid"], e["name"], e["ts"], e["dur"], e["args"]["step"])
                    for e in ev if e["ph"] == "X")
     expected = sorted((r, lanes[r][kind], name, ts, dur, 4) for r in range(2) for kind, name, ts, dur in [
@@ -221,8 +221,8 @@ def _gather_worker(rank: int, world_size: int) -> None:
     clock.now = 4.0
     got = gather_step_times(tl.end_step())
     assert [(s.rank, s.step, s.busy_s, s.idle_s, [e.name for e in s.events]) for s in got] == [
-        (0, 3, {"encoder": 1.0, "llm": 0.0, "comm": 0.0}, 3.0, ["r0"]),
-        (1, 3, {"encoder": 0.0, "llm": 2.0, "comm": 0.0}, 2.0, ["r1"])]
+        (0, 3, {"encoder": 1.0, "llm": 0.0, "comm": 0.0, "optim": 0.0}, 3.0, ["r0"]),
+        (1, 3, {"encoder": 0.0, "llm": 2.0, "comm": 0.0, "optim": 0.0}, 2.0, ["r1"])]
     assert summarise_ranks(got)["busy_max_rank"] == 1
 
 
