@@ -59,10 +59,11 @@ def encoders(media: tuple) -> tuple[dict, dict]:
     return enc, proj
 
 
-def build(moe: bool, num_layers: int, media: tuple = ()) -> OmniModel:
+def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = ()) -> OmniModel:
+    """``frozen``: modalities whose encoder does not train (its projector still does)."""
     torch.manual_seed(1234)
     llm = Decoder(model_config(moe, num_layers))
-    model = OmniModel(llm, *encoders(media))
+    model = OmniModel(llm, *encoders(media), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -155,11 +156,11 @@ def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text
     return out
 
 
-def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None = None) -> dict:
+def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None = None, frozen: tuple = ()) -> dict:
     """The single-process run: same math as the Trainer with one rank (global-token-normalised
     CE, router losses averaged over the global batch's micro-batches, clipping, AdamW), with
     the encoders run inline. ``data``: keyword arguments of ``global_batches``."""
-    model = build(moe, num_layers, media)
+    model = build(moe, num_layers, media, frozen)
     opt = build_optimizer(model, OPTIM)
     sched = build_scheduler(opt, OPTIM, 100)
     losses, grads, norms = [], {}, []
@@ -182,7 +183,7 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
 
 
 def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple = (), data: dict | None = None,
-               multiplex: dict | None = None, probe=None) -> dict:
+               multiplex: dict | None = None, probe=None, frozen: tuple = ()) -> dict:
     """Train STEPS steps under ``sizes`` on this rank; returns losses, grad norms and the full
     first-step gradients of the parameters this rank holds. ``multiplex``: MultiplexConfig
     fields; ``probe(pm, result)``: called after every step (to record runtime figures)."""
@@ -195,7 +196,7 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     from parallel.layout import init_layout
 
     layout = init_layout(ParallelConfig(**sizes), device="cpu")
-    pm = parallelize(build(moe, num_layers, media), layout, MultiplexConfig(**(multiplex or {})))
+    pm = parallelize(build(moe, num_layers, media, frozen), layout, MultiplexConfig(**(multiplex or {})))
     run_dir = tempfile.mkdtemp(prefix="omni-layout-")
     trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=100, run_dir=run_dir, progress=False,
                                                       eval_at_end=False),

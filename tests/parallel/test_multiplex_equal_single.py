@@ -16,6 +16,7 @@ from layout_harness import compare, reference, run_layout
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
+FROZEN_VISION = {**BOTH, "frozen": ("image",)}  # a frozen vision tower beside a training audio encoder
 LONG = {"long_items": True, "steps": 3}
 SHORT = {"steps": 3}  # 8 ranks on 2 cores: 3 steps keep the suite within its budget
 # Image items of >= 6x1 patches, audio of >= 12 tokens: the long ones of LONG, and some short ones.
@@ -35,6 +36,7 @@ LAYOUTS = {
         ("pp=2 gpipe colocated", dict(dp_shard=1, pp=2, pp_schedule="gpipe"), IMAGE, {}, {}),
         ("tp=2 colocated sp=2 long items", dict(dp_shard=1, tp=2), BOTH, LONG, SPLIT),
         ("cp=2 ring stage0", dict(dp_shard=1, cp=2), IMAGE, {}, {"placement": "stage0"}),
+        ("dp_shard=2 colocated, frozen vision + trainable audio", dict(dp_shard=2), FROZEN_VISION, SHORT, {}),
         *[(f"pp=2 text only {p}", PP2, IMAGE, TEXT, {"placement": p}) for p in PLACEMENTS],
     ],
     4: [(f"pp=2 x dp_shard=2 media on one data group only, {p}", PP2_DP2, BOTH, ONE_GROUP, {"placement": p})
