@@ -29,18 +29,19 @@ Every run trains ``--steps`` steps from the same seed on the same samples; the f
 timeline fields are means over the 4 ranks, see docs/multiplexing.md) per variant: median step
 time (``step_time_s``, rank 0's wall time of the whole step, data construction included, with
 ``data.num_workers=0``) with min-max over all timed steps of all repeats, the means of
-``bubble_fraction``, ``busy_encoder_s``, ``busy_llm_s``, ``busy_comm_s``, ``idle_s`` and
-``imbalance``, the largest ``encoder_peak_activation_mib`` (rank 0) and ``peak_rss_gib``, the
-mean ``encoder_long_items`` per step, and every step's loss. Placements change where work runs,
-not the math, so losses must agree across variants to 1e-5 relative; the report says whether they
-do. Variants run ``--repeats`` times in a rotating order (repeat r starts with variant r), so
+``bubble_fraction``, ``busy_encoder_s``, ``busy_llm_s``, ``busy_comm_s``, ``busy_optim_s``,
+``idle_s`` and ``imbalance``, the largest ``encoder_peak_activation_mib`` (rank 0) and
+``peak_rss_gib``, the mean ``encoder_long_items`` per step, and every step's loss. Placements
+change where work runs, not the math, so losses must agree across variants to 1e-5 relative; the
+report says whether they do. Variants run ``--repeats`` times in a rotating order (repeat r starts with variant r), so
 machine noise is spread over all of them.
 
 Two diagnostics: each run's CPU seconds (the reaped torchrun tree, ``os.times``) over its wall
 time x cores, which shows whether the run had the cores to itself and how much work it did in all;
 and, from the traced step, the seconds per rank after each rank's last recorded span. The
-timeline only instruments encoder chunks, LLM stage work and the multiplexer's all-to-alls, so
-``idle_s`` also holds the end of the step (encoder gradient all-reduce, clipping, optimizer step).
+timeline times encoder chunks, LLM stage work, the multiplexer's all-to-alls and the gradient
+sync (``comm``), and clipping with the optimizer step (``optim``); what follows the last span (the
+loss all-reduce, the end of the step) counts as idle.
 
 The first repeat writes a Chrome trace (``multiplex.trace_step``) of its last step for every
 variant; they are copied to ``--out/trace_<variant>.json`` and that step is left out of the
@@ -77,7 +78,7 @@ QUICK_GLOBAL_BATCH = 24
 MICRO_BATCH_TOKENS = 1024
 DEMO_SCALE = 0.25  # 500 shapes, 375 tones, 375 texts: more than the runs draw
 LONG_THRESHOLD = 192
-KEYS = ("busy_encoder_s", "busy_llm_s", "busy_comm_s", "idle_s")
+KEYS = ("busy_encoder_s", "busy_llm_s", "busy_comm_s", "busy_optim_s", "idle_s")
 
 
 def variants(long_threshold: int) -> list[tuple[str, dict]]:
@@ -163,8 +164,8 @@ def micro_batches(trace: Path) -> int | None:
 def trace_tail(trace: Path, metrics: list[dict], step: int) -> float | None:
     """Seconds per rank after the last recorded span of the traced step (mean over ranks): the
     mean per-rank step time of the timeline (busy + idle at that step) minus the mean end of each
-    rank's last span. It is the un-instrumented end of the step (gradient sync over the encoder
-    ranks, clipping, optimizer step, loss all-reduce), which the timeline counts as idle."""
+    rank's last span. It is the un-instrumented end of the step (after the optimizer step: the
+    loss all-reduce), which the timeline counts as idle."""
     try:
         events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     except (OSError, ValueError, KeyError):
@@ -256,7 +257,7 @@ def report(res: dict) -> str:
     s = summarise(res)
     lc = loss_check(res)
     headers = ["placement", "step s median (min-max)", "speedup vs stage0", "bubble fraction",
-               "encoder s", "LLM s", "comm s", "idle s", "imbalance", "encoder peak act. MiB",
+               "encoder s", "LLM s", "comm s", "optim s", "idle s", "imbalance", "encoder peak act. MiB",
                "long items / step", "peak RSS GiB", "final loss"]
     rows = []
     for x in s:
@@ -312,8 +313,10 @@ def plot(res: dict, path: Path) -> str:
 
     s = [x for x in summarise(res) if not x["failed"]]
     names = [x["variant"] for x in s]
-    colors = {"busy_encoder_s": "#4c72b0", "busy_llm_s": "#dd8452", "busy_comm_s": "#55a868", "idle_s": "#c8c8c8"}
-    labels = {"busy_encoder_s": "encoder", "busy_llm_s": "LLM", "busy_comm_s": "communication", "idle_s": "idle (incl. the un-instrumented end of the step)"}
+    colors = {"busy_encoder_s": "#4c72b0", "busy_llm_s": "#dd8452", "busy_comm_s": "#55a868",
+              "busy_optim_s": "#8172b3", "idle_s": "#c8c8c8"}
+    labels = {"busy_encoder_s": "encoder", "busy_llm_s": "LLM", "busy_comm_s": "communication (incl. gradient sync)",
+              "busy_optim_s": "clipping + optimizer step", "idle_s": "idle"}
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     bottom = [0.0] * len(s)
     for k in KEYS:
