@@ -128,8 +128,8 @@ class OmniModel(nn.Module):
         if not first and not keep_encoders:
             self.encoders = nn.ModuleDict()
             self.projectors = nn.ModuleDict()
-            if not (last and self.llm.lm_head is None):
-                self.llm.embed_tokens = None
+        if not first and not (last and self.llm.lm_head is None):
+            self.llm.embed_tokens = None
         if not last:
             self.llm.norm = None
             self.llm.lm_head = None

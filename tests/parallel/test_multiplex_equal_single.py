@@ -33,6 +33,9 @@ LAYOUTS = {
         ("dp_shard=2 colocated", dict(dp_shard=2), IMAGE, {}, {}),
         ("pp=2 1f1b colocated", PP2, IMAGE, {}, {}),
         ("pp=2 1f1b encoder_first", PP2, IMAGE, {}, {"placement": "encoder_first"}),
+        # torch's interleaved schedule, two model chunks per rank: encoders on the first chunk only
+        ("pp=2 interleaved_1f1b encoder_first", dict(dp_shard=1, pp=2, pp_schedule="interleaved_1f1b",
+                                                    pp_virtual_stages=2), IMAGE, SHORT, {"placement": "encoder_first"}),
         ("pp=2 gpipe colocated", dict(dp_shard=1, pp=2, pp_schedule="gpipe"), IMAGE, {}, {}),
         ("tp=2 colocated sp=2 long items", dict(dp_shard=1, tp=2), BOTH, LONG, SPLIT),
         ("cp=2 ring stage0", dict(dp_shard=1, cp=2), IMAGE, {}, {"placement": "stage0"}),
