@@ -27,6 +27,7 @@ Every rank runs the same action list in the same order, so the collectives alway
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -158,8 +159,8 @@ class Multiplexer:
         self._chunks = {}
         self.stats = _StepStats()
         if self.active:
-            needs_by_chunk = [{self.members.index(r): e["needs"][j] for r, e in enumerate(everyone)
-                               if r in self.members and e["needs"] is not None and j < len(e["needs"])}
+            needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
+                               if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
                               for j in range(n)]
             eligible = None
             if self.cfg.placement == "stage0":
@@ -374,9 +375,7 @@ class Multiplexer:
         return self.model.llm.config.hidden_size
 
     def _span(self, kind: str, name: str):
-        if self.timeline is None:
-            return _NULL
-        return self.timeline.span(kind, name)
+        return contextlib.nullcontext() if self.timeline is None else self.timeline.span(kind, name)
 
     def step_metrics(self) -> dict[str, float]:
         s = self.stats
@@ -423,14 +422,3 @@ class _CountSaved:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         return False
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()

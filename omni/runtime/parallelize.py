@@ -159,8 +159,7 @@ def _multiplex(pm: ParallelModel, model: OmniModel, layout: Layout, cfg: Multipl
         raise LayoutError("the first pipeline stage lost its encoders; this is a bug in parallelize")
     if not mux.active:
         return
-    params = [p for mod in (*holder.encoders.values(), *holder.projectors.values()) for p in mod.parameters()
-              if p.requires_grad]
+    params = [p for p in _media_params(holder) if p.requires_grad]
     group = mux.group if mux.group is not None else dist.group.WORLD
     pm.replica_syncs.append((params, group))
     if layout.pp_rank > 0:  # the copies on later stages are counted once, on the first stage

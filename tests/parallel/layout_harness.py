@@ -229,6 +229,23 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     return {"losses": losses, "norms": norms, "grads": first_grads, "sizes": dict(sizes), **result}
 
 
+def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None) -> None:
+    """Run ``(name, sizes, model kwargs, data kwargs, multiplex kwargs)`` layouts one after
+    another on this rank and pickle the results to ``out_dir/rank<r>.pkl``. An exception ends
+    this rank (its peers would wait in a collective): run_ranks then stops the others and
+    re-raises it, naming the layout."""
+    import pickle
+
+    results = []
+    for name, sizes, model, data, mux in layouts:
+        try:
+            results.append((name, run_layout(rank, sizes, data=data, multiplex=mux, probe=probe, **model), None))
+        except Exception as e:
+            raise RuntimeError(f"layout [{name}] failed on rank {rank}") from e
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump(results, f)
+
+
 def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
     """Every mismatch as a line (empty: equal)."""
     bad = []

@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from dist_helpers import run_ranks
-from layout_harness import compare, reference, run_layout
+from layout_harness import compare, reference, run_named_layouts
 
 DENSE = {"moe": False, "num_layers": 4}
 DENSE8 = {"moe": False, "num_layers": 8}  # pp=4 x 2 virtual stages needs 8 layers
@@ -57,16 +57,7 @@ LAYOUTS = {
 
 
 def _worker(rank, world, layouts, out_dir):
-    # An exception ends this rank (its peers would wait in a collective): run_ranks then stops
-    # the others and re-raises it, naming the layout.
-    results = []
-    for name, sizes, model in layouts:
-        try:
-            results.append((name, run_layout(rank, sizes, **model), None))
-        except Exception as e:
-            raise RuntimeError(f"layout [{name}] failed on rank {rank}") from e
-    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump(results, f)
+    run_named_layouts(rank, [(name, sizes, model, {}, {}) for name, sizes, model in layouts], out_dir)
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

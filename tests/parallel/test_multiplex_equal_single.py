@@ -12,7 +12,7 @@ import pickle
 import pytest
 
 from dist_helpers import run_ranks
-from layout_harness import compare, reference, run_layout
+from layout_harness import compare, reference, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
@@ -65,14 +65,7 @@ def _memory(pm, result):
 
 
 def _worker(rank, world, layouts, out_dir):
-    results = []
-    for name, sizes, model, data, mux in layouts:
-        try:
-            results.append((name, run_layout(rank, sizes, data=data, multiplex=mux, probe=_memory, **model), None))
-        except Exception as e:
-            raise RuntimeError(f"layout [{name}] failed on rank {rank}") from e
-    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
-        pickle.dump(results, f)
+    run_named_layouts(rank, layouts, out_dir, probe=_memory)
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
