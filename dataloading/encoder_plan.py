@@ -21,14 +21,19 @@ so every rank computes the same plan and the exchanges need no negotiation:
 Buffers are laid out canonically: what rank p sends to rank q is ordered by (modality, group,
 item, row), and q reads its receive buffer in source-rank order, so both sides agree without
 exchanging indices.
+
+The plan's inputs come from ``describe_media``: each rank's host-side view of its micro-batch
+(items, sizes, and which output rows land where under its CP and TP shares), read before the
+batch moves to the device, so planning and routing never wait for the accelerator.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
 
 
@@ -74,6 +79,49 @@ class ChunkPlan:
     ranks: list[RankPlan]
     long_items: int
     max_over_mean: float  # encoder load balance of the chunk (1.0 = perfect)
+    # Items whose estimated activation memory exceeds the budget even where they are encoded
+    # (whole, or split over sp ranks): candidates for out-of-memory, reported in the metrics.
+    over_memory: int = 0
+
+
+@dataclass
+class MediaManifest:
+    """One rank's micro-batch as the encoder planner sees it: plain host numbers."""
+
+    # (modality, index, tokens, feature rows, sizes row) per item, modalities in sorted order
+    items: list[tuple[str, int, int, int, tuple[int, ...]]] = field(default_factory=list)
+    # modality -> the output rows (indices into the concatenated outputs of the micro-batch's
+    # items) this rank embeds, and where: positions in its row (its TP shard under SP)
+    rows: dict[str, np.ndarray] = field(default_factory=dict)
+    positions: dict[str, np.ndarray] = field(default_factory=dict)
+    features: dict[str, tuple[int, str]] = field(default_factory=dict)  # modality -> (width, dtype name)
+
+
+def describe_media(mb: MicroBatch, units_of: Mapping[str, Callable[[object], Sequence[int]]],
+                   tp_size: int = 1, tp_rank: int = 0) -> MediaManifest:
+    """The manifest of a host-side (padded, CP-sliced) micro-batch. ``units_of[m](sizes)``:
+    feature rows per item of modality m. Under sequence parallelism (``tp_size`` > 1) the row
+    is cut into ``tp_size`` equal shards and this rank embeds only the placeholders of shard
+    ``tp_rank`` (positions relative to it)."""
+    out = MediaManifest()
+    for m in sorted(mb.media):
+        media = mb.media[m]
+        if media.features.device.type != "cpu":
+            raise ValueError(f"describe_media reads host tensors; describe the {m} inputs before moving the "
+                             f"micro-batch to {media.features.device}")
+        units = [int(u) for u in units_of[m](media.sizes)]
+        for i, (tok, u, size) in enumerate(zip(media.num_tokens.tolist(), units, media.sizes.tolist())):
+            out.items.append((m, i, int(tok), u, tuple(int(s) for s in size)))
+        pos = media.positions.numpy().astype(np.int64)
+        rows = (media.output_rows.numpy().astype(np.int64) if media.output_rows is not None
+                else np.arange(pos.size, dtype=np.int64))
+        if tp_size > 1:
+            shard = mb.input_ids.numel() // tp_size
+            keep = (pos // shard) == tp_rank
+            pos, rows = pos[keep] - tp_rank * shard, rows[keep]
+        out.rows[m], out.positions[m] = rows, pos
+        out.features[m] = (int(media.features.shape[1]), str(media.features.dtype).replace("torch.", ""))
+    return out
 
 
 def piece_bounds(n_tokens: int, sp: int, member: int) -> tuple[int, int]:
@@ -98,6 +146,8 @@ def plan_chunk(
     long_threshold: int | None = None,
     sp_modalities: Sequence[str] = (),
     eligible: Mapping[int, Sequence[int]] | None = None,
+    item_bytes: Callable[[str, int], float | None] | None = None,
+    memory_limit: float | None = None,
 ) -> ChunkPlan:
     """Plan one encoder chunk over ranks ``0..world-1`` (indices into the exchange group).
 
@@ -106,8 +156,9 @@ def plan_chunk(
     micro-batch for that modality. ``group_of[r]``: rank r's data group (whose features it
     holds). ``eligible[g]``: the ranks allowed to encode group g's items (None: all).
     ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an item
-    whose cost alone exceeds the chunk's balanced share per rank). Only ``sp_modalities`` can
-    be split.
+    whose cost alone exceeds the chunk's balanced share per rank, or whose activations
+    ``item_bytes(modality, tokens)`` exceed ``memory_limit`` bytes). Only ``sp_modalities``
+    can be split.
     """
     if sp < 1 or world % sp:
         raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
@@ -121,11 +172,13 @@ def plan_chunk(
     share = total / world if world else 0.0
     blocks = [list(range(b * sp, (b + 1) * sp)) for b in range(world // sp)]
 
+    memory = {it.key: _bytes(item_bytes, it) for it in items} if memory_limit is not None else {}
+
     def is_long(it: ItemMeta) -> bool:
         if sp == 1 or it.modality not in sp_modalities or it.tokens < sp:
             return False
         if long_threshold is None:
-            return costs[it.key] > share
+            return costs[it.key] > share or (bool(memory) and memory[it.key] > memory_limit)
         return it.tokens > long_threshold
 
     loads = np.zeros(world)
@@ -234,7 +287,14 @@ def plan_chunk(
             p.need_index[m] = np.asarray([where[(m, g, i, r - int(st[i]))] for r, i in zip(rows.tolist(), item.tolist())],
                                          dtype=np.int64)
     mean = loads.mean() if world else 0.0
-    return ChunkPlan(plans, len(long_items), float(loads.max() / mean) if mean > 0 else 1.0)
+    over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > memory_limit) \
+        if memory else 0
+    return ChunkPlan(plans, len(long_items), float(loads.max() / mean) if mean > 0 else 1.0, over)
+
+
+def _bytes(item_bytes, it: ItemMeta) -> float:
+    b = item_bytes(it.modality, it.tokens) if item_bytes is not None else None
+    return 0.0 if b is None else float(b)
 
 
 def _item_starts(items: Sequence[ItemMeta]) -> dict[tuple[str, int], np.ndarray]:

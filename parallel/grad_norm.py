@@ -3,7 +3,8 @@
 Each rank adds the squared entries of the gradient pieces it holds, divided by how many ranks
 hold an identical copy, and one all-reduce over the world sums the rest. A DTensor's copies are
 the ranks of its Replicate mesh dimensions times the ranks of the pipeline stage outside its
-mesh; a plain tensor is held whole by every rank of the stage (its gradient already summed).
+mesh (none for a mesh spanning several stages); a plain tensor is held whole by every rank of
+the stage (its gradient already summed).
 Parameters stored twice on purpose (a tied embedding on the first and last pipeline stages)
 are counted once: the caller lists the duplicate in ``skip``.
 """
@@ -21,7 +22,8 @@ def _copies(t: torch.Tensor, stage_world: int) -> int:
     if not isinstance(t, DTensor):
         return stage_world
     mesh = t.device_mesh
-    n = stage_world // mesh.size()
+    # A mesh wider than a stage (encoder weights sharded over every rank) holds each shard once.
+    n = max(1, stage_world // mesh.size())
     for dim, placement in enumerate(t.placements):
         if isinstance(placement, Replicate):
             n *= mesh.size(dim)

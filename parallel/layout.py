@@ -348,6 +348,42 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
                   expert_mesh=expert_mesh, groups=groups)
 
 
+def encoder_mesh(layout: Layout, first_stage_only: bool) -> DeviceMesh:
+    """A 1D mesh (dim "encoder") over the ranks that run encoders: every rank, or with
+    ``first_stage_only`` the first pipeline stage's (those ranks get it, the others a mesh
+    over their own stage, unused). It creates process groups: every rank calls it, in the
+    same order."""
+    dev = layout.device.type
+    if not first_stage_only or layout.sizes.pp == 1:
+        return init_device_mesh(dev, (layout.world_size,), mesh_dim_names=("encoder",))
+    return init_device_mesh(dev, (layout.sizes.pp, layout.stage_world), mesh_dim_names=("pp", "encoder"))["encoder"]
+
+
+def pipeline_gradient_group(layout: Layout) -> dist.ProcessGroup:
+    """A second group over this rank's pipeline ranks (same members and order as
+    ``mesh["pp"]``), on which the pipeline sends gradients while activations use the first:
+    each channel then keeps its own message order between two ranks. Every rank calls it, in
+    the same order (it creates process groups)."""
+    if layout.world_size == 1:
+        return dist.group.WORLD
+    coords = layout.sizes.coords
+    mine = None
+    for members in _partition_groups(layout.world_size, lambda r: tuple(v for d, v in coords(r).items() if d != "pp")):
+        g = dist.new_group(members)
+        if layout.rank in members:
+            mine = g
+    return mine
+
+
+def host_group(layout: Layout) -> dist.ProcessGroup | None:
+    """A group over the world for small host-side objects (plans, metadata): gloo, so that
+    exchanging them never touches the accelerator (an object collective over nccl copies
+    through the device and synchronises it). None: the default group already is gloo."""
+    if layout.world_size == 1 or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def describe(sizes: Sizes) -> str:
     """e.g. "pp=2 x dp_shard=2 x tp=2 (ep=1)" — the sizes above 1, outermost first."""
     parts = [f"{d}={getattr(sizes, d)}" for d in DIMS if getattr(sizes, d) > 1]

@@ -145,9 +145,13 @@ def test_multiplex_mistakes_name_the_key_and_fix(capsys, demo_root, tmp_path):
     # One process is one encoder rank: no SP block of 3 fits.
     line = _fails(capsys, base + ["multiplex.encoder_sp=3"])
     assert "multiplex.encoder_sp=3" in line and "encoder ranks" in line
+    line = _fails(capsys, base + ["multiplex.encoder_weights=fsdp"])
+    assert "multiplex.encoder_weights='fsdp'" in line and "replicated, sharded" in line
+    line = _fails(capsys, base + ["multiplex.encoder_memory_mib=lots"])
+    assert "multiplex.encoder_memory_mib='lots'" in line and "MiB" in line
 
 
-def test_interleaved_schedule_needs_encoder_first():
+def test_zero_bubble_schedule_needs_encoder_first():
     import pytest
     import torch
 
@@ -157,6 +161,6 @@ def test_interleaved_schedule_needs_encoder_first():
     from parallel.layout import Layout, LayoutError, Sizes
 
     layout = Layout(world_size=2, rank=0, device=torch.device("cpu"), sizes=Sizes(pp=2),
-                    config=ParallelConfig(pp=2, dp_shard=1, pp_schedule="interleaved_1f1b", pp_virtual_stages=2))
+                    config=ParallelConfig(pp=2, dp_shard=1, pp_schedule="zero_bubble", pp_virtual_stages=2))
     with pytest.raises(LayoutError, match="multiplex.placement=encoder_first"):
-        Multiplexer(None, layout, MultiplexConfig(), cost=None)
+        Multiplexer(None, layout, MultiplexConfig(), cost=None, hidden_size=32)

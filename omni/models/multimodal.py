@@ -108,8 +108,8 @@ class OmniModel(nn.Module):
             self.encoders[modality].requires_grad_(False)
         self.runtime = ParallelRuntime()
         self.feed = StageFeed()
-        # Set by omni.runtime.parallelize on the model chunk that runs encoder work: the media
-        # embeddings then come from the multiplexing runtime instead of inline encoders.
+        # Set by omni.runtime.parallelize on the first stage's chunk: the media embeddings then
+        # come from the multiplexing runtime (which holds the encoders) instead of inline ones.
         self.multiplexer = None
         self.timeline = None  # omni.runtime.timeline.Timeline, when the step is being timed
 
@@ -118,14 +118,15 @@ class OmniModel(nn.Module):
         return list(self.encoders.keys())
 
     # -- pipeline stages --------------------------------------------------------------------
-    def keep_stage(self, layer_ids: list[int], first: bool, last: bool, keep_encoders: bool = False) -> None:
+    def keep_stage(self, layer_ids: list[int], first: bool, last: bool) -> None:
         """Delete everything stage (``layer_ids``, first?, last?) does not run. The last stage of
         a tied model keeps the embedding as its LM head (a copy whose gradient is summed with the
-        first stage's). ``keep_encoders``: this stage's ranks encode media too (multiplexing)."""
+        first stage's). Encoders, if still here, stay with the first stage (under multiplexing
+        they have left the model for the runtime's ``MediaTower`` already)."""
         for i in [int(k) for k in self.llm.layers.keys()]:
             if i not in layer_ids:
                 del self.llm.layers[str(i)]
-        if not first and not keep_encoders:
+        if not first:
             self.encoders = nn.ModuleDict()
             self.projectors = nn.ModuleDict()
         if not first and not (last and self.llm.lm_head is None):

@@ -65,8 +65,17 @@ class MultiplexConfig:
     # Ranks that split one long media item (Ulysses over the encoder's heads); 1: never split.
     encoder_sp: int = 1
     # Encoder tokens above which an item is long (split over encoder_sp ranks). "auto": an item
-    # whose cost alone exceeds its chunk's balanced share per rank.
+    # whose cost alone exceeds its chunk's balanced share per rank, or whose estimated
+    # activations exceed encoder_memory_mib.
     long_threshold: str = "auto"
+    # Activation memory (MiB) one rank may spend encoding one item, for long_threshold=auto.
+    # "auto": a quarter of the accelerator memory still free once the model is placed (the
+    # smallest over ranks); no limit on the CPU. "none": no limit.
+    encoder_memory_mib: str = "auto"
+    # Encoder and projector weights on the encoder ranks: "replicated" (gradients all-reduced)
+    # or "sharded" (FSDP2 over all encoder ranks: weights, gradients and optimizer state split,
+    # each encoder layer gathered when it runs).
+    encoder_weights: str = "replicated"
     # Record each rank's encoder / LLM / communication / idle time per step (metrics.jsonl).
     timeline: bool = True
     # Write a Chrome trace (chrome://tracing, Perfetto) of this step to <run_dir>/trace_step<N>.json; 0: none.

@@ -13,12 +13,11 @@ backward. So the forward of chunk j (F j) and its backward (B j) are actions of 
 and ``placement`` decides where they go:
 
 - ``colocated`` (the joint pipeline): at cut k of the pipeline executor (stage 0 about to run
-  micro-batch k, stage s about to receive micro-batch k - s: a consistent cut, see
-  ``parallel.pipeline_executor``) every rank runs the actions up to F k — the chunk stage 0
-  needs next, spread over all ranks at the moment it is needed. B j runs ``window`` chunks
-  later (1F1B: pp, when j's embedding gradient is back on stage 0; GPipe: after the
-  pipeline), so the encoder activations alive at once are bounded by the micro-batches in
-  flight.
+  micro-batch k; a consistent cut on every rank, see ``parallel.pipeline_executor``) every
+  rank runs the actions up to F k — the chunk stage 0 needs next, spread over all ranks at the
+  moment it is needed. B j runs at the first cut after stage 0's backward of j (1F1B: cut
+  j + pp; GPipe, and interleaved 1F1B with few micro-batches: after the pipeline), so the
+  encoder activations alive at once are bounded by the micro-batches in flight.
 - ``stage0`` (Megatron-style baseline): the same on the first stage's ranks only; each data
   group's items stay on its own first-stage ranks.
 - ``encoder_first``: every F before the LLM pipeline, every B after it.
@@ -28,18 +27,20 @@ Every rank runs the same action list in the same order, so the collectives alway
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
-from dataloading.encoder_plan import ChunkPlan, ItemMeta, plan_chunk
-from omni.models.encoders.sequence_parallel import check_sequence_parallel, encode_long_items
+from dataloading.encoder_plan import ChunkPlan, ItemMeta, MediaManifest, describe_media, plan_chunk
+from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
-from parallel.layout import Layout, LayoutError
+from omni.runtime.media_tower import MediaTower
+from parallel.layout import Layout, LayoutError, host_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import exchange_rows
 
@@ -50,6 +51,10 @@ INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
 @dataclass
 class _Chunk:
     plan: ChunkPlan
+    # Device index tensors of this rank's part, built once per step (one host-to-device copy).
+    send_idx: torch.Tensor | None = None  # table rows to send, in send order
+    need_idx: dict = field(default_factory=dict)  # modality -> receive-buffer row per placeholder
+    positions: dict = field(default_factory=dict)  # modality -> local placeholder positions
     table: torch.Tensor | None = None  # this rank's encoder outputs (with the encoder graph)
     recv: torch.Tensor | None = None  # rows received for this rank's placeholders (the LLM's leaf)
     saved_bytes: int = 0  # activation bytes the encoder graph of this chunk keeps
@@ -66,9 +71,11 @@ class StepMedia:
 
 
 class Multiplexer:
-    def __init__(self, model, layout: Layout, cfg: MultiplexConfig, cost: CostModel, timeline=None):
-        """``model``: this rank's first model chunk (holding the encoders and projectors when
-        this rank encodes). Built on every rank, in the same order (it creates the SP groups)."""
+    def __init__(self, tower: MediaTower | None, layout: Layout, cfg: MultiplexConfig, cost: CostModel,
+                 hidden_size: int, timeline=None):
+        """``tower``: this rank's encoders and projectors (None on a rank that does not encode:
+        later pipeline stages under stage0). ``hidden_size``: the LLM width the projectors
+        map to. Built on every rank, in the same order (it creates process groups)."""
         if cfg.placement not in PLACEMENTS:
             raise LayoutError(f"multiplex.placement={cfg.placement!r} is not one of {', '.join(PLACEMENTS)}")
         sizes, pcfg = layout.sizes, layout.config
@@ -78,16 +85,16 @@ class Multiplexer:
                 f"pipeline schedules, not {pcfg.pp_schedule}: set parallel.pp_schedule=1f1b or "
                 f"multiplex.placement=encoder_first")
         self.cfg, self.layout, self.cost, self.timeline = cfg, layout, cost, timeline
-        self.model = model
+        self.tower, self.hidden_size = tower, hidden_size
         self.device = layout.device
-        coords = [sizes.coords(r) for r in range(layout.world_size)]
-        # Encoder ranks: everyone, or the first stage only (stage0).
-        self.members = [r for r in range(layout.world_size) if cfg.placement != "stage0" or coords[r]["pp"] == 0]
+        self.members = encoder_ranks(layout, cfg.placement)
         self.active = layout.rank in self.members
         self.index = self.members.index(layout.rank) if self.active else -1
-        self.group = None
+        coords = [sizes.coords(r) for r in range(layout.world_size)]
+        self.group = None  # the encoder ranks' group for the all-to-alls (None: the world)
         if len(self.members) < layout.world_size:
             self.group = layout.group("stage") if self.active else None
+        self.host_group = host_group(layout)
         self.group_of = [coords[r]["dp_replicate"] * sizes.dp_shard + coords[r]["dp_shard"] for r in self.members]
         sp = int(cfg.encoder_sp)
         if sp < 1 or len(self.members) % sp or sp > max(1, pcfg.gpus_per_node):
@@ -95,35 +102,35 @@ class Multiplexer:
                               f"in a node (parallel.gpus_per_node={pcfg.gpus_per_node})")
         self.sp = sp
         self.sp_group = self._sp_groups(layout, sp)
-        self.sp_modalities = [m for m, enc in (model.encoders.items() if model is not None else ())
-                              if getattr(enc, "supports_sequence_parallel", False)]
+        encoders = tower.encoders if tower is not None else {}
+        self.sp_modalities = [m for m, enc in encoders.items() if getattr(enc, "supports_sequence_parallel", False)]
         for m in self.sp_modalities if sp > 1 else ():
             try:  # fail at start-up, not at the first long item
-                check_sequence_parallel(model.encoders[m], sp)
+                check_sequence_parallel(encoders[m], sp)
             except ValueError as e:
                 raise LayoutError(str(e)) from None
         threshold = str(cfg.long_threshold).lower()
         self.long_threshold = None if threshold == "auto" else int(threshold)
-        # Chunk j's backward runs `window` chunks later (pipeline stage 0 then has its
-        # embedding gradient).
-        if cfg.placement == "encoder_first" or (sizes.pp > 1 and pcfg.pp_schedule == "gpipe"):
-            self.window = math.inf
-        else:
-            self.window = sizes.pp
+        self.memory_limit = _memory_budget(cfg.encoder_memory_mib, layout)
+        element = 2 if layout.device.type == "cuda" else 4  # bf16 activations on the GPU
+        self._item_bytes = (lambda m, tokens: encoders[m].activation_bytes(tokens, element)) if encoders else None
+        # n -> for each chunk j, the cut at which its backward can run (stage 0 then has j's
+        # embedding gradient; None: after the pipeline). Set from the pipeline executor; without
+        # pipeline parallelism micro-batch j's backward is done before cut j + 1.
+        self.backward_cuts = lambda n: [j + 1 for j in range(n)]
+        # Sharded weights: reduce-scatter a modality's gradients once, in its last backward of
+        # the step, unless the LLM reduces every micro-batch too.
+        self.reduce_every_chunk = pcfg.fsdp_reduce_every_microbatch
         self.consumer = layout.pp_rank == 0
         self.announcer = layout.rank == layout.peer_source
         self._chunks: dict[int, _Chunk] = {}
         self._actions: list[tuple[str, int]] = []
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
-        self._needs: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch -> modality -> local positions
+        self._last_backward: dict[str, int] = {}  # modality -> its last chunk of the step
         self.media: StepMedia | None = None
         self.stats = _StepStats()
-        self._trainable = model is not None and any(
-            p.requires_grad for mods in (model.encoders, model.projectors) for p in mods.parameters())
-        # Storage of the encoder/projector weights: autograd saves them too, but they are not activations.
-        self._param_storage = set() if model is None else {
-            p.untyped_storage().data_ptr() for mods in (model.encoders, model.projectors) for p in mods.parameters()}
+        self._trainable = tower is not None and bool(tower.trainable())
 
     # -- groups ---------------------------------------------------------------------------
     def _sp_groups(self, layout: Layout, sp: int):
@@ -138,79 +145,67 @@ class Multiplexer:
         return mine
 
     # -- the step -------------------------------------------------------------------------
-    def begin_step(self, prepared: list) -> int:
-        """Exchange the step's media metadata (one small host-side gather over the world) and
-        plan every chunk. Returns the number of micro-batches every rank must run (the
+    def describe(self, mb: MicroBatch) -> MediaManifest:
+        """The host-side manifest of one of this rank's micro-batches (padded and CP-sliced,
+        not yet on the device): what ``begin_step`` plans from."""
+        if self.tower is None or not mb.media:
+            return MediaManifest()
+        units = {m: enc.input_units for m, enc in self.tower.encoders.items()}
+        return describe_media(mb, units, self.layout.sizes.tp, self.layout.tp_rank)
+
+    def begin_step(self, prepared: list, manifests: list[MediaManifest]) -> int:
+        """Exchange the step's media manifests (one small gather of host objects over gloo)
+        and plan every chunk. Returns the number of micro-batches every rank must run (the
         largest count of any group; the caller pads with empty ones)."""
         self._local = prepared
         mine = {"n": len(prepared), "items": None, "needs": None, "feat": {}}
-        if self.announcer and self.model is not None:
-            mine["items"], mine["feat"] = self._describe_items(prepared)
+        if self.announcer and self.tower is not None:
+            mine["items"] = [mf.items for mf in manifests]
+            mine["feat"] = {m: f for mf in manifests for m, f in mf.features.items()}
         if self.consumer:
-            mine["needs"] = self._describe_needs(prepared)
-        everyone = [None] * self.layout.world_size
+            mine["needs"] = [mf.rows for mf in manifests]
+        everyone = [mine]
         if self.layout.world_size > 1:
+            everyone = [None] * self.layout.world_size
             with self._span("comm", "media metadata"):
-                dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
+                dist.all_gather_object(everyone, mine, group=self.host_group)
         n = max(e["n"] for e in everyone)
         self.media = self._collect(everyone, n)
         self._chunks = {}
         self.stats = _StepStats()
         if self.active:
-            needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
-                               if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
-                              for j in range(n)]
-            eligible = None
-            if self.cfg.placement == "stage0":
-                eligible = {}
-                for i, g in enumerate(self.group_of):
-                    eligible.setdefault(g, []).append(i)
-            for j in range(n):
-                plan = plan_chunk(self.media.items[j], needs_by_chunk[j], self.group_of, len(self.members), self.cost,
-                                  sp=self.sp, long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
-                                  eligible=eligible)
-                self._chunks[j] = _Chunk(plan)
-                self.stats.long_items += plan.long_items
-                self.stats.balance = max(self.stats.balance, plan.max_over_mean)
+            self._plan(everyone, n, manifests)
         self._actions = self._action_list(n) if self.active else []
         self._cursor = 0
         return n
 
-    def _describe_items(self, prepared: list):
-        items, feat = [], {}
-        for p in prepared:
-            per = []
-            for m, media in sorted(p.mb.media.items()):
-                enc = self.model.encoders[m]
-                units = enc.input_units(media.sizes)
-                feat[m] = (int(media.features.shape[1]), str(media.features.dtype).replace("torch.", ""))
-                for i, (tok, u, size) in enumerate(zip(media.num_tokens.tolist(), units, media.sizes.tolist())):
-                    per.append((m, i, int(tok), int(u), tuple(int(s) for s in size)))
-            items.append(per)
-        return items, feat
-
-    def _describe_needs(self, prepared: list) -> list[dict[str, np.ndarray]]:
-        """Per micro-batch and modality, the output rows this rank embeds (its CP rows, and
-        under sequence parallelism only those in its TP shard) and where they go."""
-        rt = self.model.runtime if self.model is not None else None
-        tp_size, tp_rank = (rt.tp_size, rt.tp_rank) if rt is not None else (1, 0)
-        out = []
-        self._needs = {}
-        for j, p in enumerate(prepared):
-            need = {}
-            for m, media in p.mb.media.items():
-                pos = media.positions.cpu()
-                rows = media.output_rows.cpu() if media.output_rows is not None else torch.arange(pos.numel())
-                if tp_size > 1:
-                    shard = p.mb.input_ids.numel() // tp_size
-                    keep = (pos // shard) == tp_rank
-                    pos, rows = pos[keep] - tp_rank * shard, rows[keep]
-                need[m] = rows.numpy().astype(np.int64)
-                self._needs.setdefault(j, {})[m] = pos.to(self.device)
-            out.append(need)
-        return out
+    def _plan(self, everyone: list, n: int, manifests: list[MediaManifest]) -> None:
+        needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
+                           if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
+                          for j in range(n)]
+        eligible = None
+        if self.cfg.placement == "stage0":
+            eligible = {}
+            for i, g in enumerate(self.group_of):
+                eligible.setdefault(g, []).append(i)
+        indices = _IndexUpload(self.device)
+        for j in range(n):
+            plan = plan_chunk(self.media.items[j], needs_by_chunk[j], self.group_of, len(self.members), self.cost,
+                              sp=self.sp, long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
+                              eligible=eligible, item_bytes=self._item_bytes, memory_limit=self.memory_limit)
+            chunk = self._chunks[j] = _Chunk(plan)
+            rp = plan.ranks[self.index]
+            indices.add(chunk, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
+            if self.consumer and j < len(manifests):
+                for m, pos in manifests[j].positions.items():
+                    indices.add(chunk.need_idx, m, rp.need_index[m])
+                    indices.add(chunk.positions, m, pos)
+            self.stats.long_items += plan.long_items
+            self.stats.over_memory += plan.over_memory
+            self.stats.balance = max(self.stats.balance, plan.max_over_mean)
+            for it in self.media.items[j]:
+                self._last_backward[it.modality] = j
+        indices.upload()
 
     def _collect(self, everyone: list, n: int) -> StepMedia:
         media = StepMedia(n, [[] for _ in range(n)])
@@ -227,14 +222,15 @@ class Multiplexer:
         return media
 
     def _action_list(self, n: int) -> list[tuple[str, int]]:
+        """F k at cut k; B j at the first cut after stage 0's backward of j (encoder_first: all
+        after the pipeline). The same list on every rank."""
+        ready = [None] * n if self.cfg.placement == "encoder_first" else self.backward_cuts(n)
         acts = []
         for k in range(n):
-            if k - self.window >= 0:
-                acts.append(("B", int(k - self.window)))
+            acts += [("B", j) for j in range(n) if ready[j] == k]
             acts.append(("F", k))
-        done_b = {k for a, k in acts if a == "B"}
-        acts += [("B", k) for k in range(n) if k not in done_b]
-        return acts
+        done = {j for a, j in acts if a == "B"}
+        return acts + [("B", j) for j in range(n) if j not in done]
 
     # -- insertion points ----------------------------------------------------------------
     def cut(self, k: int) -> None:
@@ -252,7 +248,7 @@ class Multiplexer:
         while self._cursor < len(self._actions):
             self._run(self._actions[self._cursor])
             self._cursor += 1
-        self._local, self._needs = [], {}
+        self._local = []
 
     def _run_until(self, target: tuple[str, int]) -> None:
         if target in self._actions[:self._cursor]:
@@ -278,51 +274,45 @@ class Multiplexer:
         if chunk is None or chunk.recv is None:
             raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
                                f"placement {self.cfg.placement})")
-        rp = chunk.plan.ranks[self.index]
-        out = {}
-        for m, pos in self._needs.get(j, {}).items():
-            idx = torch.as_tensor(rp.need_index[m], device=self.device)
-            out[m] = (chunk.recv.index_select(0, idx), pos)
-        return out
+        return {m: (chunk.recv.index_select(0, idx), chunk.positions[m]) for m, idx in chunk.need_idx.items()}
 
     # -- one chunk forward / backward ---------------------------------------------------------
     def _forward(self, j: int) -> None:
         chunk = self._chunks[j]
         rp = chunk.plan.ranks[self.index]
         if not self.media.items[j]:
-            chunk.recv = torch.zeros(0, self._width(), device=self.device)
+            chunk.recv = torch.zeros(0, self.hidden_size, device=self.device)
             return
         feats = self._exchange_features(j, rp)
-        with self._span("encoder", f"F{j}"), _CountSaved(self._param_storage) as saved:
+        with self._span("encoder", f"F{j}"), _CountSaved() as saved:
+            # Every encoder rank encodes every modality of the chunk, with no items if it has
+            # none: sharded weights are gathered by all of them together.
             parts = []
             for m in sorted(rp.short):
-                enc, proj = self.model.encoders[m], self.model.projectors[m]
+                dim, dtype = self.media.feat[m]
                 short = rp.short[m]
-                if short:
-                    x = torch.cat([feats[(m, g, i)] for g, i in short])
-                    parts.append(proj(enc(x, self._sizes(j, m, short))))
-                if rp.long[m]:
-                    x = torch.cat([feats[(m, g, i)] for g, i in rp.long[m]])
-                    out, _ = encode_long_items(enc, x, self._sizes(j, m, rp.long[m]), self.sp_group)
-                    parts.append(proj(out))
-            width = self._width()
-            table = torch.cat(parts) if parts else torch.zeros(0, width, device=self.device)
+                x = torch.cat([feats[(m, g, i)] for g, i in short]) if short else \
+                    torch.zeros(0, dim, dtype=getattr(torch, dtype), device=self.device)
+                long = rp.long[m]
+                xl = torch.cat([feats[(m, g, i)] for g, i in long]) if long else None
+                parts.append(self.tower.encode(m, x, self._sizes(j, m, short), xl,
+                                               self._sizes(j, m, long) if long else None, self.sp_group))
+            table = torch.cat(parts)
         chunk.saved_bytes = saved.bytes
         chunk.table = table
-        send_idx = torch.as_tensor(np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64),
-                                   device=self.device)
         with self._span("comm", f"F{j} outputs"):
-            recv = exchange_rows(table.detach().index_select(0, send_idx), [len(s) for s in rp.out_send],
+            recv = exchange_rows(table.detach().index_select(0, chunk.send_idx), [len(s) for s in rp.out_send],
                                  rp.out_recv_counts, self.group)
         # The received rows come from other ranks' tables: they need a gradient whenever any
         # encoder or projector trains, whether or not this rank encoded anything.
         chunk.recv = recv.requires_grad_(self._trainable)
-        self.stats.live_bytes += chunk.saved_bytes
-        self.stats.max_chunk_bytes = max(self.stats.max_chunk_bytes, chunk.saved_bytes)
-        self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
-        self.stats.live_chunks += 1
-        self.stats.media_chunks += 1
-        self.stats.peak_live_chunks = max(self.stats.peak_live_chunks, self.stats.live_chunks)
+        s = self.stats
+        s.live_bytes += chunk.saved_bytes
+        s.max_chunk_bytes = max(s.max_chunk_bytes, chunk.saved_bytes)
+        s.peak_live_bytes = max(s.peak_live_bytes, s.live_bytes)
+        s.live_chunks += 1
+        s.media_chunks += 1
+        s.peak_live_chunks = max(s.peak_live_chunks, s.live_chunks)
 
     def _backward(self, j: int) -> None:
         chunk = self._chunks[j]
@@ -333,8 +323,9 @@ class Multiplexer:
         with self._span("comm", f"B{j} gradients"):
             back = exchange_rows(grad, rp.out_recv_counts, [len(s) for s in rp.out_send], self.group)
         if chunk.table.requires_grad:
-            send_idx = torch.as_tensor(np.concatenate(rp.out_send), device=self.device)
-            g_table = torch.zeros_like(chunk.table).index_add_(0, send_idx, back.to(chunk.table.dtype))
+            for m in rp.short:
+                self.tower.set_gradient_sync(m, self.reduce_every_chunk or j == self._last_backward[m])
+            g_table = torch.zeros_like(chunk.table).index_add_(0, chunk.send_idx, back.to(chunk.table.dtype))
             with self._span("encoder", f"B{j}"):
                 chunk.table.backward(g_table)
         chunk.table = chunk.recv = None
@@ -368,11 +359,11 @@ class Multiplexer:
         return out
 
     def _sizes(self, j: int, m: str, items: list[tuple[int, int]]) -> torch.Tensor:
-        return torch.tensor([self.media.sizes[(j, m, g, i)] for g, i in items], dtype=torch.int64,
-                            device=self.device)
-
-    def _width(self) -> int:
-        return self.model.llm.config.hidden_size
+        """Host tensor: encoders read item sizes as numbers (a device copy would be read back)."""
+        rows = [self.media.sizes[(j, m, g, i)] for g, i in items]
+        width = len(rows[0]) if rows else next((len(v) for (jj, mm, _, _), v in self.media.sizes.items()
+                                                if mm == m), 1)
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
 
     def _span(self, kind: str, name: str):
         return contextlib.nullcontext() if self.timeline is None else self.timeline.span(kind, name)
@@ -381,7 +372,63 @@ class Multiplexer:
         s = self.stats
         return {"encoder_long_items": float(s.long_items), "encoder_balance_max_over_mean": s.balance,
                 "encoder_peak_live_chunks": float(s.peak_live_chunks),
-                "encoder_peak_activation_mib": s.peak_live_bytes / 2**20}
+                "encoder_peak_activation_mib": s.peak_live_bytes / 2**20,
+                "encoder_over_memory_items": float(s.over_memory)}
+
+
+def encoder_ranks(layout: Layout, placement: str) -> list[int]:
+    """The ranks that run encoder work: every rank, or the first pipeline stage's (stage0)."""
+    sizes = layout.sizes
+    return [r for r in range(layout.world_size) if placement != "stage0" or sizes.coords(r)["pp"] == 0]
+
+
+def _memory_budget(setting: str, layout: Layout) -> float | None:
+    """Bytes of activations one rank may spend on one item (``multiplex.encoder_memory_mib``)."""
+    text = str(setting).lower()
+    if text == "none":
+        return None
+    if text != "auto":
+        try:
+            return float(text) * 2**20
+        except ValueError:
+            raise LayoutError(f"multiplex.encoder_memory_mib={setting!r} is not a number of MiB, auto or none") \
+                from None
+    if layout.device.type != "cuda":
+        return None  # host memory: no budget worth planning around
+    free, _ = torch.cuda.mem_get_info(layout.device)
+    budget = torch.tensor([free / 4.0], dtype=torch.float64, device=layout.device)
+    if layout.world_size > 1:  # every rank must plan with the same number
+        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+    return float(budget)
+
+
+class _IndexUpload:
+    """Collects a step's small index arrays and moves them to the device in one copy (from
+    pinned memory, asynchronous on CUDA), handing out views."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._parts: list[tuple[object, str, np.ndarray]] = []
+
+    def add(self, target, key: str, values: np.ndarray) -> None:
+        """``target[key]`` (a dict) or ``target.key`` (an object) becomes the device copy of ``values``."""
+        self._parts.append((target, key, np.asarray(values, dtype=np.int64)))
+
+    def upload(self) -> None:
+        if not self._parts:
+            return
+        flat = torch.from_numpy(np.concatenate([a for _, _, a in self._parts]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        at = 0
+        for target, key, a in self._parts:
+            view = flat[at:at + a.size]
+            at += a.size
+            if isinstance(target, dict):
+                target[key] = view
+            else:
+                setattr(target, key, view)
+        self._parts = []
 
 
 @dataclass
@@ -394,23 +441,20 @@ class _StepStats:
     live_bytes: int = 0
     peak_live_bytes: int = 0
     max_chunk_bytes: int = 0
+    over_memory: int = 0  # items over the activation budget even where they are encoded
 
 
 class _CountSaved:
     """Counts the bytes autograd saves for backward inside the block (the encoder's
-    activations), leaving out the parameters themselves."""
+    activations), leaving out the weights: parameters and views of them (a transposed weight),
+    replicated or gathered by FSDP alike."""
 
-    def __init__(self, params: set):
-        self.params = params
+    def __init__(self):
         self.bytes = 0
         self._hooks = None
 
     def _pack(self, t: torch.Tensor):
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            ptr = None
-        if ptr not in self.params:
+        if not (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)):
             self.bytes += t.numel() * t.element_size()
         return t
 

@@ -2,13 +2,15 @@
 checkpointing, FSDP — in that order (each wraps what the previous one left).
 
 Returns a ``ParallelModel``: this rank's model chunks (one, or one per virtual pipeline stage),
-and what the trainer must do besides ``backward``: sum the gradients of parameters that FSDP
+for a model with encoders the ``MediaTower`` (encoders and projectors, lifted out of the model
+for the multiplexing runtime), and what the trainer must do besides ``backward``: sum the gradients of parameters that FSDP
 does not own (MoE layers, replicated over the ranks that feed them different tokens), sum the
 two copies of a tied embedding that pipeline parallelism splits over the first and last stage,
 and count each gradient once in the norm.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -18,16 +20,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from dataloading.cost import CostModel
+from omni.models.cost import default_cost_model
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
-from dataloading.cost import CostModel
 from omni.models.multimodal import OmniModel
 from omni.runtime.config import MultiplexConfig
-from omni.runtime.multiplex import Multiplexer
+from omni.runtime.media_tower import WEIGHT_MODES, MediaTower
+from omni.runtime.multiplex import Multiplexer, encoder_ranks
 from omni.runtime.timeline import Timeline
 from parallel.config import ParallelConfig
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
-from parallel.layout import Layout, LayoutError, check_model_fits
+from parallel.layout import Layout, LayoutError, check_model_fits, encoder_mesh, pipeline_gradient_group
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
 
@@ -50,15 +54,38 @@ class ParallelModel:
     multiplexer: Optional[Multiplexer] = None
     # Per-step encoder / LLM / communication / idle time of this rank (None: not recorded).
     timeline: Optional[Timeline] = None
+    # The encoders and projectors on a rank that encodes (None: no encoders, or stage0 on a
+    # later stage). Same parameter names as in the full model.
+    media: Optional[MediaTower] = None
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """Every module whose parameters this rank trains (one optimizer each)."""
+        return [*self.chunks, *([self.media] if self.media is not None else [])]
+
+    @contextlib.contextmanager
+    def inline_encoders(self):
+        """One process, one chunk: the model with its encoders back inside and no multiplexer,
+        as the unsplit model runs them (evaluation, generation); restored afterwards."""
+        model = self.chunks[0]
+        if self.media is None or len(self.chunks) > 1:
+            yield model
+            return
+        saved = (model.encoders, model.projectors, model.multiplexer)
+        model.encoders, model.projectors, model.multiplexer = self.media.encoders, self.media.projectors, None
+        try:
+            yield model
+        finally:
+            model.encoders, model.projectors, model.multiplexer = saved
 
     def parameters(self):
-        for chunk in self.chunks:
-            yield from chunk.parameters()
+        for part in self.parts:
+            yield from part.parameters()
 
     def named_parameters(self):
         seen = set()
-        for chunk in self.chunks:
-            for name, p in chunk.named_parameters():
+        for part in self.parts:
+            for name, p in part.named_parameters():
                 if name not in seen:
                     seen.add(name)
                     yield name, p
@@ -99,8 +126,13 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     pcfg, sizes = layout.config, layout.sizes
     multiplex = multiplex or MultiplexConfig()
     has_media = len(model.encoders) > 0
-    # Encoders live on every rank (colocated, encoder_first) or on the first stage (stage0).
-    encoders_everywhere = has_media and multiplex.placement != "stage0"
+    if has_media and multiplex.encoder_weights not in WEIGHT_MODES:
+        raise LayoutError(f"multiplex.encoder_weights={multiplex.encoder_weights!r} is not one of "
+                          f"{', '.join(WEIGHT_MODES)}")
+    model.to(layout.device)
+    if has_media:  # the encoders leave the model: the multiplexing runtime runs them
+        cost = cost or default_cost_model(model)
+        tower = MediaTower.take_from(model)
     c = model.llm.config
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,
@@ -110,11 +142,10 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     ids = stage_ids(layout.pp_rank, sizes.pp, virtual)
     layers = split_layers(c.num_layers, num_stages)
     chunks = []
-    for k, sid in enumerate(ids):
+    for sid in ids:
         chunk = model if len(ids) == 1 else copy.deepcopy(model)
         if num_stages > 1:
-            chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1,
-                             keep_encoders=encoders_everywhere and k == 0)
+            chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1)
         chunks.append(chunk)
     timeline = Timeline(layout.rank, enabled=multiplex.timeline)
     pm = ParallelModel(chunks, ids, num_stages, timeline=timeline)
@@ -122,9 +153,10 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
         _apply_one(chunk, layout, pm)
     if num_stages > 1:
         group, dtype = layout.mesh["pp"].get_group(), activation_dtype(pcfg, layout.device)
-        if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # one stage per rank, with cuts for encoder work
+        if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # Omni's executor, with cuts for encoder work
             defer = not pcfg.fsdp_reduce_every_microbatch and layout.fsdp_mesh().size() > 1
-            pm.runner = PipelineExecutor(chunks[0], ids[0], num_stages, pcfg.pp_schedule, group, layout.device,
+            groups = (group, pipeline_gradient_group(layout))
+            pm.runner = PipelineExecutor(chunks, ids, num_stages, pcfg.pp_schedule, groups, layout.device,
                                          c.hidden_size, dtype, timeline, defer_grad_sync=defer)
         else:
             pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, group, layout.device,
@@ -137,37 +169,37 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
             pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
                             if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
     if has_media:
-        _multiplex(pm, model, layout, multiplex, cost, timeline)
+        _multiplex(pm, tower, layout, multiplex, cost, timeline, c.hidden_size)
     return pm
 
 
-def _multiplex(pm: ParallelModel, model: OmniModel, layout: Layout, cfg: MultiplexConfig, cost: CostModel | None,
-               timeline) -> None:
-    """The multiplexing runtime on this rank's first chunk, and the encoders' gradient sum over
-    every rank that encodes (a rank without media adds zeros: no dilution)."""
-    from omni.models.cost import default_cost_model
-
-    holder = pm.chunks[0]
-    encodes = len(holder.encoders) > 0
-    mux = Multiplexer(holder if encodes else None, layout, cfg, cost or default_cost_model(model), timeline)
+def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: MultiplexConfig, cost: CostModel,
+               timeline, hidden_size: int) -> None:
+    """The multiplexing runtime, fed by the first stage's chunk, and the encoder weights on
+    every rank that encodes: replicated, with gradients summed over those ranks (a rank
+    without media adds zeros: no dilution), or FSDP-sharded over them (FSDP reduces)."""
+    active = layout.rank in encoder_ranks(layout, cfg.placement)
+    sharded = cfg.encoder_weights == "sharded"
+    # Every rank builds the mesh (it creates process groups), encoder rank or not.
+    mesh = encoder_mesh(layout, first_stage_only=cfg.placement == "stage0") if sharded else None
+    if active:
+        pm.media = tower
+        if sharded:
+            precision = precision_policy(layout.config.mixed_precision, layout.device)
+            params = tower.shard(mesh, precision, prefetch=layout.config.fsdp_prefetch)
+            pm.averaged.append((params, mesh.size()))
+    mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline)
     pm.multiplexer = mux
     if isinstance(pm.runner, PipelineExecutor):
         pm.runner.on_cut = mux.cut
-    if encodes:
-        holder.multiplexer = mux
-    elif layout.pp_rank == 0:
-        raise LayoutError("the first pipeline stage lost its encoders; this is a bug in parallelize")
-    if not mux.active:
-        return
-    params = [p for p in _media_params(holder) if p.requires_grad]
-    group = mux.group if mux.group is not None else dist.group.WORLD
-    pm.replica_syncs.append((params, group))
-    if layout.pp_rank > 0:  # the copies on later stages are counted once, on the first stage
-        pm.norm_skip = list(pm.norm_skip) + params
-
-
-def _media_params(chunk: OmniModel) -> list:
-    return [p for mod in (*chunk.encoders.values(), *chunk.projectors.values()) for p in mod.parameters()]
+        mux.backward_cuts = pm.runner.encoder_backward_cuts
+    if layout.pp_rank == 0:
+        pm.chunks[0].multiplexer = mux  # the chunk that embeds
+    if active and not sharded:
+        params = tower.trainable()
+        pm.replica_syncs.append((params, mux.group if mux.group is not None else dist.group.WORLD))
+        if layout.pp_rank > 0:  # the copies on later stages are counted once, on the first stage
+            pm.norm_skip = list(pm.norm_skip) + params
 
 
 def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
@@ -205,8 +237,7 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         units = [blocks[i:i + per] for i in range(0, len(blocks), per)]
         reshard = pcfg.reshard_after_forward
         reshard = (sizes.pp == 1) if reshard == "auto" else str(reshard).lower() == "true"
-        # Encoders run outside the LLM's forward (the multiplexing runtime): not FSDP's to gather.
-        ignored = [p for moe in moe_layers for p in moe.parameters()] + _media_params(chunk)
+        ignored = [p for moe in moe_layers for p in moe.parameters()]
         sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.device),
                     cpu_offload=pcfg.cpu_offload, reshard_after_forward=reshard, prefetch=pcfg.fsdp_prefetch,
                     ignored=ignored)
@@ -231,8 +262,8 @@ def gather_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], Omn
 
     options = StateDictOptions(full_state_dict=True)
     state: dict = {}
-    for chunk in pm.chunks:
-        state.update({k: v.detach().cpu() for k, v in get_model_state_dict(chunk, options=options).items()})
+    for part in pm.parts:
+        state.update({k: v.detach().cpu() for k, v in get_model_state_dict(part, options=options).items()})
     c = layout.coords
     sender = c["dp_replicate"] == c["dp_shard"] == c["cp"] == c["tp"] == 0
     parts = [None] * layout.world_size if layout.is_main else None

@@ -69,7 +69,7 @@ class Trainer:
         self.pad_id = getattr(tokenizer, "pad_id", None) or 0
         self.eval_samples = eval_samples
         self.full_model = full_model
-        self.optim = PartOptimizers(self.pm.chunks, optim_cfg, trainer_cfg.max_steps)
+        self.optim = PartOptimizers(self.pm.parts, optim_cfg, trainer_cfg.max_steps)
         self.clip = optim_cfg.clip_grad_norm
         self.run_dir = Path(trainer_cfg.run_dir)
         self.ckpt_cfg = ckpt_cfg
@@ -96,9 +96,10 @@ class Trainer:
         real = sum(1 for mb in batch.micro_batches if mb.sample_ids) if holder and self.layout.cp_rank == 0 else 0
         return tuple(all_reduce_sums([targets, real], self.device))
 
-    def _prepared(self, batch: StepBatch, global_targets: float) -> tuple[list[Prepared], int]:
+    def _rows(self, batch: StepBatch) -> tuple[list[tuple[MicroBatch, int]], int]:
         """Every micro-batch padded as the layout needs (and, under PP, to one length and a
-        schedulable count); returns them and the common length (0 when lengths may differ)."""
+        schedulable count), still on the host, with its real token count; and the common length
+        (0 when lengths may differ)."""
         tp, pp = self.layout.sizes.tp, self.layout.sizes.pp
         mbs = list(batch.micro_batches)
         length = 0
@@ -106,13 +107,15 @@ class Trainer:
             mbs += [MicroBatch.empty(mbs[0].cp if mbs else None)] * (microbatch_count(len(mbs), pp) - len(mbs))
             unit = 8 * tp  # coarse lengths: few distinct activation shapes, so few cached schedules
             length = _round_up(max(max(mb.num_tokens for mb in mbs), 1), unit)
-        return [self._prepare_one(mb, length, global_targets) for mb in mbs], length
+        return [self._pad(mb, length) for mb in mbs], length
 
-    def _prepare_one(self, mb: MicroBatch, length: int, global_targets: float) -> Prepared:
-        real = mb.num_tokens
-        target = length or _round_up(max(real, 1), self.layout.sizes.tp)
-        padded = mb.padded(target, self.pad_id).to(self.device)
-        return self.model.prepare(padded, global_targets, real_tokens=real)
+    def _pad(self, mb: MicroBatch, length: int) -> tuple[MicroBatch, int]:
+        target = length or _round_up(max(mb.num_tokens, 1), self.layout.sizes.tp)
+        return mb.padded(target, self.pad_id), mb.num_tokens
+
+    def _prepare(self, row: tuple[MicroBatch, int], global_targets: float) -> Prepared:
+        mb, real = row
+        return self.model.prepare(mb.to(self.device), global_targets, real_tokens=real)
 
     def _span(self, kind: str, name: str):
         tl = self.pm.timeline
@@ -128,14 +131,16 @@ class Trainer:
         # losses are averaged over the global batch's micro-batches the same way.
         for chunk in self.pm.chunks:
             chunk.runtime.aux_weight = 1.0 / max(global_real, 1.0)
-        prepared, length = self._prepared(batch, global_targets)
+        rows, length = self._rows(batch)
+        prepared = [self._prepare(row, global_targets) for row in rows]
         mux = self.pm.multiplexer
         if mux is not None:
-            # Every rank learns every group's media and plans the encoder chunks; groups with
-            # fewer micro-batches run empty ones, so the encoder chunks line up.
-            n = mux.begin_step(prepared)
-            cp = prepared[0].mb.cp if prepared else None
-            prepared += [self._prepare_one(MicroBatch.empty(cp), length, global_targets)
+            # Every rank learns every group's media and plans the encoder chunks, from host-side
+            # manifests (nothing is read back from the device); groups with fewer micro-batches
+            # run empty ones, so the encoder chunks line up.
+            n = mux.begin_step(prepared, [mux.describe(mb) for mb, _ in rows])
+            cp = rows[0][0].cp if rows else None
+            prepared += [self._prepare(self._pad(MicroBatch.empty(cp), length), global_targets)
                          for _ in range(n - len(prepared))]
         for i, p in enumerate(prepared):
             p.index = i
@@ -214,8 +219,8 @@ class Trainer:
         it = iter(self.loader)
         step = start
         last = min(self.cfg.max_steps, self.cfg.stop_at or self.cfg.max_steps)
-        for chunk in self.pm.chunks:
-            chunk.train()
+        for part in self.pm.parts:
+            part.train()
         summary = RunSummary()
         for step in range(start + 1, last + 1):
             t0 = time.perf_counter()
@@ -272,23 +277,19 @@ class Trainer:
     def _final_eval(self, step: int) -> float | None:
         """Greedy generation needs the whole model: under a split layout the weights are
         gathered into an unsharded copy on rank 0, which evaluates alone (others get None)."""
-        model = self.model
         if self.layout.world_size > 1:
             if self.full_model is None:
                 return None
             model = gather_full_model(self.pm, self.layout, self.full_model)
             if model is None:
                 return None
-            model = model.to(self.device)
-        result = evaluate(
-            model,
-            self.eval_samples(),
-            self.tokenizer,
-            self.device,
-            max_new_tokens=self.cfg.max_new_tokens,
-            batch_size=self.cfg.eval_batch_size,
-            limit=self.cfg.eval_samples,
-        )
+            whole = contextlib.nullcontext(model.to(self.device))
+        else:
+            whole = self.pm.inline_encoders()
+        with whole as model:
+            result = evaluate(model, self.eval_samples(), self.tokenizer, self.device,
+                              max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.eval_batch_size,
+                              limit=self.cfg.eval_samples)
         self.metrics.write(
             {"event": "eval", "step": step, "accuracy": result.accuracy, "num_samples": result.num_samples,
              "accuracy_by_group": result.by_group, "misses": result.examples}

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from dataloading.batch import MediaInputs, MicroBatch
 from dataloading.cost import CostModel
-from dataloading.encoder_plan import ItemMeta, piece_bounds, plan_chunk
+from dataloading.encoder_plan import ItemMeta, describe_media, piece_bounds, plan_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
 
@@ -168,6 +170,65 @@ def test_auto_threshold_splits_items_heavier_than_a_fair_share():
     assert plan.ranks[0].long["image"] == [(0, 0)] or plan.ranks[2].long["image"] == [(0, 0)]
     plan = plan_chunk(items, {}, group_of, 4, COST, sp=1, sp_modalities=("image",))
     assert plan.long_items == 0
+
+
+def test_auto_threshold_splits_items_over_the_memory_budget():
+    """Eight equal items: none is heavier than a fair share, so cost alone splits nothing;
+    with a memory budget below one item's activations every one is split, and an item over
+    the budget even in sp pieces is counted (the metrics report it)."""
+    items = [ItemMeta(g, "image", i, 40, 40) for g in range(4) for i in range(2)]
+    per_token = lambda m, tokens: 1000.0 * tokens  # bytes of activations
+    plain = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",))
+    assert plain.long_items == 0 and plain.over_memory == 0
+    roomy = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",), item_bytes=per_token,
+                       memory_limit=50_000.0)
+    assert roomy.long_items == 0
+    tight = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",), item_bytes=per_token,
+                       memory_limit=30_000.0)
+    assert tight.long_items == 8 and tight.over_memory == 0  # 40 000 bytes, 20 000 per SP member
+    too_big = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",), item_bytes=per_token,
+                         memory_limit=10_000.0)
+    assert too_big.long_items == 8 and too_big.over_memory == 8
+    # An explicit token threshold is the user's choice: memory does not override it.
+    fixed = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, long_threshold=100, sp_modalities=("image",),
+                       item_bytes=per_token, memory_limit=30_000.0)
+    assert fixed.long_items == 0 and fixed.over_memory == 8
+    # An encoder that cannot estimate its memory (None) is never split for it.
+    unknown = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",),
+                         item_bytes=lambda m, t: None, memory_limit=1.0)
+    assert unknown.long_items == 0
+
+
+def _row_with_media() -> MicroBatch:
+    """12 tokens: an image of 2x2 patches at positions 2..5 and one of 1x3 at 8..10."""
+    ids = torch.arange(12)
+    media = MediaInputs(torch.randn(7, 12), torch.tensor([[2, 2], [1, 3]]), torch.tensor([4, 3]),
+                        torch.tensor([2, 3, 4, 5, 8, 9, 10]))
+    return MicroBatch(ids, ids.clone(), ids.clone(), torch.tensor([0, 12], dtype=torch.int32), media={"image": media})
+
+
+def test_describe_media_lists_items_and_the_rows_each_shard_embeds():
+    mb = _row_with_media()
+    units = {"image": lambda sizes: [int(h) * int(w) for h, w in sizes.tolist()]}
+    whole = describe_media(mb, units)
+    assert whole.items == [("image", 0, 4, 4, (2, 2)), ("image", 1, 3, 3, (1, 3))]
+    assert whole.rows["image"].tolist() == list(range(7))
+    assert whole.positions["image"].tolist() == [2, 3, 4, 5, 8, 9, 10]
+    assert whole.features == {"image": (12, "float32")}
+    # Sequence parallelism over 2 TP ranks: shards of 6 tokens, positions relative to the shard.
+    first, second = (describe_media(mb, units, tp_size=2, tp_rank=r) for r in (0, 1))
+    assert first.rows["image"].tolist() == [0, 1, 2, 3] and first.positions["image"].tolist() == [2, 3, 4, 5]
+    assert second.rows["image"].tolist() == [4, 5, 6] and second.positions["image"].tolist() == [2, 3, 4]
+    # Under CP a rank holds some placeholders: output_rows says which rows they take.
+    mb.media["image"].output_rows = torch.tensor([0, 1, 6])
+    mb.media["image"].positions = torch.tensor([0, 1, 7])
+    assert describe_media(mb, units).rows["image"].tolist() == [0, 1, 6]
+
+
+def test_describe_media_refuses_device_tensors():
+    mb = _row_with_media().to("meta")
+    with pytest.raises(ValueError, match="describe the image inputs before moving the micro-batch to meta"):
+        describe_media(mb, {"image": lambda sizes: [4, 3]})
 
 
 def test_piece_bounds_cover_an_item_once():

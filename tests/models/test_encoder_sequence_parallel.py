@@ -1,5 +1,6 @@
 """Long-item encoder sequence parallelism equals the single-process encoder: output rows,
-coverage of the rows by the members, and parameter gradients (summed over the group)."""
+coverage of the rows by the members, and parameter gradients (summed over the group); also
+with short items of each member's own in the same pass (``encode_chunk``)."""
 import os
 import sys
 
@@ -12,7 +13,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"))
 from dist_helpers import run_ranks  # noqa: E402
 from omni.models.encoders.base import EncoderAnchor, packed_segment_ids  # noqa: E402
-from omni.models.encoders.sequence_parallel import encode_long_items, piece_bounds # noqa: E402
+from omni.models.encoders.sequence_parallel import encode_chunk, encode_long_items, piece_bounds  # noqa: E402
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig
 
@@ -36,7 +37,8 @@ def _encoder(kind: str, heads: int = 4) -> EncoderAnchor:
 
 
 def _inputs(enc: EncoderAnchor, sizes_list, seed: int = 1):
-    sizes = torch.tensor(sizes_list, dtype=torch.int64)
+    width = 2 if isinstance(enc, SiglipEncoder) else 1
+    sizes = torch.tensor(sizes_list, dtype=torch.int64).reshape(len(sizes_list), width)
     feat_dim = enc.embeddings.patch_embedding.in_features if isinstance(enc, SiglipEncoder) else enc.config.num_mel_bins
     g = torch.Generator().manual_seed(seed)
     return torch.randn(sum(enc.input_units(sizes)), feat_dim, generator=g), sizes
@@ -94,10 +96,52 @@ def _check_head_error(kind: str, world: int) -> None:
         encode_long_items(enc, features, sizes, None)
 
 
+def _short_items(kind: str, rank: int):
+    """Each member's own short items; the last member has none (it still runs every layer)."""
+    return [MIXED[kind][2], TINY[kind][0]][: max(0, 2 - rank)]
+
+
+def _check_chunk(kind: str, rank: int, world: int) -> None:
+    """One pass with this member's short items (different per member, none on the last) and
+    the shared long items: the short rows equal the plain encoder on them, the long rows are
+    this member's pieces, and the gradients summed over members equal the single process's."""
+    enc = _encoder(kind)
+    long_f, long_s = _inputs(enc, MIXED[kind][:2], seed=3)
+    weights = {}
+    ref_grads = None
+    for r in range(world):  # the reference: every member's short items and the long ones, whole
+        short_f, short_s = _inputs(enc, _short_items(kind, r), seed=10 + r)
+        ref_short = enc(short_f, short_s)
+        w = torch.randn(ref_short.shape, generator=torch.Generator().manual_seed(20 + r))
+        (ref_short * w).sum().backward()
+        weights[r] = (short_f, short_s, ref_short.detach(), w)
+    ref_long = enc(long_f, long_s)
+    w_long = torch.randn(ref_long.shape, generator=torch.Generator().manual_seed(30))
+    (ref_long * w_long).sum().backward()
+    ref_grads = _grads(enc)
+    enc.zero_grad(set_to_none=True)
+
+    short_f, short_s, want_short, w = weights[rank]
+    out = encode_chunk(enc, short_f, short_s, long_f, long_s, None)
+    tokens = enc.embed_inputs(long_f, long_s)[1]
+    offsets = torch.tensor([0, *tokens]).cumsum(0)[:-1].tolist()
+    pieces = torch.cat([torch.arange(*piece_bounds(n, world, rank)) + off for n, off in zip(tokens, offsets)])
+    n_short = want_short.shape[0]
+    assert out.shape[0] == n_short + pieces.numel()
+    torch.testing.assert_close(out[:n_short], want_short, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[n_short:], ref_long.detach()[pieces], rtol=1e-5, atol=1e-5)
+    (out[:n_short] * w).sum().add((out[n_short:] * w_long[pieces]).sum()).backward()
+    for name, g in _grads(enc).items():
+        dist.all_reduce(g)
+        err = (g - ref_grads[name]).norm().item()
+        assert err <= 1e-5 * max(ref_grads[name].norm().item(), 1.0), (kind, name, err)
+
+
 def _worker(rank: int, world: int) -> None:
     for kind in ("siglip", "whisper"):
         _check_case(kind, MIXED[kind], rank, world)
         _check_case(kind, TINY[kind], rank, world)
+        _check_chunk(kind, rank, world)
         _check_head_error(kind, world)
 
 

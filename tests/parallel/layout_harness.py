@@ -139,19 +139,20 @@ def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:
 
 
 def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text_only: bool = False,
-                   only_group: int | None = None, dp: int = 1, steps: int = STEPS) -> list[list[MicroBatch]]:
+                   only_group: int | None = None, dp: int = 1, steps: int = STEPS,
+                   micro: int = MICRO_PER_STEP) -> list[list[MicroBatch]]:
     """``media``: modalities the rows carry (``text_only``: none, for a model with encoders).
-    ``only_group``: only data group ``only_group`` (of ``dp``) gets media."""
+    ``only_group``: only data group ``only_group`` (of ``dp``) gets media. ``micro``:
+    micro-batches per global batch."""
     gen = torch.Generator().manual_seed(99)
     if not media:
-        return [[micro_batch(gen, vocab, s * MICRO_PER_STEP + i) for i in range(MICRO_PER_STEP)]
-                for s in range(steps)]
+        return [[micro_batch(gen, vocab, s * micro + i) for i in range(micro)] for s in range(steps)]
     out = []
     for s in range(steps):
         row = []
-        for i in range(MICRO_PER_STEP):
+        for i in range(micro):
             kinds = () if text_only else media if only_group is None or i % dp == only_group else ()
-            row.append(media_micro_batch(gen, vocab, s * MICRO_PER_STEP + i, kinds, long_items))
+            row.append(media_micro_batch(gen, vocab, s * micro + i, kinds, long_items))
         out.append(row)
     return out
 

@@ -6,8 +6,8 @@ changes) and the loss is normalised by the global target count, so a dense run's
 equal the single-process ones. For the MoE demo the router loss depends on how samples are
 grouped into micro-batches, so only the first loss (before any update) must be equal.
 
-CI runs the checkpoint re-layout (4 FSDP ranks, then tp=2 x pp=2 with the final evaluation
-gathering the weights); the layouts are opt-in (`pytest -m scale`), because eight ranks on two
+CI runs the checkpoint re-layout (4 FSDP ranks with sharded encoders, then tp=2 x pp=2 with
+replicated ones and the final evaluation gathering the weights); the layouts are opt-in (`pytest -m scale`), because eight ranks on two
 cores take about a minute each. tests/parallel/test_layouts_equal_single.py proves
 every combination equal to the single-process run in CI, below the CLI.
 """
@@ -116,12 +116,14 @@ def test_cli_layout_opt_in(name, nproc, sizes, experiment, demo_root, tmp_path, 
 
 @pytest.mark.slow
 def test_checkpoint_from_dp_shard4_resumes_at_tp2_pp2(demo_root, tmp_path, tmp_path_factory):
-    """Saved by 4 FSDP ranks at step 2, resumed by tp=2 x pp=2: step 3's loss is the
-    single-process run's (weights, optimizer state, schedule and data position all carried)."""
+    """Saved by 4 FSDP ranks at step 2 (encoder weights FSDP-sharded too), resumed by tp=2 x
+    pp=2 with replicated encoders: step 3's loss is the single-process run's (weights,
+    optimizer state, schedule and data position all carried)."""
     ref = _reference(demo_root, tmp_path_factory, "demo")
     run_dir = tmp_path / "run"
     first = tiny_overrides(demo_root, run_dir, **COMMON, **{"trainer.stop_at": 2, "checkpoint.every": 2,
-                                                            "parallel.dp_shard": 4})
+                                                            "parallel.dp_shard": 4,
+                                                            "multiplex.encoder_weights": "sharded"})
     _torchrun(4, first, tmp_path)
     assert step_losses(run_dir) == pytest.approx(ref[:2], rel=1e-5)
     # The final evaluation gathers the split weights into one model on rank 0.

@@ -1,6 +1,7 @@
 """Encoder-LLM multiplexing trains like the single-process run with inline encoders: under
 every placement (colocated joint pipeline, stage0, encoder_first), with long-short sequence
-parallelism really splitting items, with CP, with two encoders; the losses, gradient norms and
+parallelism really splitting items, with CP, with two encoders, with encoder weights replicated
+or FSDP-sharded over the encoder ranks; the losses, gradient norms and
 the first step's gradients of every parameter (encoders and projectors included) agree to 1e-5
 (fp32). Also: text-only steps, and steps where only one data group holds media, under every
 placement (no hang, no skew).
@@ -21,9 +22,11 @@ LONG = {"long_items": True, "steps": 3}
 SHORT = {"steps": 3}  # 8 ranks on 2 cores: 3 steps keep the suite within its budget
 # Image items of >= 6x1 patches, audio of >= 12 tokens: the long ones of LONG, and some short ones.
 SPLIT = {"encoder_sp": 2, "long_threshold": "5"}
+SHARDED = {"encoder_weights": "sharded"}  # encoder and projector weights FSDP-sharded over the encoder ranks
 PP_TP_DP = dict(pp=2, tp=2, dp_shard=2, pp_schedule="1f1b")
 PP2 = dict(dp_shard=1, pp=2, pp_schedule="1f1b")
 PP2_DP2 = dict(dp_shard=2, pp=2, pp_schedule="1f1b")
+INTERLEAVED = dict(dp_shard=1, pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2)
 TEXT = {"text_only": True, "steps": 2}
 ONE_GROUP = {"only_group": 0, "dp": 2, "steps": 3}  # data group 1 never has media
 PLACEMENTS = ("colocated", "stage0", "encoder_first")
@@ -33,35 +36,55 @@ LAYOUTS = {
         ("dp_shard=2 colocated", dict(dp_shard=2), IMAGE, {}, {}),
         ("pp=2 1f1b colocated", PP2, IMAGE, {}, {}),
         ("pp=2 1f1b encoder_first", PP2, IMAGE, {}, {"placement": "encoder_first"}),
-        # torch's interleaved schedule, two model chunks per rank: encoders on the first chunk only
-        ("pp=2 interleaved_1f1b encoder_first", dict(dp_shard=1, pp=2, pp_schedule="interleaved_1f1b",
-                                                    pp_virtual_stages=2), IMAGE, SHORT, {"placement": "encoder_first"}),
-        ("pp=2 gpipe colocated", dict(dp_shard=1, pp=2, pp_schedule="gpipe"), IMAGE, {}, {}),
+        # interleaved 1F1B, two model chunks per rank; with 8 micro-batches chunk j's encoder
+        # backward runs inside the pipeline (at cut 4 or 6), not after it
+        ("pp=2 interleaved_1f1b encoder_first", INTERLEAVED, IMAGE, SHORT, {"placement": "encoder_first"}),
+        ("pp=2 interleaved_1f1b colocated, 8 micro-batches", INTERLEAVED, IMAGE, {"steps": 3, "micro": 8}, {}),
+        # torch's zero-bubble schedule takes no encoder insertion: encoders before the pipeline
+        ("pp=2 zero_bubble encoder_first", dict(dp_shard=1, pp=2, pp_schedule="zero_bubble", pp_virtual_stages=2),
+         IMAGE, {"steps": 2}, {"placement": "encoder_first"}),
+        ("pp=2 gpipe colocated, sharded encoders", dict(dp_shard=1, pp=2, pp_schedule="gpipe"), IMAGE, {}, SHARDED),
         ("tp=2 colocated sp=2 long items", dict(dp_shard=1, tp=2), BOTH, LONG, SPLIT),
+        # auto threshold with a tiny activation budget (about 12 encoder tokens): memory splits items
+        ("tp=2 colocated sp=2, items over the memory budget split", dict(dp_shard=1, tp=2), IMAGE, LONG,
+         {"encoder_sp": 2, "encoder_memory_mib": "0.02"}),
+        ("dp_shard=2 colocated sp=2 long items, sharded encoders", dict(dp_shard=2), BOTH, LONG, {**SPLIT, **SHARDED}),
         ("cp=2 ring stage0", dict(dp_shard=1, cp=2), IMAGE, {}, {"placement": "stage0"}),
-        ("dp_shard=2 colocated, frozen vision + trainable audio", dict(dp_shard=2), FROZEN_VISION, SHORT, {}),
+        ("dp_shard=2 colocated, frozen vision + trainable audio, sharded encoders", dict(dp_shard=2), FROZEN_VISION,
+         SHORT, SHARDED),
         *[(f"pp=2 text only {p}", PP2, IMAGE, TEXT, {"placement": p}) for p in PLACEMENTS],
     ],
-    4: [(f"pp=2 x dp_shard=2 media on one data group only, {p}", PP2_DP2, BOTH, ONE_GROUP, {"placement": p})
-        for p in PLACEMENTS],
+    # stage0 with its encoder weights sharded over the first stage's ranks only
+    4: [(f"pp=2 x dp_shard=2 media on one data group only, {p}{', sharded encoders' if p == 'stage0' else ''}",
+         PP2_DP2, BOTH, ONE_GROUP, {"placement": p, **(SHARDED if p == "stage0" else {})}) for p in PLACEMENTS],
     8: [
         ("pp=2 x tp=2 x dp_shard=2 colocated", PP_TP_DP, IMAGE, SHORT, {}),
-        ("pp=2 x tp=2 x dp_shard=2 stage0", PP_TP_DP, IMAGE, SHORT, {"placement": "stage0"}),
+        ("pp=2 x tp=2 x dp_shard=2 stage0, sharded encoders", PP_TP_DP, IMAGE, SHORT,
+         {"placement": "stage0", **SHARDED}),
         ("pp=2 x tp=2 x dp_shard=2 encoder_first", PP_TP_DP, IMAGE, SHORT, {"placement": "encoder_first"}),
         ("pp=2 x cp=2 x tp=2 colocated", dict(pp=2, cp=2, tp=2, dp_shard=1, pp_schedule="1f1b"), IMAGE, SHORT, {}),
-        # long-short SP really splitting items of both encoders (vision and audio)
-        ("pp=2 x tp=2 x dp_shard=2 colocated, vision + audio, encoder_sp=2, long items split", PP_TP_DP, BOTH,
-         LONG, SPLIT),
+        # long-short SP really splitting items of both encoders (vision and audio), their weights
+        # sharded over all 8 ranks (both pipeline stages)
+        ("pp=2 x tp=2 x dp_shard=2 colocated, vision + audio, encoder_sp=2, long items split, sharded encoders",
+         PP_TP_DP, BOTH, LONG, {**SPLIT, **SHARDED}),
     ],
 }
 
 
 def _memory(pm, result):
-    """After each step: how much encoder activation memory was alive at once."""
+    """After each step: how much encoder activation memory was alive at once; and how the
+    encoder weights are held (the fraction of their elements this rank stores)."""
+    from torch.distributed.tensor import DTensor
+
     s = pm.multiplexer.stats
     result.setdefault("encoder_memory", []).append((s.peak_live_chunks, s.peak_live_bytes, s.max_chunk_bytes,
                                                     s.media_chunks))
     result["long_items"] = result.get("long_items", 0) + s.long_items
+    if pm.media is not None:
+        params = list(pm.media.parameters())
+        result["encoder_sharded"] = all(isinstance(p, DTensor) for p in params)
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+        result["encoder_local_fraction"] = local / sum(p.numel() for p in params)
 
 
 def _worker(rank, world, layouts, out_dir):
@@ -80,19 +103,40 @@ def test_multiplexing_equals_single_process(world, tmp_path):
     problems = []
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            for (name, _, model, data, mux), (_, result, _) in zip(layouts, pickle.load(f)):
+            for (name, sizes, model, data, mux), (_, result, _) in zip(layouts, pickle.load(f)):
                 ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
                 problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref)]
                 if mux.get("encoder_sp", 1) > 1 and not result["long_items"]:
                     problems.append(f"[{name}]: no item was long enough to be split (the layout tests nothing)")
+                problems += [f"[{name}] rank {rank}: {line}" for line in _weights_held(result, mux, sizes)]
     assert not problems, "\n".join(problems[:40])
     if world == 2:
         _check_memory_bound(tmp_path)
 
 
+def _weights_held(result, mux, sizes) -> list[str]:
+    """Sharded encoder weights are DTensors split over every encoder rank (the first stage's
+    under stage0); replicated ones are whole on every encoder rank."""
+    if "encoder_sharded" not in result:  # a later stage under stage0 holds no encoders
+        return [] if mux.get("placement") == "stage0" else ["no encoder weights on an encoder rank"]
+    if mux.get("encoder_weights") != "sharded":
+        return [] if not result["encoder_sharded"] else ["replicated encoder weights are DTensors"]
+    ranks = 1
+    for d in ("pp", "dp_shard", "cp", "tp"):
+        ranks *= sizes.get(d, 1)
+    if mux.get("placement") == "stage0":
+        ranks //= sizes.get("pp", 1)
+    frac = result["encoder_local_fraction"]
+    if not result["encoder_sharded"] or not frac <= 1.0 / ranks + 0.05:
+        return [f"encoder weights not sharded over {ranks} ranks (sharded: {result['encoder_sharded']}, "
+                f"{frac:.2f} of the elements held here)"]
+    return []
+
+
 def _check_memory_bound(tmp_path):
     """Under the joint pipeline (1F1B, pp=2) a rank keeps the encoder activations of at most pp
-    chunks (the micro-batches in flight); encoder_first keeps every chunk of the step."""
+    chunks (the micro-batches in flight); encoder_first keeps every chunk of the step. Under
+    interleaved 1F1B the bound follows stage 0's backwards."""
     with open(tmp_path / "rank0.pkl", "rb") as f:
         runs = {name: result for name, result, _ in pickle.load(f)}
     colocated, first = runs["pp=2 1f1b colocated"], runs["pp=2 1f1b encoder_first"]
@@ -103,3 +147,9 @@ def _check_memory_bound(tmp_path):
         if media_f > 2:
             assert peak < peak_f, (peak, peak_f)
     assert any(media_f > 2 for _, (_, _, _, media_f) in steps), "no step has more media chunks than pp"
+    # Interleaved 1F1B (pp=2, 2 chunks per rank, 8 micro-batches): stage 0 finishes the
+    # backwards of micro-batches 0-1 before cut 4 and 2-3 before cut 6, so their encoder
+    # backwards run there and at most 4 of the 8 chunks are alive at once.
+    interleaved = runs["pp=2 interleaved_1f1b colocated, 8 micro-batches"]["encoder_memory"]
+    assert all(chunks <= 4 for chunks, _, _, _ in interleaved), interleaved
+    assert any(media > 4 for _, _, _, media in interleaved), "no step has more than 4 media chunks"

@@ -33,10 +33,11 @@ def _worker(rank, world, sizes, out_dir):
     mine = mbs[layout.dp_rank::layout.dp_size]
     if layout.sizes.cp > 1:
         mine = [slice_for_cp(mb, layout.sizes.cp, layout.cp_rank, pad_id=0) for mb in mine]
-    prepared = [chunk.prepare(mb.padded(-(-mb.num_tokens // 2) * 2, 0)) for mb in mine]
+    rows = [mb.padded(-(-mb.num_tokens // 2) * 2, 0) for mb in mine]
+    prepared = [chunk.prepare(mb) for mb in rows]
     for i, p in enumerate(prepared):
         p.index = i
-    n = mux.begin_step(prepared)
+    n = mux.begin_step(prepared, [mux.describe(mb) for mb in rows])
     shard = {}
     problems = []
     seeds = torch.Generator().manual_seed(rank)
@@ -61,8 +62,7 @@ def _worker(rank, world, sizes, out_dir):
             vals.backward(g)
             shard[(j, m)] = (rows[keep], g)
     mux.finish()
-    grads = {name: p.grad.clone() for name, p in chunk.named_parameters()
-             if p.grad is not None and name.startswith(("encoders", "projectors"))}
+    grads = {name: p.grad.clone() for name, p in pm.media.named_parameters() if p.grad is not None}
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump({"problems": problems, "grads": grads, "shard": shard, "group": layout.dp_rank,
                      "long": mux.stats.long_items}, f)

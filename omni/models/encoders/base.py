@@ -113,6 +113,29 @@ class EncoderAnchor(nn.Module):
         number of frames); override when features are laid out otherwise."""
         return [int(torch.tensor(row).prod()) if row else 0 for row in sizes.tolist()]
 
+    def encode_chunk(self, features: torch.Tensor, sizes: torch.Tensor, long_features: Optional[torch.Tensor] = None,
+                     long_sizes: Optional[torch.Tensor] = None, sp_group=None) -> torch.Tensor:
+        """This rank's share of one encoder chunk of the multiplexing runtime, in one call: the
+        short items whole, then its pieces of the long items split over ``sp_group`` (see
+        :func:`omni.models.encoders.sequence_parallel.encode_chunk`). One method, so that FSDP
+        can treat it as the forward (one gather of the weights per chunk)."""
+        from omni.models.encoders.sequence_parallel import encode_chunk
+
+        return encode_chunk(self, features, sizes, long_features, long_sizes, sp_group)
+
+    def layer_modules(self) -> List[nn.Module]:
+        """The transformer layers, each gathered on its own when the encoder's weights are
+        FSDP-sharded (``multiplex.encoder_weights=sharded``); the rest (front-end, final norm)
+        is gathered for the whole call. Only used for encoders with the three steps, whose
+        ``encode_chunk`` runs every layer once per call. Default: none (one unit)."""
+        return []
+
+    def activation_bytes(self, tokens: int, element_bytes: int = 4) -> Optional[float]:
+        """Estimated bytes autograd keeps for backward while one item of ``tokens`` tokens is
+        encoded (what ``multiplex.long_threshold=auto`` compares with the memory budget).
+        None: unknown (the budget then never splits this encoder's items)."""
+        return None
+
     def _missing_step(self, name: str) -> str:
         return (
             f"encoder {type(self).__name__} ({self.modality}) does not implement {name}(); "
@@ -285,6 +308,15 @@ def transformer_flops(num_layers: int, d: int, ffn: int) -> Tuple[float, float]:
     """(alpha, beta) of a pre-norm transformer stack: per layer 4*n^2*d for QK^T and AV,
     8*n*d^2 for the q/k/v/out projections, 4*n*d*ffn for the MLP (2 FLOPs per MAC)."""
     return float(4 * num_layers * d), float(num_layers * (8 * d * d + 4 * d * ffn))
+
+
+def transformer_activation_bytes(num_layers: int, d: int, ffn: int, tokens: int, element_bytes: int) -> float:
+    """Activation bytes a pre-norm transformer stack saves for backward on ``tokens`` tokens,
+    with memory-efficient attention (no n^2 score matrix kept): per layer and token about
+    10*d values (the two norms' inputs, q, k, v, the attention output and its projection's
+    input, the residuals) and 2*ffn (the MLP's hidden state before and after the activation).
+    Checked against what autograd actually saves in tests/models/test_encoder_memory.py."""
+    return float(num_layers * tokens * (10 * d + 2 * ffn) * element_bytes)
 
 
 def check_sizes(name: str, features: torch.Tensor, units_per_item: Iterable[int]) -> List[int]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dataloading.encoder_plan import piece_bounds  # the routing plan uses the same pieces
+from omni.models.attention import segment_attention
 from omni.models.encoders.base import EncoderAnchor, packed_segment_ids
 
 
@@ -82,22 +83,93 @@ def encode_long_items(
     equals ``encoder(features, sizes)``. Differentiable end to end; every member must run
     backward through its rows (even when it holds none): the collectives' backward pairs up.
     """
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        sp, member = 1, 0
-    else:
-        sp, member = dist.get_world_size(group), dist.get_rank(group)
+    sp, member = _size_and_rank(group)
     check_sequence_parallel(encoder, sp)
-    x, tokens = encoder.embed_inputs(features, sizes)
-    if not tokens:  # no items on any member, so no member enters the collectives
-        return encoder.finish(x), []
-    if sp == 1:  # nothing to split: whole items, local attention, no collectives (= forward)
-        out = encoder.finish(encoder.encode_tokens(x, packed_segment_ids(tokens, x.device)))
-        return out, [torch.arange(n, dtype=torch.int64, device=out.device) for n in tokens]
-    src, dst, doc, pos, t_loc, bounds = _local_layout(tokens, sp, member, x.device)
-    local = x.new_zeros(t_loc, x.shape[1]).index_copy(0, dst, x.index_select(0, src))
-    attention = _UlyssesItems(doc[None], pos[None], group)
-    out = encoder.finish(encoder.encode_tokens(local, attention)).index_select(0, dst)
-    return out, [torch.arange(a, b, dtype=torch.int64, device=out.device) for a, b in bounds]
+    out, tokens = _encode(encoder, features[:0], sizes[:0], features, sizes, group)
+    return out, [torch.arange(*piece_bounds(n, sp, member), dtype=torch.int64, device=out.device) for n in tokens]
+
+
+def encode_chunk(
+    encoder: EncoderAnchor,
+    features: torch.Tensor,
+    sizes: torch.Tensor,
+    long_features: Optional[torch.Tensor] = None,
+    long_sizes: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """One rank's share of an encoder chunk in a single pass through the layers: short items
+    (``features`` / ``sizes``) encoded whole, and this member's pieces of the long items
+    (``long_*``, the same full items on every member of the SP group ``group``).
+
+    Returns the short items' output rows (item after item), then this member's rows of the
+    long items (item after item, the :func:`piece_bounds` ranges). Short and long tokens go
+    through each layer together: local attention inside each short item, Ulysses attention
+    for the long pieces. So whatever the mix, and with no items at all, every call runs each
+    layer exactly once: under FSDP every encoder rank then gathers the same layers the same
+    number of times (their all-gathers pair up). An encoder with ``forward`` only runs it on
+    the short items (it has no long ones: the plan never splits its items).
+    """
+    return _encode(encoder, features, sizes, long_features, long_sizes, group)[0]
+
+
+def _encode(encoder, features, sizes, long_features, long_sizes, group) -> Tuple[torch.Tensor, List[int]]:
+    """``encode_chunk``, plus the long items' token counts."""
+    has_long = long_sizes is not None and long_sizes.shape[0] > 0
+    if not getattr(encoder, "supports_sequence_parallel", False):
+        if has_long:
+            check_sequence_parallel(encoder, 1)  # raises: names the encoder and the fix
+        return encoder.forward(features, sizes), []
+    xs, tokens = encoder.embed_inputs(features, sizes)
+    sp, member = _size_and_rank(group) if has_long else (1, 0)
+    long_tokens: List[int] = []
+    if has_long:
+        xl, long_tokens = encoder.embed_inputs(long_features, long_sizes)
+    if sp == 1:  # nothing to split over: long items are whole items too
+        if has_long:
+            xs, tokens = torch.cat([xs, xl]), tokens + long_tokens
+        x = _layer_input(encoder, xs)
+        return encoder.finish(encoder.encode_tokens(x, packed_segment_ids(tokens, xs.device))), long_tokens
+    check_sequence_parallel(encoder, sp)
+    src, dst, doc, pos, t_loc, _ = _local_layout(long_tokens, sp, member, xl.device)
+    pieces = xl.new_zeros(t_loc, xl.shape[1]).index_copy(0, dst, xl.index_select(0, src))
+    n_short = xs.shape[0]
+    attention = _ShortAndLong(n_short, packed_segment_ids(tokens, xs.device),
+                              _UlyssesItems(doc[None], pos[None], group))
+    out = encoder.finish(encoder.encode_tokens(_layer_input(encoder, torch.cat([xs, pieces])), attention))
+    return torch.cat([out[:n_short], out[n_short:].index_select(0, dst)]), long_tokens
+
+
+@dataclass
+class _ShortAndLong:
+    """Attention over a row of ``n_short`` tokens of whole items (segment ids ``short_ids``,
+    None for at most one item) followed by this member's pieces of long items (Ulysses)."""
+
+    n_short: int
+    short_ids: Optional[torch.Tensor]
+    long: _UlyssesItems
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        n = self.n_short
+        seg = None if self.short_ids is None else self.short_ids[None]
+        short = segment_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg, causal=False, scale=scale)
+        return torch.cat([short, self.long.attend(q[:, :, n:], k[:, :, n:], v[:, :, n:], scale)], dim=2)
+
+
+def _layer_input(encoder: EncoderAnchor, x: torch.Tensor) -> torch.Tensor:
+    """The layers' input, requiring a gradient whenever the encoder trains — also on a rank
+    without items (its front-end output is a constant then) or with a frozen front-end. FSDP
+    reduces a unit's gradients when the gradient of its input is computed, or, for an input
+    that needs none, at the very end of backward: every rank must take the same path, or
+    their reduce-scatters come in different orders."""
+    if torch.is_grad_enabled() and not x.requires_grad and any(p.requires_grad for p in encoder.parameters()):
+        return x.detach().requires_grad_()
+    return x
+
+
+def _size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.device):

@@ -26,6 +26,7 @@ from omni.models.encoders.base import (
     check_sizes,
     AttentionSpec,
     packed_self_attention,
+    transformer_activation_bytes,
     transformer_flops,
 )
 
@@ -326,6 +327,13 @@ class SiglipEncoder(EncoderAnchor):
     def input_units(self, sizes: torch.Tensor) -> List[int]:
         """One feature row (patch) per token: grid_h * grid_w per image."""
         return [int(h) * int(w) for h, w in sizes.tolist()]
+
+    def layer_modules(self) -> List[nn.Module]:
+        return list(self.encoder.layers)
+
+    def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
+        c = self.config
+        return transformer_activation_bytes(c.num_hidden_layers, c.hidden_size, c.intermediate_size, tokens, element_bytes)
 
     def cost_coefficients(self) -> Tuple[float, float]:
         c = self.config

@@ -28,6 +28,7 @@ from omni.models.encoders.base import (
     check_sizes,
     AttentionSpec,
     packed_self_attention,
+    transformer_activation_bytes,
     transformer_flops,
 )
 
@@ -343,6 +344,13 @@ class WhisperEncoder(EncoderAnchor):
     def input_units(self, sizes: torch.Tensor) -> List[int]:
         """Mel frames per clip (feature rows); the clip yields output_frames(n) tokens."""
         return [int(n) for n in sizes[:, 0].tolist()]
+
+    def layer_modules(self) -> List[nn.Module]:
+        return list(self.layers)
+
+    def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
+        c = self.config
+        return transformer_activation_bytes(c.encoder_layers, c.d_model, c.encoder_ffn_dim, tokens, element_bytes)
 
     def cost_coefficients(self) -> Tuple[float, float]:
         c = self.config

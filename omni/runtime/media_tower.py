@@ -1,0 +1,82 @@
+"""The encoders and projectors as a module of their own, outside the LLM's module tree.
+
+Under multiplexing the encoders run at the pipeline's cuts, before and between the LLM
+stage's forwards. Inside the LLM chunk that FSDP wraps as a root they could not be sharded:
+FSDP2 would meet the encoder's forward first, take it for a root, and refuse the chunk's
+later. ``parallelize`` therefore lifts them out of the model into a ``MediaTower``. Parameter
+names stay the full model's ("encoders.image.…", "projectors.image.…"), so checkpoints move
+between layouts and placements unchanged.
+
+Weights are either replicated on every encoder rank (the caller sums their gradients) or
+FSDP-sharded over the encoder ranks (``shard``): each encoder layer is a unit of its own, the
+rest of the encoder one unit (gathered for the whole chunk call), each projector one unit.
+FSDP's collectives span all encoder ranks, so every one of them calls ``encode`` for every
+modality present anywhere in a chunk, with no items if it has none — the multiplexing
+runtime guarantees it — and parameters a rank did not use get zero gradients in the
+reduce-scatter instead of leaving it mismatched.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
+
+from parallel.fsdp import shard_model
+
+WEIGHT_MODES = ("replicated", "sharded")
+
+
+class MediaTower(nn.Module):
+    def __init__(self, encoders: dict, projectors: dict):
+        super().__init__()
+        self.encoders = nn.ModuleDict(encoders)
+        self.projectors = nn.ModuleDict(projectors)
+        self.sharded = False
+
+    @classmethod
+    def take_from(cls, model: nn.Module) -> "MediaTower":
+        """Move ``model.encoders`` / ``model.projectors`` into a tower (the model keeps empty ones)."""
+        tower = cls(dict(model.encoders), dict(model.projectors))
+        model.encoders, model.projectors = nn.ModuleDict(), nn.ModuleDict()
+        return tower
+
+    @property
+    def modalities(self) -> list[str]:
+        return list(self.encoders.keys())
+
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def encode(self, modality: str, features: torch.Tensor, sizes: torch.Tensor,
+               long_features: Optional[torch.Tensor] = None, long_sizes: Optional[torch.Tensor] = None,
+               sp_group=None) -> torch.Tensor:
+        """This rank's projected encoder rows for one chunk and modality: the short items'
+        rows (item after item), then its pieces of the long items (``EncoderAnchor.encode_chunk``)."""
+        rows = self.encoders[modality].encode_chunk(features, sizes, long_features, long_sizes, sp_group)
+        return self.projectors[modality](rows)
+
+    def shard(self, mesh: DeviceMesh, precision: MixedPrecisionPolicy, reshard_after_forward: bool = True,
+              prefetch: int = 1) -> list[nn.Parameter]:
+        """FSDP2 over ``mesh`` (the encoder ranks). Returns the sharded parameters, whose
+        gradients FSDP averages over the mesh (the caller turns them back into sums)."""
+        sharded = []
+        for m, enc in self.encoders.items():
+            layers = enc.layer_modules() if getattr(enc, "supports_sequence_parallel", False) else []
+            for root, units in ((enc, [[layer] for layer in layers]), (self.projectors[m], [])):
+                sharded += shard_model(root, units, mesh, precision=precision,
+                                       reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+                # A rank with no items of this modality still reduces (zeros) for every parameter.
+                root.set_reduce_scatter_unused_params(True)
+            register_fsdp_forward_method(enc, "encode_chunk")
+        self.sharded = True
+        return sharded
+
+    def set_gradient_sync(self, modality: str, enabled: bool) -> None:
+        """Sharded weights: whether the next backward through ``modality`` reduce-scatters its
+        gradients (False: accumulate, as FSDP does for all but the last micro-batch)."""
+        if self.sharded:
+            self.encoders[modality].set_requires_gradient_sync(enabled)
+            self.projectors[modality].set_requires_gradient_sync(enabled)
