@@ -10,6 +10,11 @@ between layouts and placements unchanged.
 Weights are either replicated on every encoder rank (the caller sums their gradients) or
 FSDP-sharded over the encoder ranks (``shard``): each encoder layer is a unit of its own, the
 rest of the encoder one unit (gathered for the whole chunk call), each projector one unit.
+Resharding follows the LLM's ``parallel.reshard_after_forward``: true, a unit is gathered for
+each chunk's forward and again for its backward (least memory); false (the default under
+pipeline parallelism, where several chunks are in flight), it is gathered once per step and
+modality, its gradients are reduce-scattered once, in the step's last backward, and it is
+released then (between steps the weights, and always the optimizer state, stay sharded).
 FSDP's collectives span all encoder ranks, so every one of them calls ``encode`` for every
 modality present anywhere in a chunk, with no items if it has none — the multiplexing
 runtime guarantees it — and parameters a rank did not use get zero gradients in the
@@ -24,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
 
+from omni.models.encoders.base import HostSizes
 from parallel.fsdp import shard_model
 
 WEIGHT_MODES = ("replicated", "sharded")
@@ -55,7 +61,8 @@ class MediaTower(nn.Module):
                sp_group=None) -> torch.Tensor:
         """This rank's projected encoder rows for one chunk and modality: the short items'
         rows (item after item), then its pieces of the long items (``EncoderAnchor.encode_chunk``)."""
-        rows = self.encoders[modality].encode_chunk(features, sizes, long_features, long_sizes, sp_group)
+        long_sizes = None if long_sizes is None else HostSizes(long_sizes)
+        rows = self.encoders[modality].encode_chunk(features, HostSizes(sizes), long_features, long_sizes, sp_group)
         return self.projectors[modality](rows)
 
     def shard(self, mesh: DeviceMesh, precision: MixedPrecisionPolicy, reshard_after_forward: bool = True,
@@ -63,6 +70,7 @@ class MediaTower(nn.Module):
         """FSDP2 over ``mesh`` (the encoder ranks). Returns the sharded parameters, whose
         gradients FSDP averages over the mesh (the caller turns them back into sums)."""
         sharded = []
+        self.reshard_after_forward = reshard_after_forward
         for m, enc in self.encoders.items():
             layers = enc.layer_modules() if getattr(enc, "supports_sequence_parallel", False) else []
             for root, units in ((enc, [[layer] for layer in layers]), (self.projectors[m], [])):
@@ -74,9 +82,16 @@ class MediaTower(nn.Module):
         self.sharded = True
         return sharded
 
-    def set_gradient_sync(self, modality: str, enabled: bool) -> None:
-        """Sharded weights: whether the next backward through ``modality`` reduce-scatters its
-        gradients (False: accumulate, as FSDP does for all but the last micro-batch)."""
-        if self.sharded:
-            self.encoders[modality].set_requires_gradient_sync(enabled)
-            self.projectors[modality].set_requires_gradient_sync(enabled)
+    def before_backward(self, modality: str, last_of_step: bool, reduce_every_chunk: bool) -> None:
+        """Sharded weights, before a chunk's backward through ``modality``. Resharding after
+        each forward (least memory), the gradients are reduce-scattered in every chunk's
+        backward if ``reduce_every_chunk`` (``parallel.fsdp_reduce_every_microbatch``), else
+        accumulated until the step's last. Weights kept gathered after the forward stay
+        gathered, with their gradients, until the step's last backward: one gather and one
+        reduce-scatter per step and modality, as much traffic as the replicated all-reduce."""
+        if not self.sharded:
+            return
+        for module in (self.encoders[modality], self.projectors[modality]):
+            module.set_requires_gradient_sync(last_of_step or (reduce_every_chunk and self.reshard_after_forward))
+            if not self.reshard_after_forward:
+                module.set_reshard_after_backward(last_of_step)

@@ -189,6 +189,7 @@ class Multiplexer:
             for i, g in enumerate(self.group_of):
                 eligible.setdefault(g, []).append(i)
         indices = _IndexUpload(self.device)
+        self._last_backward = {}
         for j in range(n):
             plan = plan_chunk(self.media.items[j], needs_by_chunk[j], self.group_of, len(self.members), self.cost,
                               sp=self.sp, long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
@@ -324,7 +325,7 @@ class Multiplexer:
             back = exchange_rows(grad, rp.out_recv_counts, [len(s) for s in rp.out_send], self.group)
         if chunk.table.requires_grad:
             for m in rp.short:
-                self.tower.set_gradient_sync(m, self.reduce_every_chunk or j == self._last_backward[m])
+                self.tower.before_backward(m, j == self._last_backward[m], self.reduce_every_chunk)
             g_table = torch.zeros_like(chunk.table).index_add_(0, chunk.send_idx, back.to(chunk.table.dtype))
             with self._span("encoder", f"B{j}"):
                 chunk.table.backward(g_table)

@@ -3,10 +3,11 @@ checkpointing, FSDP — in that order (each wraps what the previous one left).
 
 Returns a ``ParallelModel``: this rank's model chunks (one, or one per virtual pipeline stage),
 for a model with encoders the ``MediaTower`` (encoders and projectors, lifted out of the model
-for the multiplexing runtime), and what the trainer must do besides ``backward``: sum the gradients of parameters that FSDP
-does not own (MoE layers, replicated over the ranks that feed them different tokens), sum the
-two copies of a tied embedding that pipeline parallelism splits over the first and last stage,
-and count each gradient once in the norm.
+for the multiplexing runtime), and what the trainer must do besides ``backward``: sum the
+gradients of parameters that FSDP does not own (MoE layers, replicated over the ranks that feed
+them different tokens; replicated encoders), sum the two copies of a tied embedding that
+pipeline parallelism splits over the first and last stage, and count each gradient once in the
+norm.
 """
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
         pm.media = tower
         if sharded:
             precision = precision_policy(layout.config.mixed_precision, layout.device)
-            params = tower.shard(mesh, precision, prefetch=layout.config.fsdp_prefetch)
+            params = tower.shard(mesh, precision, reshard_after_forward=_reshard_after_forward(layout),
+                                 prefetch=layout.config.fsdp_prefetch)
             pm.averaged.append((params, mesh.size()))
     mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline)
     pm.multiplexer = mux
@@ -235,13 +237,19 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         blocks = list(chunk.llm.layers)
         per = pcfg.fsdp_blocks_per_unit
         units = [blocks[i:i + per] for i in range(0, len(blocks), per)]
-        reshard = pcfg.reshard_after_forward
-        reshard = (sizes.pp == 1) if reshard == "auto" else str(reshard).lower() == "true"
+        reshard = _reshard_after_forward(layout)
         ignored = [p for moe in moe_layers for p in moe.parameters()]
         sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.device),
                     cpu_offload=pcfg.cpu_offload, reshard_after_forward=reshard, prefetch=pcfg.fsdp_prefetch,
                     ignored=ignored)
         pm.averaged.append((sharded, layout.fsdp_mesh().size()))
+
+
+def _reshard_after_forward(layout: Layout) -> bool:
+    """``parallel.reshard_after_forward``; auto: only without pipeline parallelism (with it,
+    several micro-batches are in flight and a unit would be gathered again for each backward)."""
+    setting = layout.config.reshard_after_forward
+    return layout.sizes.pp == 1 if setting == "auto" else str(setting).lower() == "true"
 
 
 def _experts_as_dtensors(moe: MoE, layout: Layout) -> None:

@@ -1,17 +1,22 @@
-"""Encoder-LLM multiplexing placements side by side: ``stage0``, ``encoder_first``, ``colocated``
-and ``colocated`` with long-short sequence parallelism (see docs/multiplexing.md).
+"""Encoder-LLM multiplexing placements side by side on an image-heavy and a text-heavy mixture:
+``stage0``, ``encoder_first``, ``colocated``, ``colocated`` with FSDP-sharded encoder weights and
+``colocated`` with long-short sequence parallelism (see docs/multiplexing.md).
 
 Each variant is a real training run of the CLI on the CPU:
 
-    torchrun --standalone --nproc-per-node 4 --no-python <venv>/bin/omni train ...
+    torchrun --standalone --nproc-per-node 8 --no-python <venv>/bin/omni train ...
 
 (``-m recipes.cli train`` when the ``omni`` script is not installed next to the interpreter), with
-``OMP_NUM_THREADS=1`` and ``PYTHONPATH=<repo>``, gloo, fp32. Layout: ``parallel.dp_shard=2
-parallel.pp=2 parallel.pp_schedule=1f1b`` (ranks 0-1 are the first pipeline stage, 2-3 the
-second). Data: the generated demo dataset (``omni data demo``, written once into
-``--out/demo``) with an image-heavy mixture written next to it (``mixture_image_heavy.yaml``:
-shapes 0.8, tones 0.1, text 0.1; the demo's own mixture is 0.6 / 0.2 / 0.2). The workload is
-made encoder-heavy through ``encoders.vision.params.*``: patch 4 instead of 8 (the demo's 32-64 px
+``OMP_NUM_THREADS=1`` and ``PYTHONPATH=<repo>``, gloo, fp32. Layout (``--world 8``, the default):
+``parallel.pp=2 parallel.tp=2 parallel.dp_shard=2 parallel.pp_schedule=1f1b`` (ranks 0-3 are the
+first pipeline stage, 4-7 the second; consecutive rank pairs are TP groups). ``--world 4`` runs
+the older ``parallel.pp=2 parallel.dp_shard=2`` layout on 4 ranks.
+
+Data: the generated demo dataset (``omni data demo --scale 0.25``, written once into
+``--out/demo``) with two mixtures written next to it (``--mixes``, default both):
+``mixture_image_heavy.yaml`` (shapes 0.8, tones 0.1, text 0.1) and ``mixture_text_heavy.yaml``
+(shapes 0.1, tones 0.1, text 0.8); the demo's own mixture is 0.6 / 0.2 / 0.2. The workload is made
+encoder-heavy through ``encoders.vision.params.*``: patch 4 instead of 8 (the demo's 32-64 px
 images become 64-256 patches instead of 16-64) and a wider, deeper SigLIP tower (see VISION). The
 LLM (the demo's 4-layer, hidden-128 llama) and the audio encoder stay as in the demo.
 
@@ -20,36 +25,54 @@ Variants (the first is the reference of every ratio; speedup = its step time / t
 - ``stage0``: Megatron-style, encoders only on the first pipeline stage;
 - ``encoder_first``: encoders on every rank, every chunk's forward before the LLM pipeline and
   every backward after it;
-- ``colocated``: encoders on every rank, each chunk inserted into the 1F1B pipeline (the default);
-- ``colocated+sp2``: the same with ``multiplex.encoder_sp=2`` and ``multiplex.long_threshold``
-  (default 192 encoder tokens: images of 14x14 patches and more are split over 2 ranks).
+- ``colocated``: encoders on every rank, each chunk inserted into the 1F1B pipeline (the default),
+  encoder weights replicated and their gradients all-reduced over all ranks after backward;
+- ``colocated+sharded``: the same with ``multiplex.encoder_weights=sharded``: encoder and
+  projector weights FSDP-sharded over all encoder ranks (all-gathers inside the encoder chunks,
+  one reduce-scatter in the last chunk backward, instead of the all-reduce);
+- ``colocated+sp2``: ``colocated`` with ``multiplex.encoder_sp=2`` and
+  ``multiplex.long_threshold`` (default 192 encoder tokens: images of 14x14 patches and more are
+  split over 2 ranks).
 
-Every run trains ``--steps`` steps from the same seed on the same samples; the first
-``--warmup`` steps are dropped. From ``<run_dir>/metrics.jsonl`` (written by rank 0; the
-timeline fields are means over the 4 ranks, see docs/multiplexing.md) per variant: median step
+For every mixture, every run trains ``--steps`` steps from the same seed on the same samples; the
+first ``--warmup`` steps are dropped. From ``<run_dir>/metrics.jsonl`` (written by rank 0; the
+timeline fields are means over the ranks, see docs/multiplexing.md) per variant: median step
 time (``step_time_s``, rank 0's wall time of the whole step, data construction included, with
 ``data.num_workers=0``) with min-max over all timed steps of all repeats, the means of
 ``bubble_fraction``, ``busy_encoder_s``, ``busy_llm_s``, ``busy_comm_s``, ``busy_optim_s``,
-``idle_s`` and ``imbalance``, the largest ``encoder_peak_activation_mib`` (rank 0) and
-``peak_rss_gib``, the mean ``encoder_long_items`` per step, and every step's loss. Placements
-change where work runs, not the math, so losses must agree across variants to 1e-5 relative; the
-report says whether they do. Variants run ``--repeats`` times in a rotating order (repeat r starts with variant r), so
-machine noise is spread over all of them.
+``idle_s`` and ``imbalance`` (max over ranks of busy time / mean), the largest
+``encoder_peak_activation_mib`` (rank 0) and ``peak_rss_gib``, the mean ``encoder_long_items``
+per step, and every step's loss. Placements change where work runs, not the math, so within a
+mixture losses must agree across variants to 1e-5 relative; the report says whether they do.
+Within a mixture, variants run ``--repeats`` times in a rotating order (repeat r starts with
+variant r), so machine noise is spread over all of them.
 
 Two diagnostics: each run's CPU seconds (the reaped torchrun tree, ``os.times``) over its wall
 time x cores, which shows whether the run had the cores to itself and how much work it did in all;
 and, from the traced step, the seconds per rank after each rank's last recorded span. The
 timeline times encoder chunks, LLM stage work, the multiplexer's all-to-alls and the gradient
 sync (``comm``), and clipping with the optimizer step (``optim``); what follows the last span (the
-loss all-reduce, the end of the step) counts as idle.
+loss all-reduce, the end of the step) counts as idle. Collectives inside spans count as the span's
+kind: FSDP's and TP's inside the LLM stages as LLM, and the sharded encoder's all-gathers and
+reduce-scatter inside the encoder chunks as encoder.
 
 The first repeat writes a Chrome trace (``multiplex.trace_step``) of its last step for every
-variant; they are copied to ``--out/trace_<variant>.json`` and that step is left out of the
-timings of every variant. The micro-batches per data-parallel rank are counted in the traces.
-JSON results go to ``--out`` (default /tmp/omni-multiplex-bench, outside the repository), the
-plot (stacked mean per-rank time split) to ``--plot`` (default docs/img/multiplex_placements.png).
+variant; they are copied to ``--out/trace_<mixture>_<variant>.json`` and that step is left out
+of the timings. The micro-batches per data-parallel rank are counted in the traces. JSON results
+go to ``--out`` (default /tmp/omni-multiplex-bench, outside the repository); two plots:
+``--plot`` (default docs/img/multiplex_placements.png: the mean per-rank time split, one panel
+per mixture) and ``--schedule-plot`` (default docs/img/multiplex_schedule.png: the traced step of
+``stage0`` and ``colocated`` on the image-heavy mixture, one row per rank, schedule_plot.py).
+``--from-json`` re-prints the tables and redraws both plots from a saved result (the schedule
+plot from the traces next to the JSON).
 
-    python scripts/bench/multiplex.py [--steps 8] [--repeats 2] [--quick] [--out DIR]
+Defaults: 5 steps, the first 2 dropped, 2 repeats: 5 timed steps per variant and mixture, about
+30 minutes on 2 cores. ``--quick`` (2 steps, none dropped, 1 repeat, 4-layer tower, batch 24, only
+``stage0`` and ``colocated`` unless ``--variants`` says otherwise; about 3.5 minutes) writes both
+plots into ``--out``; its one timed step per variant says nothing about speed.
+
+    python scripts/bench/multiplex.py [--world 8] [--mixes image_heavy,text_heavy] [--steps 5]
+        [--warmup 2] [--repeats 2] [--variants stage0,colocated,...] [--quick] [--out DIR]
         [--from-json DIR/multiplex.json]
 """
 from __future__ import annotations
@@ -65,10 +88,13 @@ import time
 from pathlib import Path
 
 from _common import REPO, median, parser, save, table
+from schedule_plot import draw as draw_schedule
 
-WORLD = 4
-LAYOUT = {"parallel.dp_shard": 2, "parallel.pp": 2, "parallel.pp_schedule": "1f1b"}
-MIX = {"shapes": 0.8, "tones": 0.1, "text": 0.1}
+LAYOUTS = {8: {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1f1b"},
+           4: {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1f1b"}}
+MIXES = {"image_heavy": {"shapes": 0.8, "tones": 0.1, "text": 0.1},
+         "text_heavy": {"shapes": 0.1, "tones": 0.1, "text": 0.8}}
+SCHEDULE_MIX, SCHEDULE_VARIANTS = "image_heavy", ("stage0", "colocated")
 # The demo tower is hidden 96, MLP 256, 2 layers, 4 heads, patch 8, <= 64 patches.
 VISION = {"patch_size": 4, "max_patches": 256, "hidden_size": 256, "intermediate_size": 1024,
           "num_hidden_layers": 8, "num_attention_heads": 4}
@@ -82,17 +108,29 @@ KEYS = ("busy_encoder_s", "busy_llm_s", "busy_comm_s", "busy_optim_s", "idle_s")
 
 
 def variants(long_threshold: int) -> list[tuple[str, dict]]:
+    colocated = {"multiplex.placement": "colocated"}
     return [("stage0", {"multiplex.placement": "stage0"}),
             ("encoder_first", {"multiplex.placement": "encoder_first"}),
-            ("colocated", {"multiplex.placement": "colocated"}),
-            ("colocated+sp2", {"multiplex.placement": "colocated", "multiplex.encoder_sp": 2,
-                               "multiplex.long_threshold": long_threshold})]
+            ("colocated", colocated),
+            ("colocated+sharded", {**colocated, "multiplex.encoder_weights": "sharded"}),
+            ("colocated+sp2", {**colocated, "multiplex.encoder_sp": 2, "multiplex.long_threshold": long_threshold})]
+
+
+def layout_text(layout: dict) -> str:
+    """``pp=2 x tp=2 x dp_shard=2, 1f1b`` for titles and tables."""
+    sizes = " x ".join(f"{k.split('.')[1]}={v}" for k, v in layout.items() if k != "parallel.pp_schedule")
+    return f"{sizes}, {layout['parallel.pp_schedule']}"
+
+
+def mix_text(mix: str, weights: dict) -> str:
+    """``image-heavy mixture (shapes 0.8, tones 0.1, text 0.1)``."""
+    return f"{mix.replace('_', '-')} mixture (" + ", ".join(f"{k} {v}" for k, v in weights.items()) + ")"
 
 
 # ---- running -------------------------------------------------------------------------------
-def launcher() -> tuple[list[str], str]:
+def launcher(world: int) -> tuple[list[str], str]:
     """The torchrun prefix up to ``train`` (as tests/parallel/test_cli_layouts.py launches it)."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     omni = shutil.which("omni", path=str(Path(sys.executable).parent))
     if omni:
         return run + ["--no-python", omni, "train"], f"torchrun --no-python {omni} train"
@@ -105,23 +143,29 @@ def env() -> dict:
 
 
 def ensure_data(out: Path) -> Path:
+    """The demo dataset in ``out/demo`` (generated once) and one mixture file per entry of MIXES."""
     demo = out / "demo"
     if not (demo / "mixture.yaml").exists():
         cmd = [sys.executable, "-m", "recipes.cli", "data", "demo", "--out", str(demo), "--scale", str(DEMO_SCALE)]
         subprocess.run(cmd, env=env(), check=True, capture_output=True, text=True)
-    mix = demo / "mixture_image_heavy.yaml"
-    lines = ["# image-heavy mixture of the demo sources (scripts/bench/multiplex.py)", "sources:"]
-    lines += [f"  - name: {name}\n    path: {name}\n    weight: {w}" for name, w in MIX.items()]
-    mix.write_text("\n".join(lines + ["eval: eval", ""]))
+    for mix, weights in MIXES.items():
+        lines = [f"# {mix.replace('_', '-')} mixture of the demo sources (scripts/bench/multiplex.py)", "sources:"]
+        lines += [f"  - name: {name}\n    path: {name}\n    weight: {w}" for name, w in weights.items()]
+        mixture_file(demo, mix).write_text("\n".join(lines + ["eval: eval", ""]))
     return demo
 
 
-def overrides(demo: Path, run_dir: Path, steps: int, batch: int, vision: dict, extra: dict, trace: int) -> list[str]:
-    o = {"data.mixture": demo / "mixture_image_heavy.yaml", "data.eval_dir": demo / "eval",
+def mixture_file(demo: Path, mix: str) -> Path:
+    return demo / f"mixture_{mix}.yaml"
+
+
+def overrides(demo: Path, mix: str, run_dir: Path, steps: int, batch: int, vision: dict, layout: dict,
+              extra: dict, trace: int) -> list[str]:
+    o = {"data.mixture": mixture_file(demo, mix), "data.eval_dir": demo / "eval",
          "data.global_batch_size": batch, "data.micro_batch_tokens": MICRO_BATCH_TOKENS, "data.num_workers": 0,
          "trainer.run_dir": run_dir, "trainer.max_steps": steps, "trainer.progress": "false",
          "trainer.eval_at_end": "false", "checkpoint.every": 0, "checkpoint.save_at_end": "false",
-         **LAYOUT, **{f"encoders.vision.params.{k}": v for k, v in vision.items()}, **extra}
+         **layout, **{f"encoders.vision.params.{k}": v for k, v in vision.items()}, **extra}
     if trace:
         o["multiplex.trace_step"] = trace
     return [f"{k}={v}" for k, v in o.items()]
@@ -147,17 +191,21 @@ def run_one(prefix: list[str], args: list[str], run_dir: Path, timeout_s: float)
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     rows = [r for r in rows if "loss" in r and "step" in r]
     m = re.search(r"([\d.]+)M parameters", log)
-    return {"rc": rc, "wall_s": wall, "cpu_share": cpu / (wall * (os.cpu_count() or 1)), "metrics": rows, "params_m": float(m.group(1)) if m else None,
-            "log_tail": log[-3000:] if rc != 0 else ""}
+    return {"rc": rc, "wall_s": wall, "cpu_share": cpu / (wall * (os.cpu_count() or 1)), "metrics": rows,
+            "params_m": float(m.group(1)) if m else None, "log_tail": log[-3000:] if rc != 0 else ""}
+
+
+def trace_events(trace: Path) -> list[dict] | None:
+    try:
+        return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def micro_batches(trace: Path) -> int | None:
     """Micro-batches per data-parallel rank in one step: distinct 'stage0 forward mbN' on rank 0."""
-    try:
-        events = json.loads(trace.read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError):
-        return None
-    names = {e["name"] for e in events if e.get("ph") == "X" and e.get("pid") == 0}
+    events = trace_events(trace) or []
+    names = {e["name"] for e in events if e.get("pid") == 0}
     return len({n for n in names if re.fullmatch(r"stage0 forward mb\d+", n)}) or None
 
 
@@ -166,16 +214,23 @@ def trace_tail(trace: Path, metrics: list[dict], step: int) -> float | None:
     mean per-rank step time of the timeline (busy + idle at that step) minus the mean end of each
     rank's last span. It is the un-instrumented end of the step (after the optimizer step: the
     loss all-reduce), which the timeline counts as idle."""
-    try:
-        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    except (OSError, ValueError, KeyError):
-        return None
+    events = trace_events(trace)
     m = next((m for m in metrics if m["step"] == step), None)
-    ranks = sorted({e["pid"] for e in events})
+    ranks = sorted({e["pid"] for e in events or []})
     if m is None or not ranks:
         return None
     ends = [max(e["ts"] + e["dur"] for e in events if e["pid"] == r) / 1e6 for r in ranks]
     return sum(m.get(k, 0.0) for k in KEYS) - sum(ends) / len(ends)
+
+
+def trace_spans(trace: Path, name: str) -> list[float] | None:
+    """Per rank (in rank order), the summed seconds of the spans called ``name`` in the trace
+    (e.g. "gradient sync"); None without a trace."""
+    events = trace_events(trace)
+    if events is None:
+        return None
+    ranks = sorted({e["pid"] for e in events})
+    return [sum(e["dur"] for e in events if e["pid"] == r and e["name"] == name) / 1e6 for r in ranks]
 
 
 def vision_params(vision: dict) -> float | None:
@@ -192,32 +247,60 @@ def vision_params(vision: dict) -> float | None:
         return None
 
 
+def run_mix(mix: str, vs: list, args, prefix: list[str], demo: Path, out: Path, vision: dict, batch: int,
+            layout: dict) -> dict:
+    """Every variant of one mixture, ``args.repeats`` times in rotating order; the runs, and the
+    traced step of each variant (first repeat) copied to ``out/trace_<mix>_<variant>.json``."""
+    runs = []
+    for rep in range(args.repeats):
+        for i in range(len(vs)):
+            name, extra = vs[(i + rep) % len(vs)]
+            run_dir = out / "runs" / mix / f"{name}-r{rep}"
+            trace = args.steps if rep == 0 else 0
+            o = overrides(demo, mix, run_dir, args.steps, batch, vision, layout, extra, trace)
+            r = run_one(prefix, o, run_dir, args.timeout)
+            r.update(variant=name, repeat=rep, traced=bool(trace), run_dir=str(run_dir))
+            copy = out / f"trace_{mix}_{name}.json"
+            if trace and (run_dir / f"trace_step{trace}.json").exists():
+                shutil.copy(run_dir / f"trace_step{trace}.json", copy)
+                r["trace_tail_s"] = trace_tail(copy, r["metrics"], trace)
+                r["trace_grad_sync_s"] = trace_spans(copy, "gradient sync")
+            runs.append(r)
+            steps = [m["step_time_s"] for m in r["metrics"] if m["step"] > args.warmup]
+            print(f"  {mix} repeat {rep} {name}: rc {r['rc']}, {r['wall_s']:.0f}s wall, median step "
+                  f"{median(steps):.2f}s, CPU share {r['cpu_share']:.2f}; {wait_note()}", flush=True)
+    return {"weights": MIXES[mix], "runs": runs, "micro_batches": micro_batches(out / f"trace_{mix}_{vs[0][0]}.json")}
+
+
 # ---- summary -------------------------------------------------------------------------------
-def summarise(res: dict) -> list[dict]:
-    warmup, trace_step = res["warmup"], res["trace_step"]
+def timed_steps(run: dict, warmup: int, trace_step: int) -> list[dict]:
+    return [m for m in run["metrics"] if m["step"] > warmup and not (run["traced"] and m["step"] == trace_step)]
+
+
+def summarise(res: dict, mix: str) -> list[dict]:
+    """Per variant of one mixture: step time statistics, mean timeline fields, peaks, losses."""
+    warmup, trace_step, runs = res["warmup"], res["trace_step"], res["mixes"][mix]["runs"]
     out = []
     for name, _ in res["variants"]:
-        runs = [r for r in res["runs"] if r["variant"] == name]
-        ok = [r for r in runs if r["rc"] == 0 and r["metrics"]]
-        timed = [m for r in ok for m in r["metrics"]
-                 if m["step"] > warmup and not (r["traced"] and m["step"] == trace_step)]
+        mine = [r for r in runs if r["variant"] == name]
+        ok = [r for r in mine if r["rc"] == 0 and r["metrics"]]
+        timed = [m for r in ok for m in timed_steps(r, warmup, trace_step)]
         if not timed:
-            out.append({"variant": name, "failed": True, "runs": len(runs), "ok_runs": len(ok)})
+            out.append({"variant": name, "failed": True, "runs": len(mine), "ok_runs": len(ok)})
             continue
         mean = lambda k: statistics.fmean(m.get(k, float("nan")) for m in timed)  # noqa: E731
         times = [m["step_time_s"] for m in timed]
         out.append({
-            "variant": name, "failed": False, "runs": len(runs), "ok_runs": len(ok), "timed_steps": len(timed),
+            "variant": name, "failed": False, "runs": len(mine), "ok_runs": len(ok), "timed_steps": len(timed),
             "step_s": median(times), "step_s_min": min(times), "step_s_max": max(times),
-            "step_s_per_repeat": [median([m["step_time_s"] for m in r["metrics"] if m["step"] > warmup
-                                          and not (r["traced"] and m["step"] == trace_step)]) for r in ok],
+            "step_s_per_repeat": [median([m["step_time_s"] for m in timed_steps(r, warmup, trace_step)]) for r in ok],
             "bubble_fraction": mean("bubble_fraction"), "imbalance": mean("imbalance"),
             **{k: mean(k) for k in KEYS},
             "data_wait_s": mean("data_wait_s"),
             "encoder_peak_activation_mib": max(m.get("encoder_peak_activation_mib", 0.0) for m in timed),
             "encoder_long_items": mean("encoder_long_items"),
             "peak_rss_gib": max(m.get("peak_rss_gib", 0.0) for m in timed),
-            "losses": ok[0]["metrics"] and [m["loss"] for m in ok[0]["metrics"]],
+            "losses": [m["loss"] for m in ok[0]["metrics"]],
         })
     ref = out[0]
     for s in out:
@@ -226,10 +309,10 @@ def summarise(res: dict) -> list[dict]:
     return out
 
 
-def loss_check(res: dict) -> dict:
+def loss_check(res: dict, mix: str) -> dict:
     """Largest relative difference of any step's loss from the reference run (first variant,
-    first repeat), over every successful run; steps must match."""
-    runs = [r for r in res["runs"] if r["rc"] == 0 and r["metrics"]]
+    first repeat) over every successful run of one mixture; steps must match."""
+    runs = [r for r in res["mixes"][mix]["runs"] if r["rc"] == 0 and r["metrics"]]
     if not runs:
         return {"max_rel": float("nan"), "equal": False, "worst": None}
     ref_name = res["variants"][0][0]
@@ -253,57 +336,72 @@ def loss_check(res: dict) -> dict:
             "grad_norm_max_rel": gn_rel}
 
 
-def report(res: dict) -> str:
-    s = summarise(res)
-    lc = loss_check(res)
-    headers = ["placement", "step s median (min-max)", "speedup vs stage0", "bubble fraction",
-               "encoder s", "LLM s", "comm s", "optim s", "idle s", "imbalance", "encoder peak act. MiB",
-               "long items / step", "peak RSS GiB", "final loss"]
+HEADERS = ["placement", "step s median (min-max)", "speedup vs stage0", "bubble fraction",
+           "encoder s", "LLM s", "comm s", "optim s", "idle s", "imbalance", "encoder peak act. MiB",
+           "long items / step", "peak RSS GiB", "final loss"]
+
+
+def table_rows(s: list[dict]) -> list[list]:
     rows = []
     for x in s:
         if x["failed"]:
-            rows.append([x["variant"], f"FAILED ({x['ok_runs']}/{x['runs']} runs ok)"] + [""] * (len(headers) - 2))
+            rows.append([x["variant"], f"FAILED ({x['ok_runs']}/{x['runs']} runs ok)"] + [""] * (len(HEADERS) - 2))
             continue
         rows.append([x["variant"], f"{x['step_s']:.2f} ({x['step_s_min']:.2f}-{x['step_s_max']:.2f})",
                      f"{x.get('speedup', float('nan')):.2f}x", f"{100 * x['bubble_fraction']:.1f}%",
                      *(f"{x[k]:.2f}" for k in KEYS), f"{x['imbalance']:.2f}",
                      f"{x['encoder_peak_activation_mib']:.1f}", f"{x['encoder_long_items']:.1f}",
                      f"{x['peak_rss_gib']:.2f}", f"{x['losses'][-1]:.6f}"])
-    tails = {r["variant"]: r["trace_tail_s"] for r in res["runs"] if r.get("trace_tail_s") is not None}
-    cpu = {name: [r["cpu_share"] for r in res["runs"] if r["variant"] == name and "cpu_share" in r]
-           for name, _ in res["variants"]}
+    return rows
+
+
+def report_mix(res: dict, mix: str) -> str:
+    """The table and notes of one mixture."""
+    m = res["mixes"][mix]
+    s, lc, runs = summarise(res, mix), loss_check(res, mix), m["runs"]
     per_rep = "; ".join(f"{x['variant']} " + " / ".join(f"{v:.2f}" for v in x["step_s_per_repeat"])
                         for x in s if not x["failed"])
     timed = s[0].get("timed_steps", 0)
-    lines = [f"vision tower {res.get('vision_params_m') or float('nan'):.2f}M parameters ({res['vision']}); global batch "
-             f"{res['global_batch_size']}, micro-batch budget {res['micro_batch_tokens']} tokens, mix {res['mix']}", "",
-             table(headers, rows), "",
+    lines = [f"### {mix_text(mix, m['weights'])}", "", table(HEADERS, table_rows(s)), "",
              f"step s: rank 0's wall time per step, median over {timed} timed steps ({res['repeats']} repeat(s) x "
              f"{res['steps']} steps, first {res['warmup']} dropped, the traced step left out); the other columns are "
              f"means over those steps of the per-rank means (busy seconds are exclusive per kind), peak act. and "
-             f"RSS the largest. Micro-batches per DP rank (from the trace): {res.get('micro_batches')}.",
+             f"RSS the largest. Micro-batches per DP rank (from the trace): {m.get('micro_batches')}.",
              f"per-repeat medians (s): {per_rep}"]
+    tails = {r["variant"]: r["trace_tail_s"] for r in runs if r.get("trace_tail_s") is not None}
     if tails:
         lines.append("un-instrumented end of the traced step, counted as idle (s per rank): "
                      + "; ".join(f"{k} {v:.2f}" for k, v in tails.items()))
-    if any(cpu.values()):
-        lines.append("per run, launch included: wall s, CPU s of the whole run, CPU share = CPU s / (wall s x "
-                     f"{res['machine_cpus']} cores): " + "; ".join(
-                         f"{r['variant']} r{r['repeat']} {r['wall_s']:.0f} / {r['cpu_share'] * r['wall_s'] * res['machine_cpus']:.0f}"
-                         f" / {r['cpu_share']:.2f}" for r in res["runs"] if "cpu_share" in r))
+    syncs = {r["variant"]: r["trace_grad_sync_s"] for r in runs if r.get("trace_grad_sync_s")}
+    if syncs:
+        lines.append("'gradient sync' span of the traced step, per rank (s): " + "; ".join(
+            f"{k} " + " ".join(f"{v:.2f}" for v in vals) for k, vals in syncs.items()))
+    lines.append("per run, launch included: wall s / CPU s of the whole run / CPU share = CPU s / (wall s x "
+                 f"{res['machine_cpus']} cores): " + "; ".join(
+                     f"{r['variant']} r{r['repeat']} {r['wall_s']:.0f} / "
+                     f"{r['cpu_share'] * r['wall_s'] * res['machine_cpus']:.0f} / {r['cpu_share']:.2f}" for r in runs))
     if lc["equal"]:
         lines.append(f"losses equal across placements: yes (every step of every run; max relative difference "
                      f"{lc['max_rel']:.1e}; gradient norms {lc.get('grad_norm_max_rel', float('nan')):.1e})")
     else:
         lines.append(f"!!! LOSSES DIFFER ACROSS PLACEMENTS: max relative difference {lc['max_rel']:.3e} at {lc['worst']}"
                      + (f"; runs with other steps: {lc['step_mismatch']}" if lc.get("step_mismatch") else "") + " !!!")
-    for r in res["runs"]:
+    for r in runs:
         if r["rc"] != 0:
             lines.append(f"FAILED {r['variant']} repeat {r['repeat']} (rc {r['rc']}):\n{r['log_tail']}")
     return "\n".join(lines)
 
 
+def report(res: dict) -> str:
+    head = (f"{res['world']} ranks ({layout_text(res['layout'])}); vision tower "
+            f"{res.get('vision_params_m') or float('nan'):.2f}M parameters ({res['vision']}); global batch "
+            f"{res['global_batch_size']}, micro-batch budget {res['micro_batch_tokens']} tokens")
+    return "\n\n".join([head] + [report_mix(res, mix) for mix in res["mixes"]])
+
+
+# ---- plots ---------------------------------------------------------------------------------
 def plot(res: dict, path: Path) -> str:
+    """Stacked mean per-rank time split per variant, one panel per mixture, shared y axis."""
     try:
         import matplotlib
     except ImportError:
@@ -311,34 +409,62 @@ def plot(res: dict, path: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = [x for x in summarise(res) if not x["failed"]]
-    names = [x["variant"] for x in s]
     colors = {"busy_encoder_s": "#4c72b0", "busy_llm_s": "#dd8452", "busy_comm_s": "#55a868",
               "busy_optim_s": "#8172b3", "idle_s": "#c8c8c8"}
     labels = {"busy_encoder_s": "encoder", "busy_llm_s": "LLM", "busy_comm_s": "communication (incl. gradient sync)",
               "busy_optim_s": "clipping + optimizer step", "idle_s": "idle"}
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    bottom = [0.0] * len(s)
-    for k in KEYS:
-        vals = [x[k] for x in s]
-        ax.bar(names, vals, bottom=bottom, color=colors[k], label=labels[k], width=0.6)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, x in enumerate(s):
-        ax.plot([i - 0.3, i + 0.3], [x["step_s"]] * 2, color="black", lw=1.5)
-        ax.annotate(f"{x['step_s']:.2f} s\n{x.get('speedup', float('nan')):.2f}x",
-                    (i, max(x["step_s"], bottom[i])), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 3), textcoords="offset points")
-    ax.set_ylabel("seconds per step (mean over ranks)")
-    ax.set_ylim(0, 1.22 * max(max(bottom), max(x["step_s"] for x in s)))
-    ax.set_title(f"Encoder-LLM placements, {WORLD} gloo ranks on {res['machine_cpus']} CPU cores "
-                 f"(pp=2 x dp_shard=2, 1F1B)", fontsize=9)
-    ax.plot([], [], color="black", lw=1.5, label="median step time (rank 0)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=3, frameon=False)
-    fig.tight_layout()
+    mixes = list(res["mixes"])
+    fig, axes = plt.subplots(1, len(mixes), figsize=(max(9.0, 5.2 * len(mixes) + 0.8), 5.0), sharey=True,
+                             squeeze=False)
+    top = 0.0
+    for ax, mix in zip(axes[0], mixes):
+        s = [x for x in summarise(res, mix) if not x["failed"]]
+        bottom = [0.0] * len(s)
+        for k in KEYS:
+            vals = [x[k] for x in s]
+            ax.bar(range(len(s)), vals, bottom=bottom, color=colors[k], label=labels[k], width=0.6)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, x in enumerate(s):
+            ax.plot([i - 0.3, i + 0.3], [x["step_s"]] * 2, color="black", lw=1.5)
+            ax.annotate(f"{x['step_s']:.2f} s\n{x.get('speedup', float('nan')):.2f}x",
+                        (i, max(x["step_s"], bottom[i])), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 3), textcoords="offset points")
+        ax.set_xticks(range(len(s)), [x["variant"].replace("+", "\n+") for x in s], fontsize=8)
+        ax.set_title(f"{mix_text(mix, res['mixes'][mix]['weights'])}", fontsize=9)
+        top = max([top] + bottom + [x["step_s"] for x in s])
+    axes[0, 0].set_ylabel("seconds per step (mean over ranks)")
+    axes[0, 0].set_ylim(0, 1.22 * top)
+    axes[0, 0].plot([], [], color="black", lw=1.5, label="median step time (rank 0)")
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="lower center", ncol=3, frameon=False)
+    fig.suptitle(f"Encoder-LLM placements, {res['world']} gloo ranks on {res['machine_cpus']} CPU cores "
+                 f"({layout_text(res['layout'])})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"plot: {path}"
+
+
+def traced_step_time(res: dict, variant: str) -> float:
+    """Rank 0's ``step_time_s`` of the traced step of ``variant`` on SCHEDULE_MIX (nan if absent)."""
+    runs = [r for r in res["mixes"][SCHEDULE_MIX]["runs"] if r["variant"] == variant and r["traced"]]
+    steps = [m for r in runs for m in r["metrics"] if m["step"] == res["trace_step"]]
+    return steps[0]["step_time_s"] if steps else float("nan")
+
+
+def schedule(res: dict, out: Path, path: Path) -> str:
+    """The traced step of SCHEDULE_VARIANTS on SCHEDULE_MIX, when their traces are in ``out``."""
+    traces = [(v, out / f"trace_{SCHEDULE_MIX}_{v}.json") for v in SCHEDULE_VARIANTS]
+    missing = [str(p) for _, p in traces if not p.exists()]
+    if SCHEDULE_MIX not in res["mixes"] or missing:
+        return f"no schedule plot: traces missing ({', '.join(missing) or SCHEDULE_MIX + ' not run'})"
+    step = res["trace_step"]
+    panels = [(f"{v}: step {step} of the {SCHEDULE_MIX.replace('_', '-')} mixture, rank 0's step time "
+               f"{traced_step_time(res, v):.2f} s", p) for v, p in traces]
+    title = (f"One training step per rank, {res['world']} gloo ranks on {res['machine_cpus']} CPU cores "
+             f"({layout_text(res['layout'])})")
+    return draw_schedule(panels, path, title)
 
 
 def wait_note() -> str:
@@ -346,73 +472,91 @@ def wait_note() -> str:
     return f"1-min load average {load[0]:.1f} on {os.cpu_count()} CPUs"
 
 
-def main() -> None:
+# ---- main ----------------------------------------------------------------------------------
+def arguments():
     p = parser(__doc__.split("\n")[0])
     p.set_defaults(out="/tmp/omni-multiplex-bench")
-    p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    p.add_argument("--world", type=int, default=8, choices=sorted(LAYOUTS),
+                   help="ranks: 8 (pp=2 x tp=2 x dp_shard=2, default) or 4 (pp=2 x dp_shard=2)")
+    p.add_argument("--mixes", default=",".join(MIXES), help=f"comma-separated subset of {', '.join(MIXES)}")
+    p.add_argument("--variants", default="", help="comma-separated subset of the variants (default all; the first "
+                   "one given is the reference of the ratios)")
+    p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per variant, in rotating order (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per variant and mixture, rotating order (default 2)")
     p.add_argument("--long-threshold", type=int, default=LONG_THRESHOLD,
                    help=f"multiplex.long_threshold of the SP variant (default {LONG_THRESHOLD} encoder tokens)")
     p.add_argument("--plot", default=str(REPO / "docs" / "img" / "multiplex_placements.png"),
                    help="PNG of the time split (default docs/img/multiplex_placements.png; --quick: in --out)")
+    p.add_argument("--schedule-plot", default=str(REPO / "docs" / "img" / "multiplex_schedule.png"),
+                   help="PNG of the traced step (default docs/img/multiplex_schedule.png; --quick: in --out)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per training run before it is killed")
-    p.add_argument("--from-json", default="", help="re-print the table and redraw the plot of a saved result")
-    args = p.parse_args()
-    plot_path = Path(args.plot)
+    p.add_argument("--from-json", default="", help="re-print the tables and redraw the plots of a saved result "
+                   "(the schedule plot needs the traces next to the JSON)")
+    return p, p.parse_args()
+
+
+def main() -> None:
+    p, args = arguments()
+    plot_path, schedule_path = Path(args.plot), Path(args.schedule_plot)
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())
         res["vision_params_m"] = vision_params(res["vision"])
         print(report(res))
         print(plot(res, plot_path))
+        print(schedule(res, Path(args.from_json).resolve().parent, schedule_path))
         return
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.quick:
-        args.steps, args.warmup, args.repeats = 3, 1, 1
+        args.steps, args.warmup, args.repeats = 2, 0, 1
         if args.plot == p.get_default("plot"):
             plot_path = out / "multiplex_placements_quick.png"
+        if args.schedule_plot == p.get_default("schedule_plot"):
+            schedule_path = out / "multiplex_schedule_quick.png"
     if args.steps <= args.warmup + 1:
         p.error("--steps must exceed --warmup + 1 (the last step of the first repeat is traced, not timed)")
+    mixes = [m for m in args.mixes.split(",") if m]
+    if not mixes or any(m not in MIXES for m in mixes):
+        p.error(f"--mixes {args.mixes!r}: choose from {', '.join(MIXES)}")
+    vs = variants(args.long_threshold)
+    if args.quick and not args.variants:  # a smoke run: the pair the schedule plot shows
+        args.variants = ",".join(SCHEDULE_VARIANTS)
+    if args.variants:
+        by_name, wanted = dict(vs), [v for v in args.variants.split(",") if v]
+        if any(v not in by_name for v in wanted):
+            p.error(f"--variants {args.variants!r}: choose from {', '.join(by_name)}")
+        vs = [(v, by_name[v]) for v in wanted]
     vision = QUICK_VISION if args.quick else VISION
     batch = QUICK_GLOBAL_BATCH if args.quick else GLOBAL_BATCH
-    vs = variants(args.long_threshold)
-    prefix, how = launcher()
+    layout = LAYOUTS[args.world]
+    prefix, how = launcher(args.world)
     demo = ensure_data(out)
     load_start = os.getloadavg()
-    print(f"multiplex: {len(vs)} variants x {args.repeats} repeat(s) x {args.steps} steps, {WORLD} ranks "
-          f"({how}); {wait_note()}; results -> {out}", flush=True)
+    print(f"multiplex: {len(mixes)} mixture(s) x {len(vs)} variants x {args.repeats} repeat(s) x {args.steps} steps, "
+          f"{args.world} ranks ({how}); {wait_note()}; results -> {out}", flush=True)
     t0 = time.perf_counter()
-    runs = []
-    for rep in range(args.repeats):
-        for i in range(len(vs)):
-            name, extra = vs[(i + rep) % len(vs)]
-            run_dir = out / "runs" / f"{name}-r{rep}"
-            trace = args.steps if rep == 0 else 0
-            r = run_one(prefix, overrides(demo, run_dir, args.steps, batch, vision, extra, trace), run_dir, args.timeout)
-            r.update(variant=name, repeat=rep, traced=bool(trace), run_dir=str(run_dir))
-            if trace and (run_dir / f"trace_step{trace}.json").exists():
-                shutil.copy(run_dir / f"trace_step{trace}.json", out / f"trace_{name}.json")
-                r["trace_tail_s"] = trace_tail(out / f"trace_{name}.json", r["metrics"], trace)
-            runs.append(r)
-            steps = [m["step_time_s"] for m in r["metrics"] if m["step"] > args.warmup]
-            print(f"  repeat {rep} {name}: rc {r['rc']}, {r['wall_s']:.0f}s wall, median step "
-                  f"{median(steps):.2f}s, CPU share {r['cpu_share']:.2f}; {wait_note()}", flush=True)
     res = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "trace_step": args.steps,
-           "world": WORLD, "layout": LAYOUT, "mix": MIX, "vision": vision, "vision_params_m": vision_params(vision),
+           "world": args.world, "layout": layout, "vision": vision, "vision_params_m": vision_params(vision),
            "global_batch_size": batch, "micro_batch_tokens": MICRO_BATCH_TOKENS, "long_threshold": args.long_threshold,
            "variants": [[n, {k: str(v) for k, v in e.items()}] for n, e in vs], "launcher": how,
-           "command_prefix": " ".join(prefix), "overrides_example": overrides(demo, out / "runs" / "VARIANT", args.steps,
-                                                                                batch, vision, {}, 0),
-           "micro_batches": micro_batches(out / f"trace_{vs[0][0]}.json"),
-           "model_params_m": next((r["params_m"] for r in runs if r["params_m"]), None),
-           "machine_cpus": os.cpu_count(), "runs": runs,
-           "load_avg_start": load_start, "load_avg": os.getloadavg(), "wall_s": time.perf_counter() - t0}
-    res["summary"] = summarise(res)
-    res["loss_check"] = loss_check(res)
+           "command_prefix": " ".join(prefix),
+           "overrides_example": overrides(demo, mixes[0], out / "runs" / "MIX" / "VARIANT", args.steps, batch,
+                                          vision, layout, {}, 0),
+           "machine_cpus": os.cpu_count(), "load_avg_start": load_start, "mixes": {}}
+    for mix in mixes:
+        t_mix = time.perf_counter()
+        res["mixes"][mix] = run_mix(mix, vs, args, prefix, demo, out, vision, batch, layout)
+        res["mixes"][mix]["wall_s"] = time.perf_counter() - t_mix
+    runs = [r for m in res["mixes"].values() for r in m["runs"]]
+    res.update(model_params_m=next((r["params_m"] for r in runs if r["params_m"]), None),
+               load_avg=os.getloadavg(), wall_s=time.perf_counter() - t0)
+    for mix in mixes:
+        res["mixes"][mix].update(summary=summarise(res, mix), loss_check=loss_check(res, mix))
     print(report(res))
     path = save(out, "multiplex" + ("_quick" if args.quick else ""), res)
     print(plot(res, plot_path))
+    print(schedule(res, out, schedule_path))
     print(f"\nwrote {path}, traces {out}/trace_*.json ({res['wall_s']:.0f}s; 1-min load average "
           f"{load_start[0]:.1f} at the start, {res['load_avg'][0]:.1f} at the end, on {os.cpu_count()} CPUs)")
 

@@ -62,7 +62,7 @@ def _check(losses: list[float], ref: list[float], moe: bool) -> None:
         assert abs(ours - want) <= 1e-5 * abs(want), (losses, ref)
 
 
-# torch's interleaved schedules take no encoder insertion: encoders run before the pipeline.
+# torch's zero-bubble schedule takes no encoder insertion: encoders run before the pipeline.
 ENCODER_FIRST = {"multiplex.placement": "encoder_first"}
 
 OPT_IN = [
@@ -72,10 +72,11 @@ OPT_IN = [
     ("dp_replicate=2 x dp_shard=2", 4, dict(dp_replicate=2, dp_shard=2), "demo"),
     ("tp=2", 2, dict(dp_shard=1, tp=2), "demo"),
     *[(f"pp=2 {s}", 2, dict(dp_shard=1, pp=2, pp_schedule=s, pp_virtual_stages=v, **placement), "demo")
-      for s, v, placement in (("gpipe", 1, {}), ("1f1b", 1, {}), ("interleaved_1f1b", 2, ENCODER_FIRST),
+      for s, v, placement in (("gpipe", 1, {}), ("1f1b", 1, {}), ("interleaved_1f1b", 2, {}),
                               ("zero_bubble", 2, ENCODER_FIRST))],
-    ("pp=4 interleaved", 4, dict(dp_shard=1, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
-                                 **ENCODER_FIRST), "demo8"),
+    ("pp=4 interleaved", 4, dict(dp_shard=1, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), "demo8"),
+    ("pp=2 x dp_shard=2 colocated sharded encoders", 4,
+     dict(dp_shard=2, pp=2, **{"multiplex.encoder_weights": "sharded"}), "demo"),
     # Encoder-LLM multiplexing placements and long-short SP on the demo's vision + audio data.
     *[(f"pp=2 x tp=2 x dp_shard=2 {p}", 8, dict(dp_shard=2, tp=2, pp=2, **{"multiplex.placement": p}), "demo")
       for p in ("stage0", "encoder_first")],

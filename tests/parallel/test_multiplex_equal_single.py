@@ -48,7 +48,9 @@ LAYOUTS = {
         # auto threshold with a tiny activation budget (about 12 encoder tokens): memory splits items
         ("tp=2 colocated sp=2, items over the memory budget split", dict(dp_shard=1, tp=2), IMAGE, LONG,
          {"encoder_sp": 2, "encoder_memory_mib": "0.02"}),
-        ("dp_shard=2 colocated sp=2 long items, sharded encoders", dict(dp_shard=2), BOTH, LONG, {**SPLIT, **SHARDED}),
+        # ... and every gradient (LLM and encoders) reduce-scattered once per step
+        ("dp_shard=2 colocated sp=2 long items, sharded encoders, one reduce per step",
+         dict(dp_shard=2, fsdp_reduce_every_microbatch=False), BOTH, LONG, {**SPLIT, **SHARDED}),
         ("cp=2 ring stage0", dict(dp_shard=1, cp=2), IMAGE, {}, {"placement": "stage0"}),
         ("dp_shard=2 colocated, frozen vision + trainable audio, sharded encoders", dict(dp_shard=2), FROZEN_VISION,
          SHORT, SHARDED),

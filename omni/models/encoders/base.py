@@ -31,6 +31,22 @@ from omni.models.attention import segment_attention, segment_ids_from_cu_seqlens
 from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
 
 
+class HostSizes:
+    """Item sizes that stay on the host when passed to a sharded encoder's ``encode_chunk``:
+    FSDP moves a root module's tensor arguments to the device, and encoders read sizes as
+    numbers (a device copy would be read back, a synchronisation). FSDP leaves plain objects
+    alone."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @staticmethod
+    def unwrap(sizes):
+        return sizes.tensor if isinstance(sizes, HostSizes) else sizes
+
+
 class EncoderAnchor(nn.Module):
     """Base class of all encoder plugins. See the module docstring for the contract."""
 
@@ -121,7 +137,8 @@ class EncoderAnchor(nn.Module):
         can treat it as the forward (one gather of the weights per chunk)."""
         from omni.models.encoders.sequence_parallel import encode_chunk
 
-        return encode_chunk(self, features, sizes, long_features, long_sizes, sp_group)
+        return encode_chunk(self, features, HostSizes.unwrap(sizes), long_features, HostSizes.unwrap(long_sizes),
+                            sp_group)
 
     def layer_modules(self) -> List[nn.Module]:
         """The transformer layers, each gathered on its own when the encoder's weights are
