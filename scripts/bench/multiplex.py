@@ -62,13 +62,14 @@ of the timings. The micro-batches per data-parallel rank are counted in the trac
 go to ``--out`` (default /tmp/omni-multiplex-bench, outside the repository); two plots:
 ``--plot`` (default docs/img/multiplex_placements.png: the mean per-rank time split, one panel
 per mixture) and ``--schedule-plot`` (default docs/img/multiplex_schedule.png: the traced step of
-``stage0`` and ``colocated`` on the image-heavy mixture, one row per rank, schedule_plot.py).
+``stage0``, ``colocated`` and ``colocated+sharded`` on the image-heavy mixture, one row per
+rank, schedule_plot.py).
 ``--from-json`` re-prints the tables and redraws both plots from a saved result (the schedule
 plot from the traces next to the JSON).
 
 Defaults: 5 steps, the first 2 dropped, 2 repeats: 5 timed steps per variant and mixture, about
 30 minutes on 2 cores. ``--quick`` (2 steps, none dropped, 1 repeat, 4-layer tower, batch 24, only
-``stage0`` and ``colocated`` unless ``--variants`` says otherwise; about 3.5 minutes) writes both
+the schedule plot's three variants unless ``--variants`` says otherwise; about 5 minutes) writes both
 plots into ``--out``; its one timed step per variant says nothing about speed.
 
     python scripts/bench/multiplex.py [--world 8] [--mixes image_heavy,text_heavy] [--steps 5]
@@ -94,7 +95,7 @@ LAYOUTS = {8: {"parallel.pp": 2, "parallel.tp": 2, "parallel.dp_shard": 2, "para
            4: {"parallel.pp": 2, "parallel.dp_shard": 2, "parallel.pp_schedule": "1f1b"}}
 MIXES = {"image_heavy": {"shapes": 0.8, "tones": 0.1, "text": 0.1},
          "text_heavy": {"shapes": 0.1, "tones": 0.1, "text": 0.8}}
-SCHEDULE_MIX, SCHEDULE_VARIANTS = "image_heavy", ("stage0", "colocated")
+SCHEDULE_MIX, SCHEDULE_VARIANTS = "image_heavy", ("stage0", "colocated", "colocated+sharded")
 # The demo tower is hidden 96, MLP 256, 2 layers, 4 heads, patch 8, <= 64 patches.
 VISION = {"patch_size": 4, "max_patches": 256, "hidden_size": 256, "intermediate_size": 1024,
           "num_hidden_layers": 8, "num_attention_heads": 4}
@@ -520,7 +521,7 @@ def main() -> None:
     if not mixes or any(m not in MIXES for m in mixes):
         p.error(f"--mixes {args.mixes!r}: choose from {', '.join(MIXES)}")
     vs = variants(args.long_threshold)
-    if args.quick and not args.variants:  # a smoke run: the pair the schedule plot shows
+    if args.quick and not args.variants:  # a smoke run: the variants the schedule plot shows
         args.variants = ",".join(SCHEDULE_VARIANTS)
     if args.variants:
         by_name, wanted = dict(vs), [v for v in args.variants.split(",") if v]
