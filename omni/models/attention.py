@@ -4,8 +4,10 @@ A packed row holds several documents (or several images / audio clips for an enc
 Segments are identified by an integer id per token; attention never crosses a segment
 boundary, so a packed row computes exactly what running each segment alone would.
 
-This is the portable PyTorch path (SDPA with a block-diagonal mask). The varlen kernels
-of ``omni.kernels`` plug in behind the same function signature.
+``segment_attention`` is the portable PyTorch path (SDPA with a block-diagonal mask).
+``PackedSegments`` carries the same segments as ``cu_seqlens`` too, so that attention can run on
+the varlen kernels of ``omni.kernels`` (flash-attn or Triton) where they apply, and fall back to
+``segment_attention`` elsewhere (``model.attn_backend``).
 """
 from __future__ import annotations
 
@@ -32,6 +34,42 @@ class ContextParallelSegments:
         from parallel.cp_attention import cp_attention
 
         return cp_attention(q, k, v, self.doc, self.pos, self.group, impl=self.impl, causal=True, scale=scale)
+
+
+def uses_varlen_kernels(backend: str, device: torch.device) -> bool:
+    """Whether ``model.attn_backend`` may pick a varlen kernel on ``device`` (``auto`` does on
+    CUDA only; the PyTorch path needs no ``cu_seqlens``)."""
+    return backend in ("triton", "flash") or (backend == "auto" and torch.device(device).type == "cuda")
+
+
+@dataclass
+class PackedSegments:
+    """The documents (or media items) of one packed row, for ``omni.kernels.varlen_attention``:
+    ``cu_seqlens`` on the device and the longest length on the host (nothing is read back),
+    plus the segment ids the PyTorch path needs. ``backend``: ``model.attn_backend``."""
+
+    ids: torch.Tensor  # int64 [1, T]
+    cu_seqlens: torch.Tensor  # int32 [n + 1], on the row's device
+    max_seqlen: int
+    causal: bool = True
+    backend: str = "auto"
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device, causal: bool, backend: str) -> "PackedSegments":
+        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+        return cls(ids[None].to(device), cu.to(device), max(lengths, default=0), causal, backend)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """q [1, H_q, T, D], k/v [1, H_kv, T, D] -> [1, H_q, T, D]."""
+        from omni.kernels import resolve_backend, varlen_attention
+
+        backend = resolve_backend(self.backend, q)
+        if backend == "sdpa":
+            return segment_attention(q, k, v, self.ids, causal=self.causal, scale=scale)
+        out = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu_seqlens,
+                               self.max_seqlen, causal=self.causal, backend=backend, scale=scale)
+        return out.transpose(0, 1)[None]
 
 
 def segment_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:

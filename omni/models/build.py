@@ -10,6 +10,7 @@ from torch import nn
 from dataloading.media import PLACEHOLDERS, MediaProcessor
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
+from omni.kernels import BACKENDS
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.encoders.registry import build_encoder
 from omni.models.llm import Decoder, DecoderConfig
@@ -71,7 +72,11 @@ def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed
         for m, (name, enc) in built.items()
     }
     frozen = {m for m, (name, _) in built.items() if slots[name].freeze}
-    return OmniModel(llm, encoders, projectors, frozen=frozen)
+    if cfg.attn_backend not in BACKENDS:
+        raise ConfigError(f"model.attn_backend={cfg.attn_backend!r} is not one of {', '.join(BACKENDS)}")
+    model = OmniModel(llm, encoders, projectors, frozen=frozen)
+    model.set_attn_backend(cfg.attn_backend)
+    return model
 
 
 @torch.no_grad()

@@ -12,6 +12,10 @@ class ModelConfig(DecoderConfig):
     # A local Hugging Face checkpoint directory (Llama, Qwen2, Mixtral, Qwen2-MoE). When set,
     # the architecture comes from its config.json and the fields above are ignored.
     pretrained: Optional[str] = None
+    # Attention kernels of the backbone and the encoders (omni.kernels.varlen_attention):
+    # auto (flash-attn if installed, else Triton, on CUDA; PyTorch SDPA on the CPU), triton,
+    # flash or sdpa.
+    attn_backend: str = "auto"
 
 
 @dataclass

@@ -21,7 +21,8 @@ from torch import nn
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from dataloading.context_parallel import local_documents, local_real_tokens
-from omni.models.attention import ContextParallelSegments, segment_ids_from_position_ids
+from omni.models.attention import (ContextParallelSegments, PackedSegments, segment_ids_from_position_ids,
+                                   uses_varlen_kernels)
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.llm import Decoder
 from omni.models.projector import Projector
@@ -49,6 +50,7 @@ class ParallelRuntime:
     cp_size: int = 1
     cp_impl: str = "ring"
     checkpoint: str = "none"  # activation checkpointing: none | selective | full
+    attn_backend: str = "auto"  # model.attn_backend (omni.kernels.varlen_attention)
     # Each micro-batch's router loss is weighted by this (1 / micro-batches in the global batch)
     # and its gradient attached where it is computed; None keeps the single-process contract of
     # returning aux_loss for the caller to add.
@@ -117,6 +119,12 @@ class OmniModel(nn.Module):
     def modalities(self) -> list[str]:
         return list(self.encoders.keys())
 
+    def set_attn_backend(self, backend: str) -> None:
+        """``model.attn_backend`` for the backbone and every encoder."""
+        self.runtime.attn_backend = backend
+        for enc in self.encoders.values():
+            enc.attn_backend = backend
+
     # -- pipeline stages --------------------------------------------------------------------
     def keep_stage(self, layer_ids: list[int], first: bool, last: bool) -> None:
         """Delete everything stage (``layer_ids``, first?, last?) does not run. The last stage of
@@ -137,9 +145,12 @@ class OmniModel(nn.Module):
         self.runtime.first_stage, self.runtime.last_stage = first, last
 
     # -- inputs -------------------------------------------------------------------------------
-    def prepare(self, mb: MicroBatch, global_targets: float = 1.0, real_tokens: int | None = None) -> Prepared:
+    def prepare(self, mb: MicroBatch, global_targets: float = 1.0, real_tokens: int | None = None,
+                max_seqlen: int | None = None) -> Prepared:
         """Positions, attention segments and the real-token mask of a (possibly CP-sliced or
-        padded) micro-batch. ``real_tokens``: the row's first tokens that are not step padding."""
+        padded) micro-batch. ``real_tokens``: the row's first tokens that are not step padding.
+        ``max_seqlen``: its longest document, known on the host (read from ``mb.cu_seqlens``
+        when not given) — the varlen attention kernels need it."""
         rt = self.runtime
         position_ids = mb.position_ids[None]
         t = mb.input_ids.numel()
@@ -150,6 +161,10 @@ class OmniModel(nn.Module):
             mask = local_real_tokens(mb.cp, t)[None]
         else:
             segments = segment_ids_from_position_ids(position_ids)
+            if uses_varlen_kernels(rt.attn_backend, mb.input_ids.device):
+                if max_seqlen is None:
+                    max_seqlen = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max()) if t else 0
+                segments = PackedSegments(segments, mb.cu_seqlens.to(torch.int32), max_seqlen, True, rt.attn_backend)
             if real_tokens is not None and real_tokens < t:
                 mask = (torch.arange(t, device=mb.input_ids.device) < real_tokens)[None]
         return Prepared(mb, position_ids, segments, mask, global_targets)
@@ -214,9 +229,7 @@ class OmniModel(nn.Module):
         h = self.llm.embed(p.mb.input_ids)[None]
         if self.runtime.tp_mesh is not None:
             h = scatter_to_sequence_shards(h, self.runtime.tp_mesh)
-        for rows, positions in self.multiplexer.embeddings(p.index).values():
-            h = h[0].index_copy(0, positions, rows.to(h.dtype))[None]
-        return h
+        return self.multiplexer.write_embeddings(p.index, h[0])[None]
 
     def _zero_touch(self, modalities: list[str]) -> torch.Tensor:
         """0 x the trainable weights of encoders this micro-batch does not use: they get zero

@@ -37,6 +37,7 @@ from torch import nn
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
 from dataloading.encoder_plan import ChunkPlan, ItemMeta, MediaManifest, describe_media, plan_chunk
+from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.runtime.media_tower import MediaTower
@@ -276,6 +277,18 @@ class Multiplexer:
             raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
                                f"placement {self.cfg.placement})")
         return {m: (chunk.recv.index_select(0, idx), chunk.positions[m]) for m, idx in chunk.need_idx.items()}
+
+    def write_embeddings(self, j: int, embeds: torch.Tensor) -> torch.Tensor:
+        """``embeds`` [T, H] (this rank's row or TP shard of micro-batch j) with the received
+        encoder rows written at their placeholders: one fused gather-and-scatter per modality
+        (``omni.kernels.reshard.scatter_rows``; its PyTorch reference off the GPU)."""
+        chunk = self._chunks.get(j)
+        if chunk is None or chunk.recv is None:
+            raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
+                               f"placement {self.cfg.placement})")
+        for m, idx in chunk.need_idx.items():
+            embeds = scatter_rows(embeds, chunk.recv, idx, chunk.positions[m])
+        return embeds
 
     # -- one chunk forward / backward ---------------------------------------------------------
     def _forward(self, j: int) -> None:

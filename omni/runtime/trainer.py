@@ -115,7 +115,9 @@ class Trainer:
 
     def _prepare(self, row: tuple[MicroBatch, int], global_targets: float) -> Prepared:
         mb, real = row
-        return self.model.prepare(mb.to(self.device), global_targets, real_tokens=real)
+        lengths = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
+        longest = int(lengths.max()) if lengths.numel() else 0  # on the host, for the varlen kernels
+        return self.model.prepare(mb.to(self.device), global_targets, real_tokens=real, max_seqlen=longest)
 
     def _span(self, kind: str, name: str):
         tl = self.pm.timeline

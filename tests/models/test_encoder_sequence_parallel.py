@@ -101,11 +101,13 @@ def _short_items(kind: str, rank: int):
     return [MIXED[kind][2], TINY[kind][0]][: max(0, 2 - rank)]
 
 
-def _check_chunk(kind: str, rank: int, world: int) -> None:
+def _check_chunk(kind: str, rank: int, world: int, backend: str = "sdpa") -> None:
     """One pass with this member's short items (different per member, none on the last) and
     the shared long items: the short rows equal the plain encoder on them, the long rows are
-    this member's pieces, and the gradients summed over members equal the single process's."""
+    this member's pieces, and the gradients summed over members equal the single process's.
+    ``backend``: the short items' attention (``triton``: the varlen kernel, interpreted)."""
     enc = _encoder(kind)
+    reference_backend = enc.attn_backend
     long_f, long_s = _inputs(enc, MIXED[kind][:2], seed=3)
     weights = {}
     ref_grads = None
@@ -120,6 +122,8 @@ def _check_chunk(kind: str, rank: int, world: int) -> None:
     (ref_long * w_long).sum().backward()
     ref_grads = _grads(enc)
     enc.zero_grad(set_to_none=True)
+    assert reference_backend == "auto"  # the reference ran the PyTorch path (CPU)
+    enc.attn_backend = backend
 
     short_f, short_s, want_short, w = weights[rank]
     out = encode_chunk(enc, short_f, short_s, long_f, long_s, None)
@@ -142,6 +146,8 @@ def _worker(rank: int, world: int) -> None:
         _check_case(kind, MIXED[kind], rank, world)
         _check_case(kind, TINY[kind], rank, world)
         _check_chunk(kind, rank, world)
+        if world == 2:
+            _check_chunk(kind, rank, world, backend="triton")
         _check_head_error(kind, world)
 
 

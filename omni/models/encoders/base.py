@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni.models.attention import segment_attention, segment_ids_from_cu_seqlens
+from omni.models.attention import (PackedSegments, segment_attention, segment_ids_from_cu_seqlens,
+                                   uses_varlen_kernels)
 from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
 
 
@@ -62,6 +63,8 @@ class EncoderAnchor(nn.Module):
     #: True when the encoder implements embed_inputs / encode_tokens / finish / attention_heads,
     #: so a long item can be split over a Ulysses group (sequence_parallel.encode_long_items).
     supports_sequence_parallel: ClassVar[bool] = False
+    #: ``model.attn_backend`` (set by the model builder): how items attend within themselves.
+    attn_backend: str = "auto"
 
     def __init__(self, config: Any):
         super().__init__()
@@ -102,7 +105,14 @@ class EncoderAnchor(nn.Module):
         x, tokens = self.embed_inputs(features, sizes)
         if not tokens:  # no items: nothing to attend over, but keep the tail in the graph
             return self.finish(x)
-        return self.finish(self.encode_tokens(x, packed_segment_ids(tokens, x.device)))
+        return self.finish(self.encode_tokens(x, self.item_attention(tokens, x.device)))
+
+    def item_attention(self, tokens: Sequence[int], device: torch.device) -> "AttentionSpec":
+        """How packed items of ``tokens`` attend within themselves: segment ids for the PyTorch
+        path, or the varlen kernels' ``PackedSegments`` (``attn_backend``)."""
+        if not tokens or not uses_varlen_kernels(self.attn_backend, device):
+            return packed_segment_ids(tokens, device)
+        return PackedSegments.from_lengths(list(tokens), device, causal=False, backend=self.attn_backend)
 
     # --- the steps of forward (optional; needed for sequence parallelism) -------------------
     def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from dataloading.encoder_plan import piece_bounds  # the routing plan uses the same pieces
-from omni.models.attention import segment_attention
-from omni.models.encoders.base import EncoderAnchor, packed_segment_ids
+from omni.models.attention import PackedSegments, segment_attention
+from omni.models.encoders.base import EncoderAnchor
 
 
 @dataclass
@@ -128,12 +128,12 @@ def _encode(encoder, features, sizes, long_features, long_sizes, group) -> Tuple
         if has_long:
             xs, tokens = torch.cat([xs, xl]), tokens + long_tokens
         x = _layer_input(encoder, xs)
-        return encoder.finish(encoder.encode_tokens(x, packed_segment_ids(tokens, xs.device))), long_tokens
+        return encoder.finish(encoder.encode_tokens(x, encoder.item_attention(tokens, xs.device))), long_tokens
     check_sequence_parallel(encoder, sp)
     src, dst, doc, pos, t_loc, _ = _local_layout(long_tokens, sp, member, xl.device)
     pieces = xl.new_zeros(t_loc, xl.shape[1]).index_copy(0, dst, xl.index_select(0, src))
     n_short = xs.shape[0]
-    attention = _ShortAndLong(n_short, packed_segment_ids(tokens, xs.device),
+    attention = _ShortAndLong(n_short, encoder.item_attention(tokens, xs.device),
                               _UlyssesItems(doc[None], pos[None], group))
     out = encoder.finish(encoder.encode_tokens(_layer_input(encoder, torch.cat([xs, pieces])), attention))
     return torch.cat([out[:n_short], out[n_short:].index_select(0, dst)]), long_tokens
@@ -141,17 +141,21 @@ def _encode(encoder, features, sizes, long_features, long_sizes, group) -> Tuple
 
 @dataclass
 class _ShortAndLong:
-    """Attention over a row of ``n_short`` tokens of whole items (segment ids ``short_ids``,
-    None for at most one item) followed by this member's pieces of long items (Ulysses)."""
+    """Attention over a row of ``n_short`` tokens of whole items (``short``) followed by this
+    member's pieces of long items (Ulysses)."""
 
     n_short: int
-    short_ids: Optional[torch.Tensor]
+    short: object  # segment ids [n_short] or None (PyTorch path), or PackedSegments (varlen kernels)
     long: _UlyssesItems
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         n = self.n_short
-        seg = None if self.short_ids is None else self.short_ids[None]
-        short = segment_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], seg, causal=False, scale=scale)
+        qs, ks, vs = q[:, :, :n], k[:, :, :n], v[:, :, :n]
+        if isinstance(self.short, PackedSegments):
+            short = self.short.attend(qs, ks, vs, scale)
+        else:
+            seg = None if self.short is None else self.short[None]
+            short = segment_attention(qs, ks, vs, seg, causal=False, scale=scale)
         return torch.cat([short, self.long.attend(q[:, :, n:], k[:, :, n:], v[:, :, n:], scale)], dim=2)
 
 

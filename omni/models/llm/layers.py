@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..attention import ContextParallelSegments, segment_attention
+from ..attention import ContextParallelSegments, PackedSegments, segment_attention
 from .config import DecoderConfig
 from .moe import MoE
 from .rope import apply_rotary
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, *cos_sin)
-        if isinstance(segment_ids, ContextParallelSegments):  # this rank holds zig-zag chunks of the row
+        if isinstance(segment_ids, (ContextParallelSegments, PackedSegments)):  # CP chunks / varlen kernels
             out = segment_ids.attend(q, k, v, scale=self.head_dim**-0.5)
         else:
             out = segment_attention(q, k, v, segment_ids, causal=True, scale=self.head_dim**-0.5)
