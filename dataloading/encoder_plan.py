@@ -136,6 +136,90 @@ def piece_bounds(n_tokens: int, sp: int, member: int) -> tuple[int, int]:
     return lo, min(lo + c, n_tokens)
 
 
+@dataclass
+class Assignment:
+    """Who encodes what in one chunk (``assign_items``): the part of the plan that decides the
+    work; ``plan_chunk`` adds the routes. The scale simulator (``omni.sim``) uses it alone."""
+
+    placed: dict[tuple, int]  # short item key -> rank
+    long_of_block: dict[int, list[ItemMeta]]  # SP block -> its long items
+    block_of: dict[tuple, int]  # long item key -> SP block
+    loads: np.ndarray  # [world] planned cost per rank (base loads included)
+    memory: dict[tuple, float]  # item key -> estimated activation bytes (when a limit is set)
+    sp: int
+
+    def block(self, b: int) -> list[int]:
+        return list(range(b * self.sp, (b + 1) * self.sp))
+
+
+def assign_items(
+    items: Sequence[ItemMeta],
+    group_of: Sequence[int],
+    world: int,
+    cost: CostModel,
+    sp: int = 1,
+    long_threshold: int | None = None,
+    sp_modalities: Sequence[str] = (),
+    eligible: Mapping[int, Sequence[int]] | None = None,
+    item_bytes: Callable[[str, int], float | None] | None = None,
+    memory_limit: float | None = None,
+    base_loads: Sequence[float] | None = None,
+) -> Assignment:
+    """The long-short split and the balancing of ``plan_chunk`` (its docstring has the
+    arguments). ``base_loads``: cost each rank already carries (e.g. earlier chunks of the step)
+    that the balancing evens out too; None: zeros."""
+    if sp < 1 or world % sp:
+        raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
+    group_arr = np.asarray(group_of, dtype=np.int64)
+    groups = sorted(set(group_of))
+    allowed = {g: np.arange(world) if eligible is None else np.asarray(sorted(eligible[g]), dtype=np.int64)
+               for g in groups}
+    costs = {it.key: float(cost.media_cost(it.modality, it.tokens)) for it in items}
+    total = sum(costs.values())
+    share = total / world if world else 0.0
+    n_blocks = world // sp
+    memory = {it.key: _bytes(item_bytes, it) for it in items} if memory_limit is not None else {}
+
+    def is_long(it: ItemMeta) -> bool:
+        if sp == 1 or it.modality not in sp_modalities or it.tokens < sp:
+            return False
+        if long_threshold is None:
+            return costs[it.key] > share or (bool(memory) and memory[it.key] > memory_limit)
+        return it.tokens > long_threshold
+
+    loads = np.zeros(world) if base_loads is None else np.asarray(base_loads, dtype=np.float64).copy()
+    order = sorted(items, key=lambda it: (-costs[it.key], it.key))
+    long_of_block: dict[int, list[ItemMeta]] = {}
+    block_of: dict[tuple, int] = {}
+    placed: dict[tuple, int] = {}
+    block_ok: dict[int, np.ndarray] = {}
+    # Long items first (each fills a whole SP block), then the short ones fill in around them.
+    for it in [it for it in order if is_long(it)] + [it for it in order if not is_long(it)]:
+        if it.key not in placed and is_long(it):  # onto the SP block whose busiest member is least loaded
+            if it.group not in block_ok:
+                ok = np.zeros(world, dtype=bool)
+                ok[allowed[it.group]] = True
+                block_ok[it.group] = np.flatnonzero(ok.reshape(n_blocks, sp).all(axis=1))
+            ok_blocks = block_ok[it.group]
+            if ok_blocks.size == 0:
+                raise ValueError(f"no encoder SP block of {sp} ranks may encode group {it.group}'s {it.modality} "
+                                 f"items; lower multiplex.encoder_sp")
+            busiest = loads.reshape(n_blocks, sp).max(axis=1)[ok_blocks]
+            b = int(ok_blocks[int(np.argmin(busiest))])  # argmin: the lowest block among ties
+            long_of_block.setdefault(b, []).append(it)
+            block_of[it.key] = b
+            loads[b * sp:(b + 1) * sp] += costs[it.key] / sp
+        else:  # onto the least-loaded eligible rank, preferring one that holds the features
+            cand = allowed[it.group]
+            cl = loads[cand]
+            ties = cand[cl == cl.min()]
+            local = ties[group_arr[ties] == it.group]
+            r = int(local[0] if local.size else ties[0])
+            placed[it.key] = r
+            loads[r] += costs[it.key]
+    return Assignment(placed, long_of_block, block_of, loads, memory, sp)
+
+
 def plan_chunk(
     items: Sequence[ItemMeta],
     needs: Mapping[int, Mapping[str, np.ndarray]],
@@ -148,6 +232,7 @@ def plan_chunk(
     eligible: Mapping[int, Sequence[int]] | None = None,
     item_bytes: Callable[[str, int], float | None] | None = None,
     memory_limit: float | None = None,
+    base_loads: Sequence[float] | None = None,
 ) -> ChunkPlan:
     """Plan one encoder chunk over ranks ``0..world-1`` (indices into the exchange group).
 
@@ -158,53 +243,19 @@ def plan_chunk(
     ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an item
     whose cost alone exceeds the chunk's balanced share per rank, or whose activations
     ``item_bytes(modality, tokens)`` exceed ``memory_limit`` bytes). Only ``sp_modalities``
-    can be split.
+    can be split. ``base_loads``: see ``assign_items``.
     """
-    if sp < 1 or world % sp:
-        raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
+    a = assign_items(items, group_of, world, cost, sp, long_threshold, sp_modalities, eligible, item_bytes,
+                     memory_limit, base_loads)
     plans = [RankPlan() for _ in range(world)]
     holders: dict[int, list[int]] = {}
     for r, g in enumerate(group_of):
         holders.setdefault(g, []).append(r)
-    allowed = {g: list(range(world)) if eligible is None else sorted(eligible[g]) for g in holders}
-    costs = {it.key: float(cost.media_cost(it.modality, it.tokens)) for it in items}
-    total = sum(costs.values())
-    share = total / world if world else 0.0
-    blocks = [list(range(b * sp, (b + 1) * sp)) for b in range(world // sp)]
-
-    memory = {it.key: _bytes(item_bytes, it) for it in items} if memory_limit is not None else {}
-
-    def is_long(it: ItemMeta) -> bool:
-        if sp == 1 or it.modality not in sp_modalities or it.tokens < sp:
-            return False
-        if long_threshold is None:
-            return costs[it.key] > share or (bool(memory) and memory[it.key] > memory_limit)
-        return it.tokens > long_threshold
-
-    loads = np.zeros(world)
-    order = sorted(items, key=lambda it: (-costs[it.key], it.key))
-    long_items = [it for it in order if is_long(it)]
-    short_items = [it for it in order if not is_long(it)]
-    long_of_block: dict[int, list[ItemMeta]] = {}
-    block_of: dict[tuple, int] = {}
-    for it in long_items:  # each onto the block whose busiest member is least loaded
-        ok = [b for b, members in enumerate(blocks) if all(m in allowed[it.group] for m in members)]
-        if not ok:
-            raise ValueError(f"no encoder SP block of {sp} ranks may encode group {it.group}'s {it.modality} items; "
-                             f"lower multiplex.encoder_sp")
-        b = min(ok, key=lambda b: (max(loads[m] for m in blocks[b]), b))
-        long_of_block.setdefault(b, []).append(it)
-        block_of[it.key] = b
-        loads[blocks[b]] += costs[it.key] / sp
-    placed: dict[tuple, int] = {}
-    for it in short_items:
-        cand = allowed[it.group]
-        best = min(loads[r] for r in cand)
-        ties = [r for r in cand if loads[r] == best]
-        local = [r for r in ties if group_of[r] == it.group]
-        r = (local or ties)[0]
-        placed[it.key] = r
-        loads[r] += costs[it.key]
+    placed, long_of_block, block_of, memory = a.placed, a.long_of_block, a.block_of, a.memory
+    blocks = [a.block(b) for b in range(world // sp)]
+    loads = a.loads
+    own = loads - (np.asarray(base_loads, dtype=np.float64) if base_loads is not None else 0.0)
+    long_items = [it for its in long_of_block.values() for it in its]
 
     by_key = {it.key: it for it in items}
     # Features: who sends what to whom.
@@ -230,7 +281,7 @@ def plan_chunk(
     # Who encodes what, and the local output tables.
     row_home: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(rank, lo, table offset of lo)]
     for r, p in enumerate(plans):
-        p.load = float(loads[r])
+        p.load = float(own[r])
         b = r // sp
         p.sp_block = b if b in long_of_block else None
         offset = 0
@@ -286,10 +337,10 @@ def plan_chunk(
             item = np.searchsorted(st, rows, side="right") - 1
             p.need_index[m] = np.asarray([where[(m, g, i, r - int(st[i]))] for r, i in zip(rows.tolist(), item.tolist())],
                                          dtype=np.int64)
-    mean = loads.mean() if world else 0.0
+    mean = own.mean() if world else 0.0
     over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > memory_limit) \
         if memory else 0
-    return ChunkPlan(plans, len(long_items), float(loads.max() / mean) if mean > 0 else 1.0, over)
+    return ChunkPlan(plans, len(long_items), float(own.max() / mean) if mean > 0 else 1.0, over)
 
 
 def _bytes(item_bytes, it: ItemMeta) -> float:

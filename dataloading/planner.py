@@ -99,11 +99,21 @@ class SourceTable:
         self.tokens = np.zeros(n, dtype=np.int64)
         self.media_cost = np.zeros(n)
         self.num_media = np.zeros(n, dtype=np.int64)
+        # Every media item's (modality, encoder tokens), flat: sample i's are
+        # [media_start[i], media_start[i] + num_media[i]) (what the scale simulator replays).
+        self.media_start = np.zeros(n, dtype=np.int64)
+        flat_tokens: list[int] = []
+        flat_modality: list[str] = []
         for i, meta in enumerate(index.samples):
             items = media_tokens(meta, self.processors, where)
             self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
             self.media_cost[i] = sum(float(cost.media_cost(m, k)) for (m, _), k in zip(meta.media, items))
             self.num_media[i] = len(items)
+            self.media_start[i] = len(flat_tokens)
+            flat_tokens += items
+            flat_modality += [m for m, _ in meta.media]
+        self.media_tokens = np.asarray(flat_tokens, dtype=np.int64)
+        self.media_modality = flat_modality
         self.cost = np.asarray(cost.llm_cost(self.tokens)) + self.media_cost
         self.keys = [meta.key for meta in index.samples]
 
@@ -319,6 +329,18 @@ class Planner:
         samples = [f"{n}/{self.tables[n].key(i)}" for n, i in picked]
         return StepPlan(step, ranks, arr.rank_cost.tolist(), arr.rank_tokens.tolist(), arr.stats(cost_arr),
                         counts, samples, skipped, dict(zip(ids, costs)), dict(zip(ids, tokens)))
+
+    def unit_media(self, unit_id: str) -> list[tuple[str, int]]:
+        """A unit's media items as (modality, encoder tokens); a split sample's go with its first
+        piece, as its cost does."""
+        sid, piece = split_piece(unit_id)
+        if piece:
+            return []
+        name, key = sid.split("/", 1)
+        t = self.tables[name]
+        i = self._key_pos(name)[key]
+        lo, n = int(t.media_start[i]), int(t.num_media[i])
+        return [(t.media_modality[k], int(t.media_tokens[k])) for k in range(lo, lo + n)]
 
     def sample_tokens(self, sample_id: str) -> int:
         name, key = split_piece(sample_id)[0].split("/", 1)

@@ -1,4 +1,5 @@
-"""The ``omni`` command line: ``omni train``, ``omni data demo|index``, ``omni plugins``."""
+"""The ``omni`` command line: ``omni train``, ``omni data demo|index|plan|calibrate``, ``omni simulate``,
+``omni plan``, ``omni plugins``."""
 from __future__ import annotations
 
 import argparse
@@ -86,14 +87,55 @@ def _data_parsers(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--out", default="cost.yaml", help="where to write the fitted cost model (default cost.yaml)")
 
 
+SIM_EPILOG = """\
+overrides: as for `omni train` (model=, encoders/vision=, parallel.*, multiplex.*), plus
+  workload=A|B|C|D     MegaScale-Omni's workloads (model, cluster, layout, batch)
+  cluster=h100|h200|a100|l20   cluster.num_gpus=N   cluster.gemm_efficiency=...
+  data.image_ratio=0.9 data.global_batch_size=... data.source=mixture data.mixture=mix.yaml
+  sim.placements=[colocated,stage0]   sim.calibration=fit.yaml   sim.encoder_gpus=N
+
+examples:
+  omni simulate workload=C data.image_ratio=0.9
+  omni simulate workload=D parallel.pp=16 --json | jq .placements.colocated.mfu
+  omni simulate --calibrate run/trace_step3.json --out fit.yaml <the run's overrides>
+  omni plan workload=B cluster=h200
+"""
+
+
+def _sim_parsers(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser(
+        "simulate", help="predict step time, MFU, bubbles and memory per placement on a (large) cluster",
+        description="Simulate training steps of a model on a cluster without running them: the real schedule "
+                    "and planners, per-op times from FLOPs and bytes (docs/simulate.md).",
+        epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=C data.image_ratio=0.9")
+    sim.add_argument("--json", action="store_true", help="print one JSON object (placements -> figures)")
+    sim.add_argument("--calibrate", metavar="TRACE",
+                     help="fit the cluster's efficiency factors to a measured Chrome trace of `omni train` "
+                          "(multiplex.trace_step=N) run with the same overrides")
+    sim.add_argument("--out", metavar="FILE", help="with --calibrate: write the fitted factors here "
+                                                    "(use them with sim.calibration=FILE)")
+    plan = sub.add_parser(
+        "plan", help="search layouts for a model, cluster and mixture; print the best (and why others lost)",
+        description="Search dp_replicate, dp_shard, tp, pp, virtual stages, cp, ep, micro-batch tokens, encoder SP, "
+                    "long threshold and activation checkpointing under the memory limit; rank by simulated "
+                    "throughput (docs/simulate.md).",
+        epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=B cluster=h200")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (ranked layouts, rejections)")
+    plan.add_argument("--top", type=int, default=None, help="layouts to show (default sim.top_k)")
+    plan.add_argument("--placement", default="colocated", help="placement to plan for (default colocated)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni",
         description="Omni: train multimodal LLMs under dynamic workloads.",
     )
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{train,data,plugins}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{train,data,simulate,plan,plugins}")
     _train_parser(sub)
     _data_parsers(sub)
+    _sim_parsers(sub)
     sub.add_parser("plugins", help="list registered plugins (encoders) and where they come from")
     return parser
 
@@ -119,6 +161,14 @@ def _run(args: argparse.Namespace) -> int:
             return calibrate_main(args.overrides, micro_batches=args.micro_batches, repeats=args.repeats,
                                   out=args.out)
         return index_main(args.folder, workers=args.workers)
+    if args.cmd == "simulate":
+        from recipes.simulate_cmd import simulate_main
+
+        return simulate_main(args.overrides, as_json=args.json, calibrate=args.calibrate, out_file=args.out)
+    if args.cmd == "plan":
+        from recipes.simulate_cmd import plan_main
+
+        return plan_main(args.overrides, as_json=args.json, top=args.top, placement=args.placement)
     if args.cmd == "plugins":
         from recipes.plugins_cmd import plugins_main
 

@@ -30,5 +30,8 @@ class OmniConfig:
 
 def register_configs() -> None:
     """Idempotent: ConfigStore replaces entries with the same name."""
+    from omni.sim.config import SimConfig
+
     cs = ConfigStore.instance()
     cs.store(name="omni_schema", node=OmniConfig)
+    cs.store(name="omni_sim_schema", node=SimConfig)  # omni simulate / omni plan

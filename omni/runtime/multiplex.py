@@ -41,7 +41,7 @@ from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.runtime.media_tower import MediaTower
-from parallel.layout import Layout, LayoutError, host_group
+from parallel.layout import Layout, LayoutError, Sizes, host_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import exchange_rows
 
@@ -88,7 +88,7 @@ class Multiplexer:
         self.cfg, self.layout, self.cost, self.timeline = cfg, layout, cost, timeline
         self.tower, self.hidden_size = tower, hidden_size
         self.device = layout.device
-        self.members = encoder_ranks(layout, cfg.placement)
+        self.members = encoder_ranks(layout.sizes, cfg.placement)
         self.active = layout.rank in self.members
         self.index = self.members.index(layout.rank) if self.active else -1
         coords = [sizes.coords(r) for r in range(layout.world_size)]
@@ -191,10 +191,16 @@ class Multiplexer:
                 eligible.setdefault(g, []).append(i)
         indices = _IndexUpload(self.device)
         self._last_backward = {}
+        # Each chunk is balanced on top of the step's earlier ones, so that the same ranks do not
+        # take the first items of every chunk (their encoder activations would pile up until
+        # the chunks' backwards).
+        carried = np.zeros(len(self.members))
         for j in range(n):
             plan = plan_chunk(self.media.items[j], needs_by_chunk[j], self.group_of, len(self.members), self.cost,
                               sp=self.sp, long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
-                              eligible=eligible, item_bytes=self._item_bytes, memory_limit=self.memory_limit)
+                              eligible=eligible, item_bytes=self._item_bytes, memory_limit=self.memory_limit,
+                              base_loads=carried)
+            carried = carried + np.asarray([rp.load for rp in plan.ranks])
             chunk = self._chunks[j] = _Chunk(plan)
             rp = plan.ranks[self.index]
             indices.add(chunk, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
@@ -224,15 +230,7 @@ class Multiplexer:
         return media
 
     def _action_list(self, n: int) -> list[tuple[str, int]]:
-        """F k at cut k; B j at the first cut after stage 0's backward of j (encoder_first: all
-        after the pipeline). The same list on every rank."""
-        ready = [None] * n if self.cfg.placement == "encoder_first" else self.backward_cuts(n)
-        acts = []
-        for k in range(n):
-            acts += [("B", j) for j in range(n) if ready[j] == k]
-            acts.append(("F", k))
-        done = {j for a, j in acts if a == "B"}
-        return acts + [("B", j) for j in range(n) if j not in done]
+        return encoder_actions(self.cfg.placement, n, self.backward_cuts(n))
 
     # -- insertion points ----------------------------------------------------------------
     def cut(self, k: int) -> None:
@@ -390,10 +388,24 @@ class Multiplexer:
                 "encoder_over_memory_items": float(s.over_memory)}
 
 
-def encoder_ranks(layout: Layout, placement: str) -> list[int]:
+def encoder_actions(placement: str, n: int, backward_cuts: list[int | None]) -> list[tuple[str, int]]:
+    """The encoder chunks' forwards and backwards of a step, in the order every encoder rank
+    runs them: ("F", k) at cut k; ("B", j) at the first cut after stage 0's backward of
+    micro-batch j (``backward_cuts[j]``; None: after the pipeline); encoder_first: every forward
+    before the pipeline, every backward after it. The simulator (``omni.sim``) replays the same
+    list."""
+    ready = [None] * n if placement == "encoder_first" else backward_cuts
+    acts = []
+    for k in range(n):
+        acts += [("B", j) for j in range(n) if ready[j] == k]
+        acts.append(("F", k))
+    done = {j for a, j in acts if a == "B"}
+    return acts + [("B", j) for j in range(n) if j not in done]
+
+
+def encoder_ranks(sizes: Sizes, placement: str) -> list[int]:
     """The ranks that run encoder work: every rank, or the first pipeline stage's (stage0)."""
-    sizes = layout.sizes
-    return [r for r in range(layout.world_size) if placement != "stage0" or sizes.coords(r)["pp"] == 0]
+    return [r for r in range(sizes.world) if placement != "stage0" or sizes.coords(r)["pp"] == 0]
 
 
 def _memory_budget(setting: str, layout: Layout) -> float | None:

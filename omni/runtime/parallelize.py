@@ -179,7 +179,7 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
     """The multiplexing runtime, fed by the first stage's chunk, and the encoder weights on
     every rank that encodes: replicated, with gradients summed over those ranks (a rank
     without media adds zeros: no dilution), or FSDP-sharded over them (FSDP reduces)."""
-    active = layout.rank in encoder_ranks(layout, cfg.placement)
+    active = layout.rank in encoder_ranks(layout.sizes, cfg.placement)
     sharded = cfg.encoder_weights == "sharded"
     # Every rank builds the mesh (it creates process groups), encoder rank or not.
     mesh = encoder_mesh(layout, first_stage_only=cfg.placement == "stage0") if sharded else None

@@ -152,19 +152,24 @@ class Decoder(nn.Module):
     def num_active_params(self) -> int:
         """Parameters one token multiplies through (the embedding lookup is free, the LM head is
         not; a MoE layer counts only its top-k experts)."""
+        return self.config.hidden_size * self.config.vocab_size + sum(self.active_params_per_layer())
+
+    def active_params_per_layer(self) -> list[int]:
+        """Of ``num_active_params``, each decoder layer's share."""
         c = self.config
         h, d = c.hidden_size, c.resolved_head_dim()
         attn = h * c.num_heads * d * 2 + h * c.num_kv_heads * d * 2
-        total = h * c.vocab_size
+        out = []
         for i in range(c.num_layers):
-            total += attn
+            n = attn
             if c.is_moe_layer(i):
-                total += h * c.num_experts + c.num_experts_per_tok * 3 * h * c.expert_intermediate_size()
+                n += h * c.num_experts + c.num_experts_per_tok * 3 * h * c.expert_intermediate_size()
                 if c.shared_expert_intermediate_size:
-                    total += 3 * h * c.shared_expert_intermediate_size + h
+                    n += 3 * h * c.shared_expert_intermediate_size + h
             else:
-                total += 3 * h * c.intermediate_size
-        return total
+                n += 3 * h * c.intermediate_size
+            out.append(n)
+        return out
 
     def num_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token for MFU: 6 * active params (forward 2, backward 4) plus the

@@ -1,0 +1,99 @@
+"""Knobs of ``omni simulate`` and ``omni plan``: the cluster (``cluster`` group, presets in
+``conf/cluster/``), the simulated data (``data``) and the simulator's own options (``sim``).
+
+The model, encoders, parallel and multiplex groups are the training config's own, so a layout
+the simulator likes is a layout ``omni train`` accepts unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from omni.models.config import EncoderSlot, ModelConfig
+from omni.runtime.config import MultiplexConfig
+from parallel.config import ParallelConfig
+
+PLACEMENTS = ("colocated", "stage0", "encoder_first", "disaggregated")
+
+
+@dataclass
+class ClusterConfig:
+    """One kind of GPU and how the GPUs are wired. Bandwidths in GB/s (1e9 bytes), one
+    direction, per GPU."""
+
+    name: str = "h100"
+    num_gpus: int = 64
+    gpus_per_node: int = 8
+    peak_tflops: float = 989.0  # dense bf16 tensor-core peak, TFLOP/s
+    hbm_gib: float = 80.0
+    hbm_gbps: float = 3350.0
+    nvlink_gbps: float = 450.0  # inside a node
+    nvlink_latency_us: float = 5.0
+    net_gbps: float = 50.0  # between nodes (one 400 Gb/s NIC per GPU)
+    net_latency_us: float = 15.0
+    # Fractions of the peaks real kernels reach; `omni simulate --calibrate TRACE` fits them.
+    gemm_efficiency: float = 0.8
+    attention_efficiency: float = 0.6
+    memory_efficiency: float = 0.75
+    comm_efficiency: float = 0.7
+    # Fixed time per kernel-sized op (launch, synchronisation), microseconds.
+    op_overhead_us: float = 8.0
+    # Memory a GPU cannot give to tensors (CUDA context, NCCL buffers, fragmentation), GiB.
+    memory_reserve_gib: float = 5.0
+
+
+@dataclass
+class SimDataConfig:
+    """The mixture a simulated step draws. ``source=lengths``: samples from the distributions
+    below; ``source=mixture``: the samples of a real mixture YAML, drawn by the data plane's
+    planner from its index (lengths only: no shard is opened)."""
+
+    source: str = "lengths"
+    mixture: Optional[str] = None
+    tokenizer: str = "byte"  # source=mixture: as training's data.tokenizer
+    # Samples per optimizer step and the packing budget, as in training's `data` group.
+    global_batch_size: int = 256
+    micro_batch_tokens: int = 16384
+    # LLM tokens per sample (text + image tokens): log-normal around the mean (sigma 0: fixed).
+    sample_tokens: int = 2048
+    sample_tokens_sigma: float = 0.5
+    # Share of the LLM tokens that come from images: 0.9 is a 9:1 image:text mix.
+    image_ratio: float = 0.5
+    # Encoder tokens per image (= LLM tokens, one per patch), log-uniform in [min, max].
+    image_tokens_min: int = 256
+    image_tokens_max: int = 2048
+    # How the planner arranges a step over DP ranks and micro-batches (data.balance in training).
+    balance: str = "balanced"
+    # source=mixture: as training's data.over_budget (error, truncate, split, skip).
+    over_budget: str = "error"
+    # Steps simulated (figures are their mean), the first one, and the draw's seed (source=mixture:
+    # training's trainer.seed, so the simulated steps are the ones training draws).
+    steps: int = 3
+    first_step: int = 0
+    seed: int = 0
+
+
+@dataclass
+class SimOptions:
+    placements: List[str] = field(default_factory=lambda: list(PLACEMENTS))
+    # disaggregated: GPUs that only run encoders (0: an eighth of the cluster, rounded to whole
+    # LLM model-parallel groups); the LLM keeps its layout on the rest, with fewer DP ranks.
+    encoder_gpus: int = 0
+    # Bytes per parameter element of the optimizer state (AdamW: two fp32 moments).
+    optimizer_bytes_per_param: int = 8
+    # The efficiency factors fitted by `omni simulate --calibrate` (a YAML); None: the preset's.
+    calibration: Optional[str] = None
+    # omni plan: layouts kept in the printout.
+    top_k: int = 5
+
+
+@dataclass
+class SimConfig:
+    name: str = "simulate"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    encoders: Dict[str, EncoderSlot] = field(default_factory=dict)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    multiplex: MultiplexConfig = field(default_factory=MultiplexConfig)
+    data: SimDataConfig = field(default_factory=SimDataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sim: SimOptions = field(default_factory=SimOptions)

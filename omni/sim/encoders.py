@@ -1,0 +1,94 @@
+"""The encoder side of a simulated step: each encoder chunk assigned by the runtime's own
+planner (``dataloading.encoder_plan.assign_items``: long-short split and cost balancing, with
+the loads of the step's earlier chunks carried over as in the runtime), then timed per GPU.
+The routes themselves are not built: the exchanges are timed from the bytes each GPU sends.
+
+A chunk is a collective over its encoder GPUs (feature all-to-all, encode, output
+all-to-all), so it ends for all of them when the slowest is done: its duration is the largest
+GPU's work plus the exchanges.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dataloading.encoder_plan import ItemMeta, assign_items
+from omni.runtime.config import MultiplexConfig
+from omni.sim.data import MicroBatchWork
+from omni.sim.spec import ModelSpec
+from omni.sim.timing import BF16, Machine, encoder_work
+
+
+@dataclass
+class ChunkTimes:
+    """One encoder chunk (micro-batch j of every DP group) on its encoder GPUs."""
+
+    forward_s: float  # collective duration, forward (work of the slowest GPU + exchanges)
+    backward_s: float
+    gpu_forward_s: list[float] = field(default_factory=list)  # each member GPU's own work
+    gpu_backward_s: list[float] = field(default_factory=list)
+    gpu_activation_bytes: list[float] = field(default_factory=list)  # kept from forward to backward
+    items: int = 0
+    long_items: int = 0
+    balance: float = 1.0  # max / mean planned cost over member GPUs
+
+
+def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
+                group_of: list[int], eligible: dict[int, list[int]] | None, gpus_per_node: int,
+                receivers: int, memory_limit: float | None) -> list[ChunkTimes]:
+    """``micro_batches[g][j]``: DP group g's micro-batch j; ``group_of[i]``: member GPU i's DP
+    group; ``receivers``: GPUs that embed one group's rows (its first-stage TP x CP GPUs)."""
+    n = max((len(g) for g in micro_batches), default=0)
+    world = len(group_of)
+    sp = int(mux.encoder_sp)
+    threshold = None if str(mux.long_threshold).lower() == "auto" else int(mux.long_threshold)
+    sp_modalities = [mod for mod, e in spec.encoders.items() if e.supports_sp and e.heads % sp == 0]
+    crosses = world > gpus_per_node
+
+    def item_bytes(modality: str, tokens: int) -> float:
+        return spec.encoders[modality].activation_bytes_per_token * tokens
+
+    out = []
+    carried = np.zeros(world)
+    for j in range(n):
+        items, counters = [], {}
+        for g, mbs in enumerate(micro_batches):
+            for modality, tokens in (mbs[j].media if j < len(mbs) else []):
+                k = counters.get((g, modality), 0)
+                counters[(g, modality)] = k + 1
+                items.append(ItemMeta(g, modality, k, int(tokens), int(tokens)))
+        a = assign_items(items, group_of, world, spec.cost, sp=sp, long_threshold=threshold,
+                         sp_modalities=sp_modalities, eligible=eligible, item_bytes=item_bytes,
+                         memory_limit=memory_limit, base_loads=carried)
+        own = a.loads - carried
+        carried = a.loads
+        per_gpu: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]  # (modality, tokens, sp, group)
+        for it in items:
+            if it.key in a.placed:
+                per_gpu[a.placed[it.key]].append((it.modality, it.tokens, 1, it.group))
+            else:
+                for r in a.block(a.block_of[it.key]):
+                    per_gpu[r].append((it.modality, it.tokens, sp, it.group))
+        fwd, bwd, act, sent = [], [], [], []
+        for r, work in enumerate(per_gpu):
+            w = encoder_work(m, spec, [(mod, t, s_) for mod, t, s_, _ in work], gpus_per_node)
+            fwd.append(w.forward_s)
+            bwd.append(w.backward_s)
+            act.append(sum(spec.encoders[mod].activation_bytes_per_token * t / s_ for mod, t, s_, _ in work))
+            # Features come from the item's own group unless this GPU holds them already.
+            feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g in work if g != group_of[r])
+            rows = sum(t / s_ for _, t, s_, _ in work)
+            sent.append((feat, rows * spec.hidden * BF16))
+        mean = float(own.mean()) if world else 0.0
+        balance = float(own.max() / mean) if mean > 0 else 1.0
+        # What one group's receiving GPU takes in: its share of the group's output rows.
+        recv = max((sum(it.tokens for it in items if it.group == g) * spec.hidden * BF16 / receivers
+                    for g in set(group_of)), default=0.0)
+        feat_s = m.all_to_all(max((f for f, _ in sent), default=0.0), world, crosses)
+        out_s = m.all_to_all(max(max((o for _, o in sent), default=0.0), recv), world, crosses)
+        out.append(ChunkTimes(
+            forward_s=max(fwd, default=0.0) + feat_s + out_s, backward_s=max(bwd, default=0.0) + out_s,
+            gpu_forward_s=fwd, gpu_backward_s=bwd, gpu_activation_bytes=act, items=len(items),
+            long_items=len(a.block_of), balance=balance))
+    return out

@@ -1,0 +1,192 @@
+"""Event-driven simulation of one training step over the schedule the runtime executes.
+
+Every (DP group, pipeline rank) pair is a *cell*: its TP x CP GPUs run in lockstep, so one
+timeline stands for them. Each cell runs its pipeline rank's program from
+``parallel.pipeline_executor`` (GPipe, 1F1B or interleaved 1F1B, with the consistent cuts
+where encoder work joins in; without PP: a cut before each micro-batch's forward), and the
+encoder chunks run at the cuts in the order ``omni.runtime.multiplex.encoder_actions`` gives
+— the same lists the training runtime follows. An action starts when its cell is free and its
+input has arrived (the previous stage's activation or the next stage's gradient, plus the
+point-to-point transfer); an encoder chunk is a collective: it starts when every encoder cell
+has reached its cut and ends for all of them together.
+
+Placements: ``colocated`` (encoders on every GPU), ``stage0`` (first-stage GPUs only; each DP
+group's items stay on its own GPUs), ``encoder_first`` (every chunk's forward before the
+pipeline, every backward after it) and ``none`` (no encoder work: the LLM side of the
+disaggregated baseline, see ``omni.sim.simulate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omni.runtime.multiplex import encoder_actions
+from omni.sim.encoders import ChunkTimes
+from omni.sim.timing import StageWork
+from parallel.pipeline_executor import Action, encoder_backward_cuts, place_cuts, rank_programs
+
+
+@dataclass
+class CellTimeline:
+    group: int
+    stage: int  # pipeline rank
+    llm_s: float = 0.0  # LLM compute
+    encoder_s: float = 0.0  # encoder compute (this cell's GPUs, mean)
+    comm_s: float = 0.0  # exposed communication (TP/CP/EP inside the stage work, gradient sync, chunk exchanges)
+    end_s: float = 0.0
+    live_llm_peak: float = 0.0  # bytes of LLM activations alive at once (the worst moment)
+    live_encoder_peak: float = 0.0
+    peak_activations: float = 0.0  # both together, at the worst moment
+    events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (kind, name, start, end) if recorded
+
+    def idle_s(self, step_s: float) -> float:
+        return max(0.0, step_s - self.llm_s - self.encoder_s - self.comm_s)
+
+
+@dataclass
+class StepTimeline:
+    step_s: float
+    cells: list[CellTimeline] = field(default_factory=list)
+
+
+def programs(schedule: str, pp: int, virtual: int, n: int) -> tuple[list[list[Action]], list[Optional[int]]]:
+    """Every pipeline rank's program with cuts, and the cut of each chunk's encoder backward."""
+    if pp == 1:
+        prog = [a for k in range(n) for a in (("cut", k, -1), ("f", 0, k), ("b", 0, k))]
+        return [prog], [j + 1 for j in range(n)]  # what the runtime uses without a pipeline
+    progs = place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n)
+    return progs, encoder_backward_cuts(progs[0], n)
+
+
+def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro: int,
+                  work: dict[tuple[int, int, int], StageWork], p2p_s: float, placement: str,
+                  chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
+                  llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
+                  tail_comm_s: dict[tuple[int, int], float], record: bool = False) -> StepTimeline:
+    """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
+    ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
+    or missing: the cell runs no encoder work); ``llm_activation[(g, stage, i)]``: bytes that
+    forward keeps until backward; ``tail_s``/``tail_comm_s``: what each cell runs after its
+    program (optimizer; exposed gradient sync). ``record``: keep every cell's events."""
+    progs, bwd_cuts = programs(schedule, pp, virtual, n_micro)
+    has_media = placement != "none" and any(c.items for c in chunks)
+    actions = encoder_actions(placement if placement != "none" else "colocated", n_micro, bwd_cuts) \
+        if has_media else []
+    # The actions each cut (and the end of the step) runs: up to and including ("F", k).
+    at_cut: dict[int, list[tuple[str, int]]] = {}
+    pos = 0
+    if has_media and placement == "encoder_first":
+        at_cut[-1] = [a for a in actions if a[0] == "F"]
+        at_cut[n_micro] = [a for a in actions if a[0] == "B"]
+    elif has_media:
+        for k in range(n_micro):
+            end = actions.index(("F", k), pos) + 1
+            at_cut[k], pos = actions[pos:end], end
+        at_cut[n_micro] = actions[pos:]
+    members = [c for c, idx in encoder_cells.items() if idx] if has_media else []
+    last_stage = pp * virtual - 1
+    cells = {(g, s): CellTimeline(g, s) for g in range(groups) for s in range(pp)}
+    free = {c: 0.0 for c in cells}
+    cursor = {c: 0 for c in cells}
+    done: dict[tuple[str, int, int, int], float] = {}  # (kind, g, stage, i) -> end
+    arrived: dict[int, dict[tuple[int, int], float]] = {}
+    released: dict[int, float] = {}
+    live_llm = {c: 0.0 for c in cells}
+    live_enc = {c: 0.0 for c in cells}
+
+    def run_segment(k: int, start: float) -> float:
+        """Duration of the encoder actions of cut k; books each member's busy time and memory."""
+        total = 0.0
+        for kind, j in at_cut.get(k, []):
+            ch = chunks[j]
+            dur = ch.forward_s if kind == "F" else ch.backward_s
+            gpu = ch.gpu_forward_s if kind == "F" else ch.gpu_backward_s
+            for c in members:
+                idx = encoder_cells[c]
+                own = sum(gpu[i] for i in idx) / len(idx)
+                cells[c].encoder_s += own
+                cells[c].comm_s += dur - max(gpu, default=0.0)  # the exchanges
+                act = max(ch.gpu_activation_bytes[i] for i in idx)
+                live_enc[c] += act if kind == "F" else -act
+                _peak(cells[c], live_llm[c], live_enc[c])
+                if record:
+                    cells[c].events.append(("encoder", f"{kind}{j}", start + total, start + total + dur))
+            total += dur
+        return total
+
+    def collective(k: int, c) -> Optional[float]:
+        """Arrival of cell c at cut k: the end of the cut's encoder work once everyone is there."""
+        if k in released:
+            return released[k]
+        arrived.setdefault(k, {})[c] = free[c]
+        if len(arrived[k]) < len(members):
+            return None
+        start = max(arrived[k].values())
+        released[k] = start + run_segment(k, start)
+        return released[k]
+
+    if -1 in at_cut:  # encoder_first: every forward before the pipeline
+        t = run_segment(-1, 0.0)
+        for c in members:
+            free[c] = t
+    remaining = sum(len(progs[s]) for s in range(pp)) * groups
+    while remaining:
+        progressed = False
+        for c, tl in cells.items():
+            g, s = c
+            prog = progs[s]
+            while cursor[c] < len(prog):
+                kind, chunk, i = prog[cursor[c]]
+                if kind == "cut":
+                    if chunk in at_cut and c in members and placement != "encoder_first":
+                        end = collective(chunk, c)
+                        if end is None:
+                            break
+                        free[c] = end
+                    cursor[c] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                stage = chunk * pp + s
+                if kind == "f":
+                    dep = ("f", g, stage - 1, i) if stage > 0 else None
+                else:
+                    dep = ("b", g, stage + 1, i) if stage < last_stage else ("f", g, stage, i)
+                if dep is not None and dep not in done:
+                    break
+                ready = done[dep] + (p2p_s if dep[2] != stage else 0.0) if dep is not None else 0.0
+                w = work[(g, stage, i)]
+                begin = max(free[c], ready)
+                dur = w.forward_s if kind == "f" else w.backward_s
+                compute = w.forward_compute_s if kind == "f" else w.backward_compute_s
+                compute = min(compute, dur)
+                tl.llm_s += compute
+                tl.comm_s += dur - compute
+                free[c] = done[(kind, g, stage, i)] = begin + dur
+                if record:
+                    tl.events.append(("llm", f"{'F' if kind == 'f' else 'B'}{i} s{stage}", begin, begin + dur))
+                act = llm_activation[(g, stage, i)]
+                live_llm[c] += act if kind == "f" else -act
+                _peak(tl, live_llm[c], live_enc[c])
+                cursor[c] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("simulated pipeline deadlocked (a bug in the simulator's schedule)")
+    # After the pipeline: the remaining encoder backwards (a collective), then each cell's tail.
+    if n_micro in at_cut and at_cut[n_micro]:
+        start = max(free[c] for c in members)
+        end = start + run_segment(n_micro, start)
+        for c in members:
+            free[c] = end
+    for c, tl in cells.items():
+        tl.comm_s += tail_comm_s.get(c, 0.0)
+        tl.llm_s += tail_s.get(c, 0.0)
+        tl.end_s = free[c] + tail_comm_s.get(c, 0.0) + tail_s.get(c, 0.0)
+    return StepTimeline(max(tl.end_s for tl in cells.values()), list(cells.values()))
+
+
+def _peak(tl: CellTimeline, llm: float, enc: float) -> None:
+    tl.live_llm_peak = max(tl.live_llm_peak, llm)
+    tl.live_encoder_peak = max(tl.live_encoder_peak, enc)
+    tl.peak_activations = max(tl.peak_activations, llm + enc)

@@ -1,0 +1,429 @@
+"""``omni simulate``: the figures of each placement for a model, cluster, layout and mixture.
+
+For every placement, ``cfg.data.steps`` steps are drawn by the data plane's balancer, their
+encoder chunks planned by the runtime's planner, and the step run through the event-driven
+schedule of ``omni.sim.engine``; the result is per placement: step time, tokens/s, MFU
+(encoder FLOPs counted), bubble fraction, per-rank busy time, the worst GPU's peak memory and
+whether it fits.
+
+The disaggregated baseline gives ``sim.encoder_gpus`` GPUs (default: an eighth, in whole LLM
+model-parallel groups) to the encoders alone; the LLM keeps its layout on the rest, with fewer
+DP ranks. Its encoders work one step ahead of the LLM, perfectly overlapped (a best case for
+the baseline): a step takes as long as the slower side.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from omni.errors import ConfigError
+from omni.runtime.multiplex import encoder_ranks
+from omni.sim import memory as mem
+from omni.sim.config import PLACEMENTS, ClusterConfig, SimConfig
+from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
+from omni.sim.encoders import ChunkTimes, plan_chunks
+from omni.sim.engine import StepTimeline, simulate_step
+from omni.sim.spec import ModelSpec, model_spec
+from omni.sim.timing import BF16, Machine, StageWork, stage_work
+from parallel.config import ParallelConfig
+from parallel.layout import LayoutError, Sizes, check_model_fits, check_sequence, resolve_sizes
+from parallel.pipeline import microbatch_count, split_layers
+from parallel.pipeline_executor import EXECUTOR_SCHEDULES
+
+GIB = 2.0**30
+
+
+def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every placement of ``cfg.sim.placements``, as one JSON-able object."""
+    spec = model_spec(cfg.model, cfg.encoders)
+    machine = Machine(cfg.cluster)
+    for p in cfg.sim.placements:
+        if p not in PLACEMENTS:
+            raise ConfigError(f"sim.placements: {p!r} is not one of {', '.join(PLACEMENTS)}")
+    check_data(cfg.data, spec)
+    for placement in cfg.sim.placements:  # every mistake is reported before anything runs
+        pool = disaggregated_split(cfg) if placement == "disaggregated" else 0
+        parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if pool else cfg.parallel
+        sizes = llm_sizes(parallel, cfg.cluster.num_gpus - pool, spec, cfg.data.micro_batch_tokens,
+                          cfg.cluster.gpus_per_node)
+        check_encoder_sp(cfg, sizes, placement, pool)
+    out: dict[str, Any] = {"model": describe_model(spec), "cluster": dataclasses.asdict(cfg.cluster),
+                           "placements": {}}
+    cache: dict[int, list[StepWork]] = {}
+    for placement in cfg.sim.placements:
+        if progress:
+            progress(placement)
+        out["placements"][placement] = simulate_placement(cfg, spec, machine, placement, cache)
+    out["layout"] = next(iter(out["placements"].values()))["layout"] if out["placements"] else {}
+    return out
+
+
+def describe_model(spec: ModelSpec) -> dict[str, Any]:
+    return {"llm_params_b": spec.llm_params() / 1e9, "layers": spec.num_layers, "hidden": spec.hidden,
+            "encoders": {m: {"params_b": e.params / 1e9, "layers": e.num_layers, "hidden": e.hidden}
+                         for m, e in spec.encoders.items()}}
+
+
+def llm_sizes(parallel: ParallelConfig, world: int, spec: ModelSpec, tokens: int, gpus_per_node: int) -> Sizes:
+    """The training layout's own checks: a layout that passes is one ``omni train`` accepts."""
+    sizes = resolve_sizes(parallel, world)
+    c = spec.llm
+    check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
+                     num_experts=c.num_experts, virtual_stages=parallel.pp_virtual_stages if sizes.pp > 1 else 1,
+                     cp_impl=parallel.cp_impl)
+    check_sequence(sizes, tokens)
+    if sizes.tp > gpus_per_node:
+        raise LayoutError(f"parallel.tp={sizes.tp} spans nodes of cluster.gpus_per_node={gpus_per_node}; "
+                          f"keep TP inside a node")
+    if sizes.pp > 1 and parallel.pp_schedule not in EXECUTOR_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule}: the simulator replays "
+                          f"{', '.join(EXECUTOR_SCHEDULES)} (Omni's executor); zero_bubble is not modelled")
+    return sizes
+
+
+def check_encoder_sp(cfg: SimConfig, sizes: Sizes, placement: str, pool: int = 0) -> None:
+    """multiplex.encoder_sp must split the encoder GPUs into whole SP blocks."""
+    sp = int(cfg.multiplex.encoder_sp)
+    members = pool or (sizes.world // sizes.pp if placement == "stage0" else sizes.world)
+    if sp < 1 or members % sp:
+        raise ConfigError(f"multiplex.encoder_sp={sp} must divide the {members} GPUs that run encoders under "
+                          f"placement {placement}; choose a divisor of {members}")
+
+
+def disaggregated_split(cfg: SimConfig) -> int:
+    """GPUs the disaggregated baseline gives the encoders."""
+    p = cfg.parallel
+    mp = p.tp * p.pp * p.cp * p.dp_replicate
+    world = cfg.cluster.num_gpus
+    e = cfg.sim.encoder_gpus or max(mp, int(round(world / 8 / mp)) * mp)
+    if e % mp or not 0 < e < world:
+        raise ConfigError(f"sim.encoder_gpus={e} must be a positive multiple of tp x pp x cp x dp_replicate = {mp} "
+                          f"below cluster.num_gpus={world}, so the LLM keeps whole model-parallel groups")
+    return e
+
+
+def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
+                       cache: dict[int, list[StepWork]] | None = None) -> dict[str, Any]:
+    cluster = cfg.cluster
+    world = cluster.num_gpus
+    encoder_pool = disaggregated_split(cfg) if placement == "disaggregated" else 0
+    parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if encoder_pool else cfg.parallel
+    sizes = llm_sizes(parallel, world - encoder_pool, spec, cfg.data.micro_batch_tokens, cluster.gpus_per_node)
+    cache = {} if cache is None else cache
+    if sizes.dp not in cache:
+        cache[sizes.dp] = draw_steps(cfg.data, spec, sizes.dp)
+    steps = cache[sizes.dp]
+    runs = [_one_step(cfg, spec, m, sizes, placement, step, encoder_pool) for step in steps]
+    return _summarise(cfg, spec, sizes, placement, steps, runs, encoder_pool)
+
+
+def one_step_for_calibration(cfg: SimConfig) -> tuple["_Run", Sizes]:
+    """The first simulated step of ``cfg.multiplex.placement`` with its per-event predictions."""
+    spec = model_spec(cfg.model, cfg.encoders)
+    sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, cfg.cluster.gpus_per_node)
+    step = draw_steps(cfg.data, spec, sizes.dp)[0]
+    return _one_step(cfg, spec, Machine(cfg.cluster), sizes, cfg.multiplex.placement, step, 0), sizes
+
+
+@dataclasses.dataclass
+class _Run:
+    timeline: StepTimeline
+    memory: list[mem.MemoryBreakdown]  # per cell (and per encoder-pool GPU)
+    chunks: list[ChunkTimes]
+    work: dict[tuple[int, int, int], StageWork] = dataclasses.field(default_factory=dict)
+    members: list[int] = dataclasses.field(default_factory=list)  # encoder GPUs (global ranks)
+    tail_comm: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    pool: dict[str, float] | None = None
+
+
+def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str, step: StepWork,
+              encoder_pool: int, record: bool = False) -> _Run:
+    par, cluster = cfg.parallel, cfg.cluster
+    pp, tp, cp, ep, v = sizes.pp, sizes.tp, sizes.cp, sizes.ep, par.pp_virtual_stages if sizes.pp > 1 else 1
+    groups = [list(g) for g in step.groups]
+    n = microbatch_count(max(len(g) for g in groups), pp)
+    for g in groups:
+        g += [MicroBatchWork() for _ in range(n - len(g))]
+    stage_layers = split_layers(spec.num_layers, pp * v)
+    last_stage = pp * v - 1
+    common = _round_up(max(max(mb.tokens for g in groups for mb in g), 1), 8 * tp) if pp > 1 else 0
+    shard = sizes.dp_shard * cp
+    dp_cross = tp * cp * sizes.dp_shard > cluster.gpus_per_node
+    per_mb_fsdp = pp == 1 and shard > 1 and par.fsdp_reduce_every_microbatch and _reshard(par, pp)
+    stage_local = {st: _local_params(spec, stage_layers[st], st == 0, st == last_stage, tp, ep)
+                   for st in range(pp * v)}
+
+    cache: dict[tuple, StageWork] = {}
+    work, act = {}, {}
+    for gi, mbs in enumerate(groups):
+        for i, mb in enumerate(mbs):
+            length = common or _round_up(max(mb.tokens, 1), tp)
+            for st in range(pp * v):
+                key = (st, length, tuple(mb.docs))
+                if key not in cache:
+                    w = stage_work(m, spec, range(stage_layers[st][0], stage_layers[st][-1] + 1), st == 0,
+                                   st == last_stage, length, mb.docs, tp, cp, ep, cluster.gpus_per_node,
+                                   par.activation_checkpoint)
+                    if per_mb_fsdp:  # gathers in forward and backward, a reduce-scatter per backward
+                        w = _with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]))
+                    cache[key] = w
+                work[(gi, st, i)] = cache[key]
+                act[(gi, st, i)] = mem.llm_activation_bytes(spec, stage_layers[st], length / cp, tp=tp, ep=ep,
+                                                            recompute=par.activation_checkpoint, element_bytes=BF16,
+                                                            first=st == 0, last=st == last_stage)
+    p2p = m.p2p(common / (tp * cp) * spec.hidden * BF16, sizes.world // pp >= cluster.gpus_per_node) if pp > 1 else 0.0
+
+    # Encoder chunks: who encodes, planned by the runtime's planner.
+    chunks: list[ChunkTimes] = []
+    encoder_cells: dict[tuple[int, int], list[int]] = {}
+    members: list[int] = []
+    sim_placement = placement
+    if placement in ("colocated", "stage0", "encoder_first") and spec.encoders:
+        members = encoder_ranks(sizes, placement)
+        group_of = [_group(sizes, r) for r in members]
+        eligible = None
+        if placement == "stage0":
+            eligible = {}
+            for i, g in enumerate(group_of):
+                eligible.setdefault(g, []).append(i)
+        budget = _encoder_memory_budget(cfg, spec, sizes)
+        chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, eligible, cluster.gpus_per_node, tp * cp,
+                             budget)
+        for i, r in enumerate(members):
+            c = sizes.coords(r)
+            encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
+    else:
+        sim_placement = "none"
+
+    # After the pipeline: exposed gradient synchronisation, then the optimizer.
+    tail, tail_comm = {}, {}
+    enc_local = _encoder_local_params(cfg, spec, len(members))
+    for gi in range(sizes.dp):
+        for s in range(pp):
+            local = sum(stage_local[s + k * pp] for k in range(v))
+            layers = sum(len(stage_layers[s + k * pp]) for k in range(v))
+            last_bwd = work[(gi, s + (v - 1) * pp if v > 1 else s, n - 1)].backward_s
+            comm = 0.0 if per_mb_fsdp else _grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
+            if members and (gi, s) in encoder_cells:
+                comm += _encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node)
+            tail_comm[(gi, s)] = comm
+            tail[(gi, s)] = m.memory(28.0 * (local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)))
+    timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
+                             p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
+                             llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record)
+    memory = []
+    for tl in timeline.cells:
+        stages = [tl.stage + k * pp for k in range(v)]
+        b = mem.MemoryBreakdown()
+        for st in stages:
+            b = _add(b, mem.static_memory(spec, stage_layers[st], st == 0, st == last_stage, tp=tp, ep=ep, shard=shard,
+                                          optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
+                                          gather_whole_stage=not _reshard(par, pp),
+                                          unsharded_grads=pp > 1 or not par.fsdp_reduce_every_microbatch))
+        if (tl.group, tl.stage) in encoder_cells:
+            for modality in spec.encoders:
+                b = _add(b, mem.encoder_static_memory(spec, modality, shard=_encoder_shard(cfg, len(members)),
+                                                      optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param))
+        # The worst moment: a block's backward on top of the live activations (on the last
+        # stage the loss's logits instead, whichever is larger), or the optimizer step.
+        tokens = (common or cfg.data.micro_batch_tokens) / cp
+        transient = max(mem.layer_transient_bytes(spec, stage_layers[st], tokens, tp=tp, ep=ep,
+                                                  recompute=par.activation_checkpoint, element_bytes=BF16)
+                        for st in stages)
+        if last_stage in stages:
+            transient = max(transient, mem.head_transient_bytes(spec, tokens, tp=tp))
+        step_peak = mem.optimizer_step_transient_bytes(b)
+        if step_peak > tl.peak_activations + transient:
+            b.transient = step_peak
+        else:
+            b.activations, b.transient = tl.peak_activations, transient
+        memory.append(b)
+    run = _Run(timeline, memory, chunks, work, members, tail_comm)
+    if encoder_pool:
+        run.pool = _encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
+    return run
+
+
+def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list[MicroBatchWork]], e: int,
+                  sizes: Sizes) -> dict[str, float]:
+    """The disaggregated encoders: every chunk on the pool's GPUs, forward and backward."""
+    group_of = [r % sizes.dp for r in range(e)]
+    chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, None, cfg.cluster.gpus_per_node,
+                         sizes.tp * sizes.cp, None)
+    compute = sum(c.forward_s + c.backward_s for c in chunks)
+    sync = _encoder_grad_sync(m, cfg, spec, e, cfg.cluster.gpus_per_node)
+    static = mem.MemoryBreakdown()
+    for modality in spec.encoders:
+        static = _add(static, mem.encoder_static_memory(spec, modality, shard=_encoder_shard(cfg, e),
+                                                        optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param))
+    # A step's chunks are all alive on the pool until the LLM's gradients come back.
+    static.activations = max((sum(c.gpu_activation_bytes[r] for c in chunks) for r in range(e)), default=0.0)
+    busy = [sum(c.gpu_forward_s[r] + c.gpu_backward_s[r] for c in chunks) for r in range(e)]
+    return {"time_s": compute + sync, "busy_mean_s": float(np.mean(busy)) if busy else 0.0,
+            "comm_s": compute - float(np.max(busy) if busy else 0.0) + sync, "memory": static}
+
+
+def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, steps: list[StepWork],
+               runs: list[_Run], encoder_pool: int) -> dict[str, Any]:
+    cluster = cfg.cluster
+    world = cluster.num_gpus
+    llm_step = [r.timeline.step_s for r in runs]
+    step_s = [max(t, r.pool["time_s"]) if r.pool else t for t, r in zip(llm_step, runs)]
+    mean_step = float(np.mean(step_s))
+    tokens = float(np.mean([s.tokens() for s in steps]))
+    flops = float(np.mean([spec.mfu_flops(s.docs(), s.media()) for s in steps]))
+    gpus_per_cell = sizes.tp * sizes.cp
+    cells = runs[-1].timeline.cells
+    per_rank = []
+    for k, c in enumerate(cells):
+        vals = [r.timeline.cells[k] for r in runs]
+        st = [s for s in step_s]
+        per_rank.append({"group": c.group, "stage": c.stage, "gpus": gpus_per_cell,
+                         "llm_s": float(np.mean([x.llm_s for x in vals])),
+                         "encoder_s": float(np.mean([x.encoder_s for x in vals])),
+                         "comm_s": float(np.mean([x.comm_s for x in vals])),
+                         "idle_s": float(np.mean([x.idle_s(t) for x, t in zip(vals, st)]))})
+    compute = sum((p["llm_s"] + p["encoder_s"]) * gpus_per_cell for p in per_rank)
+    gpu_time = mean_step * (world - encoder_pool)
+    if encoder_pool:
+        pool_busy = float(np.mean([r.pool["busy_mean_s"] for r in runs]))
+        per_rank.append({"group": -1, "stage": "encoder pool", "gpus": encoder_pool, "llm_s": 0.0,
+                         "encoder_s": pool_busy, "comm_s": float(np.mean([r.pool["comm_s"] for r in runs])),
+                         "idle_s": max(0.0, mean_step - pool_busy)})
+        compute += pool_busy * encoder_pool
+        gpu_time += mean_step * encoder_pool
+    busy = [p["llm_s"] + p["encoder_s"] + p["comm_s"] for p in per_rank]
+    memories = [b for r in runs for b in r.memory] + [r.pool["memory"] for r in runs if r.pool]
+    worst = max(memories, key=lambda b: b.total)
+    limit = (cluster.hbm_gib - cluster.memory_reserve_gib) * GIB
+    over = sum(1 for b in runs[-1].memory if b.total > limit)
+    if runs[-1].pool and runs[-1].pool["memory"].total > limit:
+        over += encoder_pool
+    chunks = [c for r in runs for c in r.chunks]
+    layout = {"dp_replicate": sizes.dp_replicate, "dp_shard": sizes.dp_shard, "tp": sizes.tp, "pp": sizes.pp,
+              "cp": sizes.cp, "ep": sizes.ep, "pp_virtual_stages": cfg.parallel.pp_virtual_stages,
+              "pp_schedule": cfg.parallel.pp_schedule, "micro_batches": max(len(g) for g in steps[-1].groups),
+              "encoder_gpus": encoder_pool}
+    return {
+        "step_time_s": mean_step,
+        "tokens_per_s": tokens / mean_step if mean_step > 0 else 0.0,
+        "mfu": flops / (mean_step * world * cluster.peak_tflops * 1e12) if mean_step > 0 else 0.0,
+        # Waiting (pipeline bubbles, stragglers at collectives) as a share of all GPU time;
+        # exposed communication is reported apart (comm_share).
+        "bubble_fraction": sum(p["idle_s"] * p["gpus"] for p in per_rank) / gpu_time if gpu_time > 0 else 0.0,
+        "comm_share": sum(p["comm_s"] * p["gpus"] for p in per_rank) / gpu_time if gpu_time > 0 else 0.0,
+        "compute_share": compute / gpu_time if gpu_time > 0 else 0.0,
+        "busy_s": {"min": float(min(busy)), "mean": float(np.mean(busy)), "max": float(max(busy))},
+        "memory_gib": worst.gib(),
+        "memory_limit_gib": limit / GIB,
+        "fits": worst.total <= limit,
+        "ranks_over_memory": over,
+        "data_balance": float(np.mean([s.balance for s in steps])),
+        "encoder_balance": float(np.mean([c.balance for c in chunks if c.items])) if any(c.items for c in chunks)
+        else 1.0,
+        "long_items": int(sum(c.long_items for c in chunks)),
+        "layout": layout,
+        "per_rank": per_rank,
+    }
+
+
+# -- pieces -------------------------------------------------------------------------------------
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def _group(sizes: Sizes, rank: int) -> int:
+    c = sizes.coords(rank)
+    return c["dp_replicate"] * sizes.dp_shard + c["dp_shard"]
+
+
+def _reshard(par: ParallelConfig, pp: int) -> bool:
+    """parallel.reshard_after_forward as the runtime reads it (auto: not under PP)."""
+    setting = str(par.reshard_after_forward).lower()
+    return pp == 1 if setting == "auto" else setting == "true"
+
+
+def _local_params(spec: ModelSpec, layers: list[int], first: bool, last: bool, tp: int, ep: int) -> float:
+    """Parameters one GPU of a stage holds before FSDP sharding (TP splits all, EP the experts)."""
+    dense = sum(spec.layer_params[i] - spec.layer_expert_params[i] for i in layers)
+    experts = sum(spec.layer_expert_params[i] for i in layers)
+    n = dense / tp + experts / (ep * tp)
+    if first:
+        n += spec.embed_params / tp
+    if last:
+        n += (spec.head_params + spec.norm_params) / tp
+    return n
+
+
+def _with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int) -> StageWork:
+    """FSDP without PP: each pass gathers the weights layer by layer behind the compute (one
+    layer's gather has nothing to hide behind), backward also reduce-scatters the gradients."""
+    ag = m.ring("all_gather", BF16 * local, shard, cross)
+    rs = m.ring("reduce_scatter", 4.0 * local, shard, cross)
+    fwd_exposed = max(0.0, ag - w.forward_compute_s) + ag / max(layers, 1)
+    bwd_exposed = max(0.0, ag + rs - w.backward_compute_s) + (ag + rs) / max(layers, 1)
+    return StageWork(w.forward_s + fwd_exposed, w.backward_s + bwd_exposed, w.forward_compute_s, w.tokens,
+                     w.backward_compute_s)
+
+
+def _grad_sync(m: Machine, local: float, shard: int, replicate: int, cross: bool, layers: int,
+               last_backward: float) -> float:
+    """Reduce once per step during the last backward: what does not hide behind it is exposed
+    (at least the last layer's reduce)."""
+    t = 0.0
+    if shard > 1:
+        t += m.ring("reduce_scatter", 4.0 * local, shard, cross)
+    if replicate > 1:
+        t += m.ring("all_reduce", 4.0 * local / shard, replicate, True)
+    if t == 0.0:
+        return 0.0
+    return max(t - last_backward, t / max(layers, 1))
+
+
+def _encoder_shard(cfg: SimConfig, members: int) -> int:
+    return members if cfg.multiplex.encoder_weights == "sharded" else 1
+
+
+def _encoder_local_params(cfg: SimConfig, spec: ModelSpec, members: int) -> float:
+    total = sum(e.params for e in spec.encoders.values() if e.trainable)
+    return total / max(_encoder_shard(cfg, members), 1)
+
+
+def _encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int, gpus_per_node: int) -> float:
+    """Replicated encoder weights: one all-reduce of the gradients per step; sharded: one
+    reduce-scatter, and the weights' all-gather mostly behind the first chunk."""
+    params = sum(e.params for e in spec.encoders.values() if e.trainable)
+    cross = members > gpus_per_node
+    if cfg.multiplex.encoder_weights == "sharded":
+        layers = max(sum(e.num_layers for e in spec.encoders.values()), 1)
+        return m.ring("reduce_scatter", 4.0 * params, members, cross) + \
+            m.ring("all_gather", BF16 * sum(e.params for e in spec.encoders.values()), members, cross) / layers
+    return m.ring("all_reduce", 4.0 * params, members, cross)
+
+
+def _encoder_memory_budget(cfg: SimConfig, spec: ModelSpec, sizes: Sizes) -> float | None:
+    """multiplex.encoder_memory_mib as the runtime reads it on a GPU (auto: a quarter of what
+    the model leaves free)."""
+    text = str(cfg.multiplex.encoder_memory_mib).lower()
+    if text == "none":
+        return None
+    if text != "auto":
+        return float(text) * 2**20
+    free = (cfg.cluster.hbm_gib - cfg.cluster.memory_reserve_gib) * GIB
+    layers = split_layers(spec.num_layers, sizes.pp)[0]
+    static = mem.static_memory(spec, layers, True, sizes.pp == 1, tp=sizes.tp, ep=sizes.ep,
+                               shard=sizes.dp_shard * sizes.cp).total
+    return max(free - static, 0.0) / 4.0
+
+
+def _add(a: mem.MemoryBreakdown, b: mem.MemoryBreakdown) -> mem.MemoryBreakdown:
+    return mem.MemoryBreakdown(**{f.name: getattr(a, f.name) + getattr(b, f.name)
+                                  for f in dataclasses.fields(mem.MemoryBreakdown)})
+
+
+def cluster_with(cluster: ClusterConfig, **factors: float) -> ClusterConfig:
+    return dataclasses.replace(cluster, **factors)

@@ -1,0 +1,120 @@
+"""What the simulator knows of a model: its shapes, parameter counts per part, and the shared
+cost model — all read from the real model built on the ``meta`` device (no weights are made),
+so a 175B backbone costs nothing to describe and every count is the training code's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dataloading.cost import CostModel
+from omni.models.config import EncoderSlot, ModelConfig
+from omni.models.llm.config import DecoderConfig
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    modality: str
+    num_layers: int
+    hidden: int
+    heads: int
+    params: int  # encoder + projector
+    trainable: bool
+    alpha: float  # forward FLOPs of one item of n tokens: alpha * n^2 + beta * n (shared cost model)
+    beta: float
+    activation_bytes_per_token: float  # bf16, what autograd keeps per encoder token (EncoderAnchor)
+    feature_bytes_per_token: float  # input feature row (patch pixels / mel frame) in bf16
+    supports_sp: bool = False  # long items may be split over multiplex.encoder_sp ranks
+
+
+@dataclass
+class ModelSpec:
+    llm: DecoderConfig
+    cost: CostModel  # forward FLOPs (omni.models.cost.default_cost_model)
+    layer_params: list[int]  # every parameter of decoder layer i
+    layer_active: list[int]  # parameters one token multiplies through in layer i (top-k experts)
+    layer_expert_params: list[int]  # of layer_params, the routed experts' (sharded over ep)
+    embed_params: int
+    head_params: int  # LM head (0 when tied to the embedding)
+    norm_params: int
+    encoders: dict[str, EncoderSpec] = field(default_factory=dict)
+    processors: dict = field(default_factory=dict)  # modality -> MediaProcessor (data.source=mixture)
+
+    @property
+    def num_layers(self) -> int:
+        return self.llm.num_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.llm.hidden_size
+
+    def llm_params(self) -> int:
+        return sum(self.layer_params) + self.embed_params + self.head_params + self.norm_params
+
+    def total_params(self) -> int:
+        return self.llm_params() + sum(e.params for e in self.encoders.values())
+
+    def attention_alpha_per_layer(self) -> float:
+        """Causal attention forward FLOPs per layer per token pair (the cost model's alpha / layers)."""
+        return self.cost.alpha / self.llm.num_layers
+
+    def mfu_flops(self, doc_lengths, media) -> float:
+        """Training FLOPs counted for MFU (PaLM / Megatron convention: 6 x active parameters per
+        token plus 12 x layers x heads x head_dim per token pair, not halved for causality, no
+        recomputation), LLM and encoders. ``media``: (modality, tokens) items."""
+        c = self.llm
+        active = sum(self.layer_active) + self.head_params if self.head_params else sum(self.layer_active) + \
+            self.embed_params
+        attn = 12.0 * c.num_layers * c.num_heads * c.resolved_head_dim()
+        total = 0.0
+        for L in doc_lengths:
+            total += 6.0 * active * L + attn * L * L
+        for modality, n in media:
+            e = self.encoders[modality]
+            # The shared cost model's encoder alpha is the attention term (not halved: encoders
+            # attend both ways), beta the linear one: training = 3 x forward.
+            total += 3.0 * (e.alpha * n * n + e.beta * n) * (1.0 if e.trainable else 1.0 / 3.0)
+        return total
+
+
+def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot]) -> ModelSpec:
+    """Build the model on the meta device and read its structure."""
+    from omni.models.build import build_model, media_processors
+    from omni.models.cost import default_cost_model
+
+    with torch.device("meta"):
+        model = build_model(model_cfg, slots, vocab_needed=0)
+    llm = model.llm
+    c = llm.config
+    layers = list(llm.layers)
+    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    expert = [sum(p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}") for layer in layers]
+    active = llm.active_params_per_layer()
+    embed = llm.embed_tokens.weight.numel()
+    head = 0 if c.tie_word_embeddings else sum(p.numel() for p in llm.lm_head.parameters())
+    norm = sum(p.numel() for p in llm.norm.parameters())
+    cost = default_cost_model(model)
+    encoders = {}
+    for modality, enc in model.encoders.items():
+        a, b = cost.encoders[modality]
+        params = sum(p.numel() for p in enc.parameters()) + sum(p.numel() for p in model.projectors[modality].parameters())
+        per_token = enc.activation_bytes(1024, element_bytes=2)
+        heads = enc.attention_heads() if hasattr(enc, "attention_heads") else 1
+        encoders[modality] = EncoderSpec(
+            modality=modality, num_layers=len(enc.layer_modules()) or 1, hidden=int(enc.output_dim), heads=int(heads),
+            params=int(params), trainable=any(p.requires_grad for p in enc.parameters()), alpha=float(a), beta=float(b),
+            activation_bytes_per_token=(per_token or 0.0) / 1024.0,
+            feature_bytes_per_token=2.0 * _feature_width(enc),
+            supports_sp=bool(getattr(enc, "supports_sequence_parallel", False)))
+    return ModelSpec(c, cost, layer_params, active, expert, embed, head, norm, encoders, media_processors(model))
+
+
+def _feature_width(enc) -> int:
+    """Values per input unit (a patch's pixels, a frame's mel bins), from the encoder config."""
+    cfg = getattr(enc, "config", None)
+    if cfg is None:
+        return 1
+    if hasattr(cfg, "patch_size"):
+        return int(getattr(cfg, "num_channels", 3)) * int(cfg.patch_size) ** 2
+    return int(getattr(cfg, "num_mel_bins", 1)) * 2

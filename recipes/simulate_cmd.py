@@ -1,0 +1,85 @@
+"""``omni simulate``: predicted step time, MFU, bubbles and memory per placement
+(docs/simulate.md). ``--calibrate TRACE`` fits the cluster's efficiency factors to a measured
+run instead."""
+from __future__ import annotations
+
+import json
+import sys
+
+from omegaconf import OmegaConf
+
+
+def load_sim_config(overrides: list[str]):
+    """The composed ``conf/simulate.yaml`` as a SimConfig (typos in overrides name the key)."""
+    from omni.sim.calibrate import apply_calibration
+    from recipes.compose import compose_config
+
+    cfg = OmegaConf.to_object(compose_config(overrides, config_name="simulate"))
+    if cfg.sim.calibration:
+        cfg.cluster = apply_calibration(cfg.cluster, cfg.sim.calibration)
+    return cfg
+
+
+def simulate_main(overrides: list[str], as_json: bool = False, calibrate: str | None = None,
+                  out_file: str | None = None, out=None) -> int:
+    out = out or sys.stdout
+    cfg = load_sim_config(overrides)
+    if calibrate:
+        from omni.sim.calibrate import calibrate_from_trace
+
+        fit = calibrate_from_trace(cfg, calibrate)
+        text = fit.to_yaml()
+        if out_file:
+            from pathlib import Path
+
+            Path(out_file).write_text(text)
+        out.write(json.dumps(fit.to_dict(), indent=1) + "\n" if as_json else fit.summary() + "\n")
+        return 0
+    from omni.sim.simulate import simulate
+
+    progress = None if as_json else (lambda p: print(f"simulating {p} ...", file=sys.stderr, flush=True))
+    result = simulate(cfg, progress=progress)
+    result["name"] = cfg.name
+    if as_json:
+        out.write(json.dumps(result, separators=(",", ":")) + "\n")
+    else:
+        out.write(format_report(result) + "\n")
+    return 0
+
+
+def format_report(result: dict) -> str:
+    from omni.sim.report import placement_table
+
+    return placement_table(result)
+
+
+def plan_main(overrides: list[str], as_json: bool = False, top: int | None = None, placement: str = "colocated",
+              out=None) -> int:
+    from omni.sim.config import PLACEMENTS
+    from omni.sim.search import plan_layouts
+    from omni.errors import ConfigError
+
+    out = out or sys.stdout
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"--placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
+    cfg = load_sim_config(overrides)
+    bar = None
+    if not as_json:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="simulating layouts", unit="layout", file=sys.stderr, leave=False)
+
+    def progress(i: int, n: int) -> None:
+        bar.total = n
+        bar.update(1)
+
+    result = plan_layouts(cfg, placement=placement, top_k=top, progress=progress if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    if as_json:
+        out.write(json.dumps(result, separators=(",", ":")) + "\n")
+        return 0
+    from omni.sim.report import plan_table
+
+    out.write(plan_table(result, cfg.name) + "\n")
+    return 0
