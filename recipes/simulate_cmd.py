@@ -15,6 +15,7 @@ def load_sim_config(overrides: list[str]):
     from recipes.compose import compose_config
 
     cfg = OmegaConf.to_object(compose_config(overrides, config_name="simulate"))
+    cfg.parallel.gpus_per_node = cfg.cluster.gpus_per_node  # the cluster says how wide a node is
     if cfg.sim.calibration:
         cfg.cluster = apply_calibration(cfg.cluster, cfg.sim.calibration)
     return cfg

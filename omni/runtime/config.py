@@ -76,6 +76,12 @@ class MultiplexConfig:
     # or "sharded" (FSDP2 over all encoder ranks: weights, gradients and optimizer state split,
     # each encoder layer gathered when it runs).
     encoder_weights: str = "replicated"
+    # Encoder chunks run together at one insertion point (colocated, stage0): at cut k (k a
+    # multiple of it) the forwards of chunks k .. k + chunks_per_cut - 1, and the backwards that
+    # became ready since the last such cut. Each insertion point is a collective over the
+    # encoder ranks, so fewer of them mean fewer waits for the slowest rank (what `omni simulate`
+    # shows at scale), at the price of earlier encoder activations. 1: one chunk per cut.
+    chunks_per_cut: int = 1
     # Record each rank's encoder / LLM / communication / idle time per step (metrics.jsonl).
     timeline: bool = True
     # Write a Chrome trace (chrome://tracing, Perfetto) of this step to <run_dir>/trace_step<N>.json; 0: none.

@@ -102,6 +102,9 @@ class Multiplexer:
             raise LayoutError(f"multiplex.encoder_sp={sp} must divide the {len(self.members)} encoder ranks and fit "
                               f"in a node (parallel.gpus_per_node={pcfg.gpus_per_node})")
         self.sp = sp
+        self.chunks_per_cut = int(cfg.chunks_per_cut)
+        if self.chunks_per_cut < 1:
+            raise LayoutError(f"multiplex.chunks_per_cut={cfg.chunks_per_cut} must be >= 1")
         self.sp_group = self._sp_groups(layout, sp)
         encoders = tower.encoders if tower is not None else {}
         self.sp_modalities = [m for m, enc in encoders.items() if getattr(enc, "supports_sequence_parallel", False)]
@@ -230,14 +233,17 @@ class Multiplexer:
         return media
 
     def _action_list(self, n: int) -> list[tuple[str, int]]:
-        return encoder_actions(self.cfg.placement, n, self.backward_cuts(n))
+        return encoder_actions(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut)
 
     # -- insertion points ----------------------------------------------------------------
     def cut(self, k: int) -> None:
         """At cut k of the LLM pipeline (``parallel.pipeline_executor``; without pipeline
-        parallelism: before micro-batch k's forward): the actions up to chunk k's forward."""
+        parallelism: before micro-batch k's forward): the actions up to the forward of the last
+        chunk of k's group (multiplex.chunks_per_cut; already done past a group's first cut)."""
         if self.active and self.cfg.placement != "encoder_first" and self.media.n_chunks:
-            self._run_until(("F", min(k, self.media.n_chunks - 1)))
+            g = self.chunks_per_cut
+            last = (k // g) * g + g - 1
+            self._run_until(("F", min(last, self.media.n_chunks - 1)))
 
     def before_pipeline(self) -> None:
         if self.active and self.cfg.placement == "encoder_first" and self.media.n_chunks:
@@ -388,17 +394,20 @@ class Multiplexer:
                 "encoder_over_memory_items": float(s.over_memory)}
 
 
-def encoder_actions(placement: str, n: int, backward_cuts: list[int | None]) -> list[tuple[str, int]]:
+def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1) -> list[tuple[str, int]]:
     """The encoder chunks' forwards and backwards of a step, in the order every encoder rank
-    runs them: ("F", k) at cut k; ("B", j) at the first cut after stage 0's backward of
-    micro-batch j (``backward_cuts[j]``; None: after the pipeline); encoder_first: every forward
-    before the pipeline, every backward after it. The simulator (``omni.sim``) replays the same
-    list."""
-    ready = [None] * n if placement == "encoder_first" else backward_cuts
+    runs them. ("F", k) for k in a group of ``group`` chunks at the group's first cut; ("B", j)
+    at the first group cut at or after ``backward_cuts[j]`` (where stage 0 has finished micro-
+    batch j's backward; None: after the pipeline); encoder_first: every forward before the
+    pipeline, every backward after it. The simulator (``omni.sim``) replays the same list."""
+    if placement == "encoder_first":
+        ready: list[int | None] = [None] * n
+    else:
+        ready = [None if r is None else -(-r // group) * group for r in backward_cuts]
     acts = []
-    for k in range(n):
+    for k in range(0, n, group):
         acts += [("B", j) for j in range(n) if ready[j] == k]
-        acts.append(("F", k))
+        acts += [("F", i) for i in range(k, min(k + group, n))]
     done = {j for a, j in acts if a == "B"}
     return acts + [("B", j) for j in range(n) if j not in done]
 

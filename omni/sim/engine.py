@@ -62,25 +62,27 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   work: dict[tuple[int, int, int], StageWork], p2p_s: float, placement: str,
                   chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
-                  tail_comm_s: dict[tuple[int, int], float], record: bool = False) -> StepTimeline:
+                  tail_comm_s: dict[tuple[int, int], float], record: bool = False,
+                  chunks_per_cut: int = 1) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
     or missing: the cell runs no encoder work); ``llm_activation[(g, stage, i)]``: bytes that
     forward keeps until backward; ``tail_s``/``tail_comm_s``: what each cell runs after its
-    program (optimizer; exposed gradient sync). ``record``: keep every cell's events."""
+    program (optimizer; exposed gradient sync). ``record``: keep every cell's events.
+    ``chunks_per_cut``: multiplex.chunks_per_cut."""
     progs, bwd_cuts = programs(schedule, pp, virtual, n_micro)
     has_media = placement != "none" and any(c.items for c in chunks)
-    actions = encoder_actions(placement if placement != "none" else "colocated", n_micro, bwd_cuts) \
-        if has_media else []
+    actions = encoder_actions(placement if placement != "none" else "colocated", n_micro, bwd_cuts,
+                              chunks_per_cut) if has_media else []
     # The actions each cut (and the end of the step) runs: up to and including ("F", k).
     at_cut: dict[int, list[tuple[str, int]]] = {}
     pos = 0
     if has_media and placement == "encoder_first":
         at_cut[-1] = [a for a in actions if a[0] == "F"]
         at_cut[n_micro] = [a for a in actions if a[0] == "B"]
-    elif has_media:
-        for k in range(n_micro):
-            end = actions.index(("F", k), pos) + 1
+    elif has_media:  # a group's first cut runs up to the forward of its last chunk
+        for k in range(0, n_micro, chunks_per_cut):
+            end = actions.index(("F", min(k + chunks_per_cut, n_micro) - 1), pos) + 1
             at_cut[k], pos = actions[pos:end], end
         at_cut[n_micro] = actions[pos:]
     members = [c for c, idx in encoder_cells.items() if idx] if has_media else []

@@ -131,8 +131,10 @@ def optimizer_step_transient_bytes(static: MemoryBreakdown) -> float:
 
 def encoder_static_memory(spec: ModelSpec, modality: str, *, shard: int = 1, master_bytes: int = 4,
                           compute_bytes: int = 2, grad_bytes: int = 4,
-                          optimizer_bytes_per_param: int = 8) -> MemoryBreakdown:
-    """Encoder + projector of ``modality`` on one GPU (weights sharded over ``shard`` ranks).
+                          optimizer_bytes_per_param: int = 8, gather_whole: bool = False) -> MemoryBreakdown:
+    """Encoder + projector of ``modality`` on one GPU (weights sharded over ``shard`` ranks;
+    ``gather_whole``: the sharded weights stay gathered for the step, as the runtime keeps them
+    under PP with reshard_after_forward=auto).
     A frozen encoder (``encoders.<slot>.freeze``) has no gradients or optimizer state; its
     projector always trains (OmniModel freezes the encoder only)."""
     e = spec.encoders[modality]
@@ -140,7 +142,9 @@ def encoder_static_memory(spec: ModelSpec, modality: str, *, shard: int = 1, mas
     out = MemoryBreakdown(params=e.params / shard * master_bytes)
     out.grads = trained / shard * grad_bytes
     out.optimizer = trained / shard * optimizer_bytes_per_param
-    if shard > 1:  # gathered one transformer layer at a time, plus the prefetched one
+    if shard > 1 and gather_whole:
+        out.gathered = e.params * compute_bytes
+    elif shard > 1:  # gathered one transformer layer at a time, plus the prefetched one
         out.gathered = 2.0 * e.params / max(1, e.num_layers) * compute_bytes
     elif compute_bytes != master_bytes:
         # Autocast casts of trainable weights are saved for backward; a frozen encoder's are

@@ -49,11 +49,12 @@ def plan_table(result: dict[str, Any], name: str) -> str:
     cl = result["cluster"]
     lines = [f"{name}: {result['searched']} layouts searched, {result['simulated']} simulated on {cl['num_gpus']} x "
              f"{cl['name']} ({result['placement']} placement; simulated, see docs/simulate.md)", ""]
-    head = f"{'#':<3}{'layout':<44}{'sp':>3}{'ckpt':>10}{'tokens':>8}{'step s':>9}{'tokens/s':>11}{'MFU':>7}{'mem GiB':>9}"
+    head = f"{'#':<3}{'layout':<58}{'sp':>3}{'cut':>4}{'ckpt':>10}{'tokens':>8}{'step s':>9}{'tokens/s':>11}{'MFU':>7}{'mem GiB':>9}"
     lines += [head, "-" * len(head)]
     for i, r in enumerate(result["ranked"], 1):
         lay = r["layout"]
-        lines.append(f"{i:<3}{describe_layout(lay):<44}{lay['encoder_sp']:>3}{lay['activation_checkpoint']:>10}"
+        lines.append(f"{i:<3}{describe_layout(lay):<58}{lay['encoder_sp']:>3}{lay['chunks_per_cut']:>4}"
+                     f"{lay['activation_checkpoint']:>10}"
                      f"{lay['micro_batch_tokens']:>8}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}"
                      f"{100 * r['mfu']:>6.1f}%{r['memory_gib']:>9.2f}")
     if result["ranked"]:

@@ -9,14 +9,16 @@ The search runs in three rounds so that thousands of layouts cost seconds, not h
 2. the rest are simulated for one step with colocated (or the chosen) placement; a layout
    whose worst GPU exceeds its memory is rejected as out of memory;
 3. the fastest few are re-simulated over every configured step, with the encoder SP sizes
-   tried on top; the final ranking is by tokens/s.
+   and ``multiplex.chunks_per_cut`` tried on top; the final ranking is by tokens/s.
 
 Every layout that lost says why, compared with the winner: out of memory, a larger pipeline
 bubble, more exposed communication, or more compute (recomputation).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +33,8 @@ from parallel.layout import LayoutError
 
 CHECKPOINTS = ("none", "selective", "full")
 KNOBS = ("dp_replicate", "dp_shard", "tp", "pp", "pp_virtual_stages", "pp_schedule", "cp", "ep",
-         "activation_checkpoint", "micro_batch_tokens", "encoder_sp", "long_threshold")
+         "activation_checkpoint", "micro_batch_tokens", "encoder_sp", "long_threshold", "chunks_per_cut")
+GROUPS = (1, 2, 4)  # multiplex.chunks_per_cut tried in the last round
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -56,7 +59,8 @@ def candidates(cfg: SimConfig, spec: ModelSpec) -> list[dict[str, Any]]:
                 out.append({"dp_replicate": rep, "dp_shard": shard, "tp": tp, "pp": pp, "pp_virtual_stages": v,
                             "pp_schedule": "interleaved_1f1b" if v > 1 else ("1f1b" if pp > 1 else cfg.parallel.pp_schedule),
                             "cp": cp, "ep": ep, "activation_checkpoint": ckpt, "micro_batch_tokens": mbt,
-                            "encoder_sp": 1, "long_threshold": "auto"})
+                            "encoder_sp": 1, "long_threshold": "auto",
+                            "chunks_per_cut": cfg.multiplex.chunks_per_cut})
     return out
 
 
@@ -64,7 +68,8 @@ def with_layout(cfg: SimConfig, layout: dict[str, Any]) -> SimConfig:
     par = dataclasses.replace(cfg.parallel, **{k: layout[k] for k in ("dp_replicate", "dp_shard", "tp", "pp",
                                                                        "pp_virtual_stages", "pp_schedule", "cp", "ep",
                                                                        "activation_checkpoint")})
-    mux = dataclasses.replace(cfg.multiplex, encoder_sp=layout["encoder_sp"], long_threshold=layout["long_threshold"])
+    mux = dataclasses.replace(cfg.multiplex, encoder_sp=layout["encoder_sp"], long_threshold=layout["long_threshold"],
+                              chunks_per_cut=layout["chunks_per_cut"])
     data = dataclasses.replace(cfg.data, micro_batch_tokens=layout["micro_batch_tokens"])
     return dataclasses.replace(cfg, parallel=par, multiplex=mux, data=data)
 
@@ -74,6 +79,7 @@ def train_overrides(layout: dict[str, Any]) -> list[str]:
     par = [f"parallel.{k}={layout[k]}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "pp_virtual_stages",
                                                   "pp_schedule", "cp", "ep", "activation_checkpoint")]
     return par + [f"multiplex.encoder_sp={layout['encoder_sp']}", f"multiplex.long_threshold={layout['long_threshold']}",
+                  f"multiplex.chunks_per_cut={layout['chunks_per_cut']}",
                   f"data.micro_batch_tokens={layout['micro_batch_tokens']}"]
 
 
@@ -87,7 +93,9 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
     for layout in candidates(cfg, spec):
         c = with_layout(cfg, layout)
         try:
-            llm_sizes(c.parallel, cfg.cluster.num_gpus, spec, layout["micro_batch_tokens"], cfg.cluster.gpus_per_node)
+            with contextlib.redirect_stderr(io.StringIO()):  # cross-node warnings, once per candidate: too many
+                llm_sizes(c.parallel, cfg.cluster.num_gpus, spec, layout["micro_batch_tokens"],
+                          cfg.cluster.gpus_per_node)
             if layout["pp"] > 1 and layout["pp_virtual_stages"] > 1 and cfg.data.global_batch_size < layout["pp"]:
                 raise LayoutError("fewer samples than pipeline stages")
         except (LayoutError, ConfigError) as e:
@@ -117,10 +125,13 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
                           f"({cfg.cluster.hbm_gib} GiB); use more GPUs, a smaller model, or shorter micro-batches")
     scored.sort(key=lambda x: -x[0])
     finalists = []
+    seen: set = set()
     full_caches: dict[int, dict[int, list[StepWork]]] = {}
     for _, layout, c, _ in scored[:first_round]:
-        for sp in _sp_sizes(spec, cfg.cluster.gpus_per_node):
-            lay = {**layout, "encoder_sp": sp}
+        variants = [(sp, g) for sp in _sp_sizes(spec, cfg.cluster.gpus_per_node)
+                    for g in (GROUPS if spec.encoders and placement in ("colocated", "stage0") else (1,))]
+        for sp, g in variants:
+            lay = {**layout, "encoder_sp": sp, "chunks_per_cut": g}
             try:
                 check_encoder_sp(with_layout(cfg, lay), llm_sizes(c.parallel, cfg.cluster.num_gpus, spec,
                                                                   lay["micro_batch_tokens"], cfg.cluster.gpus_per_node),
@@ -131,6 +142,11 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
                                      full_caches.setdefault(lay["micro_batch_tokens"], {}))
             if sp > 1 and res["long_items"] == 0:
                 continue  # nothing to split: the same layout as sp=1
+            key = (tuple(sorted((k, str(v)) for k, v in layout.items() if k not in ("encoder_sp", "chunks_per_cut"))),
+                   round(res["step_time_s"], 9))
+            if key in seen:
+                continue  # no different from a variant already kept (e.g. no media to group)
+            seen.add(key)
             if res["fits"]:
                 finalists.append((res["tokens_per_s"], lay, res))
     finalists.sort(key=lambda x: -x[0])

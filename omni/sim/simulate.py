@@ -85,12 +85,20 @@ def llm_sizes(parallel: ParallelConfig, world: int, spec: ModelSpec, tokens: int
 
 
 def check_encoder_sp(cfg: SimConfig, sizes: Sizes, placement: str, pool: int = 0) -> None:
-    """multiplex.encoder_sp must split the encoder GPUs into whole SP blocks."""
+    """multiplex.encoder_sp must split the encoder GPUs into whole SP blocks (and
+    multiplex.chunks_per_cut be a count)."""
+    if int(cfg.multiplex.chunks_per_cut) < 1:
+        raise ConfigError(f"multiplex.chunks_per_cut={cfg.multiplex.chunks_per_cut} must be >= 1")
     sp = int(cfg.multiplex.encoder_sp)
     members = pool or (sizes.world // sizes.pp if placement == "stage0" else sizes.world)
     if sp < 1 or members % sp:
         raise ConfigError(f"multiplex.encoder_sp={sp} must divide the {members} GPUs that run encoders under "
                           f"placement {placement}; choose a divisor of {members}")
+    own = sizes.tp * sizes.cp
+    if placement == "stage0" and own % sp:
+        raise ConfigError(f"multiplex.encoder_sp={sp}: under placement stage0 a DP group's items stay on its "
+                          f"{own} first-stage GPUs (tp x cp), so an SP block cannot span more; use encoder_sp "
+                          f"dividing {own}")
 
 
 def disaggregated_split(cfg: SimConfig) -> int:
@@ -152,7 +160,11 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     common = _round_up(max(max(mb.tokens for g in groups for mb in g), 1), 8 * tp) if pp > 1 else 0
     shard = sizes.dp_shard * cp
     dp_cross = tp * cp * sizes.dp_shard > cluster.gpus_per_node
-    per_mb_fsdp = pp == 1 and shard > 1 and par.fsdp_reduce_every_microbatch and _reshard(par, pp)
+    # FSDP per micro-batch: gathers in each pass when weights reshard after forward; gradients
+    # reduce-scattered in each backward without PP when asked (PP reduces once per step).
+    gather_per_mb = shard > 1 and _reshard(par, pp)
+    reduce_per_mb = shard > 1 and pp == 1 and par.fsdp_reduce_every_microbatch
+    per_mb_fsdp = gather_per_mb or reduce_per_mb
     stage_local = {st: _local_params(spec, stage_layers[st], st == 0, st == last_stage, tp, ep)
                    for st in range(pp * v)}
 
@@ -167,8 +179,9 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                     w = stage_work(m, spec, range(stage_layers[st][0], stage_layers[st][-1] + 1), st == 0,
                                    st == last_stage, length, mb.docs, tp, cp, ep, cluster.gpus_per_node,
                                    par.activation_checkpoint)
-                    if per_mb_fsdp:  # gathers in forward and backward, a reduce-scatter per backward
-                        w = _with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]))
+                    if per_mb_fsdp:
+                        w = _with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]),
+                                       gather_per_mb, reduce_per_mb)
                     cache[key] = w
                 work[(gi, st, i)] = cache[key]
                 act[(gi, st, i)] = mem.llm_activation_bytes(spec, stage_layers[st], length / cp, tp=tp, ep=ep,
@@ -195,6 +208,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
+        _add_encoder_gathers(m, cfg, spec, chunks, len(members), cluster.gpus_per_node, _reshard(par, pp))
     else:
         sim_placement = "none"
 
@@ -206,14 +220,15 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             local = sum(stage_local[s + k * pp] for k in range(v))
             layers = sum(len(stage_layers[s + k * pp]) for k in range(v))
             last_bwd = work[(gi, s + (v - 1) * pp if v > 1 else s, n - 1)].backward_s
-            comm = 0.0 if per_mb_fsdp else _grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
+            comm = 0.0 if reduce_per_mb else _grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
             if members and (gi, s) in encoder_cells:
                 comm += _encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node)
             tail_comm[(gi, s)] = comm
             tail[(gi, s)] = m.memory(28.0 * (local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)))
     timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
                              p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
-                             llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record)
+                             llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
+                             chunks_per_cut=int(cfg.multiplex.chunks_per_cut))
     memory = []
     for tl in timeline.cells:
         stages = [tl.stage + k * pp for k in range(v)]
@@ -226,7 +241,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         if (tl.group, tl.stage) in encoder_cells:
             for modality in spec.encoders:
                 b = _add(b, mem.encoder_static_memory(spec, modality, shard=_encoder_shard(cfg, len(members)),
-                                                      optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param))
+                                                      optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
+                                                      gather_whole=not _reshard(par, pp)))
         # The worst moment: a block's backward on top of the live activations (on the last
         # stage the loss's logits instead, whichever is larger), or the optimizer step.
         tokens = (common or cfg.data.micro_batch_tokens) / cp
@@ -359,11 +375,13 @@ def _local_params(spec: ModelSpec, layers: list[int], first: bool, last: bool, t
     return n
 
 
-def _with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int) -> StageWork:
-    """FSDP without PP: each pass gathers the weights layer by layer behind the compute (one
-    layer's gather has nothing to hide behind), backward also reduce-scatters the gradients."""
-    ag = m.ring("all_gather", BF16 * local, shard, cross)
-    rs = m.ring("reduce_scatter", 4.0 * local, shard, cross)
+def _with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int, gather: bool,
+               reduce: bool) -> StageWork:
+    """FSDP per micro-batch: each pass gathers the weights layer by layer behind the compute
+    (``gather``; one layer's gather has nothing to hide behind), and backward reduce-scatters
+    the gradients (``reduce``)."""
+    ag = m.ring("all_gather", BF16 * local, shard, cross) if gather else 0.0
+    rs = m.ring("reduce_scatter", 4.0 * local, shard, cross) if reduce else 0.0
     fwd_exposed = max(0.0, ag - w.forward_compute_s) + ag / max(layers, 1)
     bwd_exposed = max(0.0, ag + rs - w.backward_compute_s) + (ag + rs) / max(layers, 1)
     return StageWork(w.forward_s + fwd_exposed, w.backward_s + bwd_exposed, w.forward_compute_s, w.tokens,
@@ -395,14 +413,29 @@ def _encoder_local_params(cfg: SimConfig, spec: ModelSpec, members: int) -> floa
 
 def _encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int, gpus_per_node: int) -> float:
     """Replicated encoder weights: one all-reduce of the gradients per step; sharded: one
-    reduce-scatter, and the weights' all-gather mostly behind the first chunk."""
+    reduce-scatter (the runtime's, in the step's last encoder backward). fp32 gradients."""
     params = sum(e.params for e in spec.encoders.values() if e.trainable)
     cross = members > gpus_per_node
     if cfg.multiplex.encoder_weights == "sharded":
-        layers = max(sum(e.num_layers for e in spec.encoders.values()), 1)
-        return m.ring("reduce_scatter", 4.0 * params, members, cross) + \
-            m.ring("all_gather", BF16 * sum(e.params for e in spec.encoders.values()), members, cross) / layers
+        return m.ring("reduce_scatter", 4.0 * params, members, cross)
     return m.ring("all_reduce", 4.0 * params, members, cross)
+
+
+def _add_encoder_gathers(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks: list[ChunkTimes], members: int,
+                         gpus_per_node: int, reshard: bool) -> None:
+    """Sharded encoder weights are all-gathered (bf16) before they run: once per step in the
+    first chunk's forward when they stay gathered (PP, reshard_after_forward=auto), else in
+    every chunk's forward and again in its backward. Layer-by-layer prefetch hides a gather
+    behind the chunk's compute where the compute is longer."""
+    if cfg.multiplex.encoder_weights != "sharded" or not chunks:
+        return
+    gather = m.ring("all_gather", BF16 * sum(e.params for e in spec.encoders.values()), members,
+                    members > gpus_per_node)
+    for j, ch in enumerate(chunks):
+        if j == 0 or reshard:
+            ch.forward_s += max(0.0, gather - max(ch.gpu_forward_s, default=0.0))
+        if reshard:
+            ch.backward_s += max(0.0, gather - max(ch.gpu_backward_s, default=0.0))
 
 
 def _encoder_memory_budget(cfg: SimConfig, spec: ModelSpec, sizes: Sizes) -> float | None:

@@ -40,6 +40,11 @@ LAYOUTS = {
         # backward runs inside the pipeline (at cut 4 or 6), not after it
         ("pp=2 interleaved_1f1b encoder_first", INTERLEAVED, IMAGE, SHORT, {"placement": "encoder_first"}),
         ("pp=2 interleaved_1f1b colocated, 8 micro-batches", INTERLEAVED, IMAGE, {"steps": 3, "micro": 8}, {}),
+        # two encoder chunks per insertion point: forwards of j and j + 1 together, backwards
+        # deferred to the next group's cut
+        ("pp=2 interleaved_1f1b colocated, 8 micro-batches, 2 chunks per cut", INTERLEAVED, IMAGE,
+         {"steps": 3, "micro": 8}, {"chunks_per_cut": 2}),
+        ("tp=2 colocated, 3 chunks per cut", dict(dp_shard=1, tp=2), BOTH, LONG, {"chunks_per_cut": 3}),
         # torch's zero-bubble schedule takes no encoder insertion: encoders before the pipeline
         ("pp=2 zero_bubble encoder_first", dict(dp_shard=1, pp=2, pp_schedule="zero_bubble", pp_virtual_stages=2),
          IMAGE, {"steps": 2}, {"placement": "encoder_first"}),

@@ -1,0 +1,47 @@
+"""The encoder action list every encoder rank runs (and the simulator replays): each chunk's
+forward and backward exactly once, forwards in time for their micro-batch, backwards only once
+stage 0 has finished the micro-batch, grouped by multiplex.chunks_per_cut."""
+import pytest
+
+from omni.runtime.multiplex import encoder_actions
+from parallel.pipeline_executor import encoder_backward_cuts, place_cuts, rank_programs
+
+
+def _segments(acts, n, group):
+    """Which cut runs each action: the runtime's cut(k) runs up to the forward of the last
+    chunk of k's group; what is left runs after the pipeline (cut n)."""
+    at, pos = {}, 0
+    for k in range(0, n, group):
+        end = acts.index(("F", min(k + group, n) - 1), pos) + 1
+        for a in acts[pos:end]:
+            at[a] = k
+        pos = end
+    for a in acts[pos:]:
+        at[a] = n
+    return at
+
+
+@pytest.mark.parametrize("schedule,pp,v,n", [("1f1b", 2, 1, 6), ("1f1b", 4, 1, 8), ("gpipe", 2, 1, 4),
+                                             ("interleaved_1f1b", 2, 2, 8), (None, 1, 1, 5)])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_every_chunk_once_forward_in_time_backward_when_ready(schedule, pp, v, n, group):
+    if schedule is None:  # no pipeline: micro-batch j's backward is done before cut j + 1
+        ready = [j + 1 for j in range(n)]
+    else:
+        ready = encoder_backward_cuts(place_cuts(rank_programs(schedule, pp, v, n), pp, v, n)[0], n)
+    acts = encoder_actions("colocated", n, ready, group)
+    assert sorted(acts) == sorted([("F", j) for j in range(n)] + [("B", j) for j in range(n)])
+    at = _segments(acts, n, group)
+    for j in range(n):
+        assert at[("F", j)] <= j  # chunk j's outputs exist before stage 0's forward of j
+        assert at[("F", j)] == (j // group) * group
+        earliest = n if ready[j] is None else ready[j]
+        assert at[("B", j)] >= earliest  # never before stage 0 has j's embedding gradient
+        assert acts.index(("F", j)) < acts.index(("B", j))
+    insertion_points = {at[a] for a in acts if at[a] < n}
+    assert len(insertion_points) == -(-n // group)
+
+
+def test_encoder_first_keeps_everything_outside_the_pipeline():
+    acts = encoder_actions("encoder_first", 4, [1, 2, 3, 4], 2)
+    assert acts == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1), ("B", 2), ("B", 3)]
