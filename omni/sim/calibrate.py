@@ -1,13 +1,16 @@
 """``omni simulate --calibrate TRACE``: fit the cluster's efficiency factors to a measured run.
 
-The trace is the Chrome trace ``omni train`` writes for one step (``multiplex.trace_step=N``).
-The simulator replays that very step — the data plane is a pure function of (seed, state,
+The trace is the Chrome trace ``omni train`` writes for one step (``multiplex.trace_step=N``;
+trainer step N draws the planner's step N - 1). The simulator replays that very step — the data plane is a pure function of (seed, state,
 step, layout), so ``data.source=mixture`` with the run's mixture and seed draws the same
 micro-batches — and compares, event by event, what it predicts with what was measured:
 
-- compute: every LLM stage forward/backward span and every encoder chunk span (the rank's own
-  work); one factor k = sum(measured) / sum(predicted) divides the compute efficiencies (GEMM,
-  attention, memory) and multiplies the per-op overhead, since all of them scale compute time;
+- LLM compute: every LLM stage forward/backward span; k = sum(measured) / sum(predicted)
+  divides the compute efficiencies (GEMM, attention, memory) and multiplies the per-op
+  overhead, since all of them scale compute time;
+- encoder compute: every encoder chunk span (the rank's own work); its own factor k_enc sets
+  ``encoder_efficiency`` (encoders run smaller, differently shaped kernels than the backbone,
+  and one factor for both mis-scales one of them);
 - communication: the ``gradient sync`` spans against the predicted exposed gradient sync; k_comm
   divides ``comm_efficiency`` (kept when the run has none to compare).
 
@@ -27,7 +30,8 @@ import yaml
 from omni.errors import ConfigError
 from omni.sim.config import ClusterConfig, SimConfig
 
-FACTORS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "comm_efficiency", "op_overhead_us")
+FACTORS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "comm_efficiency", "op_overhead_us",
+           "encoder_efficiency")
 _LLM = re.compile(r"^(?:stage(\d+) )?(forward|backward) mb(\d+)$")
 _ENC = re.compile(r"^([FB])(\d+)$")
 
@@ -37,6 +41,7 @@ class CalibrationFit:
     cluster: str
     factors: dict[str, float]
     compute_scale: float
+    encoder_scale: float | None
     comm_scale: float | None
     events: int
     error_before: float  # median |predicted - measured| / measured over the events
@@ -55,7 +60,9 @@ class CalibrationFit:
     def summary(self) -> str:
         comm = f"{self.comm_scale:.3f}" if self.comm_scale is not None else "kept (no gradient sync measured)"
         fs = ", ".join(f"{k}={v:.4g}" for k, v in self.factors.items())
-        return (f"calibrated on step {self.step}: {self.events} events, compute x{self.compute_scale:.3f}, comm {comm}; "
+        enc = f"{self.encoder_scale:.3f}" if self.encoder_scale is not None else "kept"
+        return (f"calibrated on step {self.step}: {self.events} events, LLM compute x{self.compute_scale:.3f}, "
+                f"encoder compute {enc}, comm {comm}; "
                 f"median per-event error {100 * self.error_before:.1f}% -> {100 * self.error_after:.1f}%\n  {fs}")
 
 
@@ -98,7 +105,7 @@ def calibrate_from_trace(cfg: SimConfig, path: str) -> CalibrationFit:
                           "data.mixture (and data.seed) to the run's")
     ranks = sorted({int(e["pid"]) for e in events})
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_gpus=len(ranks)),
-                              data=dataclasses.replace(cfg.data, first_step=step, steps=1))
+                              data=dataclasses.replace(cfg.data, first_step=step - 1, steps=1))
     run, sizes = one_step_for_calibration(cfg)
     member_index = {r: i for i, r in enumerate(run.members)}
     rows = []
@@ -114,30 +121,40 @@ def calibrate_from_trace(cfg: SimConfig, path: str) -> CalibrationFit:
             w = run.work.get((g, stage, int(m.group(3))))
             if w is not None:
                 predicted = w.forward_s if m.group(2) == "forward" else w.backward_s
+                if predicted and measured > 0:
+                    rows.append({"kind": "llm", "name": name, "rank": rank, "measured_s": measured,
+                                 "predicted_s": predicted})
+                predicted = None
         m = _ENC.match(name)
         if kind == "encoder" and m and rank in member_index and int(m.group(2)) < len(run.chunks):
             ch = run.chunks[int(m.group(2))]
             per = ch.gpu_forward_s if m.group(1) == "F" else ch.gpu_backward_s
             predicted = per[member_index[rank]]
         if predicted is not None and predicted > 0 and measured > 0:
-            rows.append({"kind": "compute", "name": name, "rank": rank, "measured_s": measured,
+            rows.append({"kind": "encoder", "name": name, "rank": rank, "measured_s": measured,
                          "predicted_s": predicted})
         if kind == "comm" and name == "gradient sync":
             p = run.tail_comm.get((g, c["pp"]), 0.0)
             if p > 0:
                 rows.append({"kind": "comm", "name": name, "rank": rank, "measured_s": measured, "predicted_s": p})
-    compute = [r for r in rows if r["kind"] == "compute"]
-    if not compute:
-        raise ConfigError(f"--calibrate {path}: no LLM or encoder span of the trace matches the simulated step; "
-                          f"pass the run's own overrides (model, encoders, parallel, multiplex, data)")
-    k = sum(r["measured_s"] for r in compute) / sum(r["predicted_s"] for r in compute)
-    comm = [r for r in rows if r["kind"] == "comm"]
-    k_comm = sum(r["measured_s"] for r in comm) / sum(r["predicted_s"] for r in comm) if comm else None
+    llm = [r for r in rows if r["kind"] == "llm"]
+    if not llm:
+        raise ConfigError(f"--calibrate {path}: no LLM span of the trace matches the simulated step; pass the "
+                          f"run's own overrides (model, encoders, parallel, multiplex, data)")
+
+    def ratio(kind: str) -> float | None:
+        rs = [r for r in rows if r["kind"] == kind]
+        return sum(r["measured_s"] for r in rs) / sum(r["predicted_s"] for r in rs) if rs else None
+
+    k, k_enc, k_comm = ratio("llm"), ratio("encoder"), ratio("comm")
     cl = cfg.cluster
     factors = {"gemm_efficiency": cl.gemm_efficiency / k, "attention_efficiency": cl.attention_efficiency / k,
                "memory_efficiency": cl.memory_efficiency / k, "op_overhead_us": cl.op_overhead_us * k,
-               "comm_efficiency": cl.comm_efficiency / k_comm if k_comm else cl.comm_efficiency}
-    scale = {"compute": k, "comm": k_comm or 1.0}
+               "comm_efficiency": cl.comm_efficiency / k_comm if k_comm else cl.comm_efficiency,
+               # encoder times scale with 1 / (efficiency x encoder_efficiency): after the LLM's k,
+               # what is left of the encoders' own factor
+               "encoder_efficiency": cl.encoder_efficiency * k / k_enc if k_enc else cl.encoder_efficiency}
+    scale = {"llm": k, "encoder": k_enc or k, "comm": k_comm or 1.0}
 
     def err(rs, fitted: bool) -> float:
         if not rs:
@@ -145,4 +162,4 @@ def calibrate_from_trace(cfg: SimConfig, path: str) -> CalibrationFit:
         return float(np.median([abs(r["predicted_s"] * (scale[r["kind"]] if fitted else 1.0) - r["measured_s"])
                                 / r["measured_s"] for r in rs]))
 
-    return CalibrationFit(cl.name, factors, k, k_comm, len(rows), err(rows, False), err(rows, True), step, rows)
+    return CalibrationFit(cl.name, factors, k, k_enc, k_comm, len(rows), err(rows, False), err(rows, True), step, rows)

@@ -36,6 +36,9 @@ class ClusterConfig:
     attention_efficiency: float = 0.6
     memory_efficiency: float = 0.75
     comm_efficiency: float = 0.7
+    # Encoder kernels relative to the backbone's (smaller, differently shaped GEMMs): a factor on
+    # the encoders' compute efficiency, 1 by default; --calibrate fits it apart.
+    encoder_efficiency: float = 1.0
     # Fixed time per kernel-sized op (launch, synchronisation), microseconds.
     op_overhead_us: float = 8.0
     # Memory a GPU cannot give to tensors (CUDA context, NCCL buffers, fragmentation), GiB.

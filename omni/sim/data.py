@@ -57,19 +57,22 @@ def check_data(cfg: SimDataConfig, spec: ModelSpec) -> None:
         raise ConfigError("data.source=mixture needs data.mixture=/path/to/mixture.yaml")
     if not 0.0 <= cfg.image_ratio <= 1.0:
         raise ConfigError(f"data.image_ratio={cfg.image_ratio} must be in [0, 1] (0.9: a 9:1 image:text mix)")
-    if cfg.source == "lengths" and cfg.image_ratio > 0 and IMAGE not in spec.encoders:
+    if cfg.global_batch_size < 1 or cfg.micro_batch_tokens < 1 or cfg.steps < 1 or cfg.first_step < 0:
+        raise ConfigError("data.global_batch_size, data.micro_batch_tokens and data.steps must be >= 1, "
+                          "data.first_step >= 0")
+    if cfg.balance not in METHODS:
+        raise ConfigError(f"data.balance={cfg.balance!r} is not one of {', '.join(METHODS)}")
+    if cfg.source != "lengths":  # the distributions below describe source=lengths only
+        return
+    if cfg.image_ratio > 0 and IMAGE not in spec.encoders:
         raise ConfigError(f"data.image_ratio={cfg.image_ratio} needs an image encoder, the model has "
                           f"{sorted(spec.encoders) or 'none'}; add encoders/vision=siglip or set data.image_ratio=0")
-    if cfg.global_batch_size < 1 or cfg.micro_batch_tokens < 1 or cfg.steps < 1:
-        raise ConfigError("data.global_batch_size, data.micro_batch_tokens and data.steps must be >= 1")
     if not 1 <= cfg.image_tokens_min <= cfg.image_tokens_max:
         raise ConfigError(f"data.image_tokens_min={cfg.image_tokens_min} must be >= 1 and <= "
                           f"data.image_tokens_max={cfg.image_tokens_max}")
     if cfg.sample_tokens < 1 or cfg.sample_tokens > cfg.micro_batch_tokens:
         raise ConfigError(f"data.sample_tokens={cfg.sample_tokens} must be in [1, data.micro_batch_tokens="
                           f"{cfg.micro_batch_tokens}]")
-    if cfg.balance not in METHODS:
-        raise ConfigError(f"data.balance={cfg.balance!r} is not one of {', '.join(METHODS)}")
 
 
 def draw_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int) -> list[StepWork]:

@@ -109,7 +109,8 @@ def disaggregated_split(cfg: SimConfig) -> int:
     e = cfg.sim.encoder_gpus or max(mp, int(round(world / 8 / mp)) * mp)
     if e % mp or not 0 < e < world:
         raise ConfigError(f"sim.encoder_gpus={e} must be a positive multiple of tp x pp x cp x dp_replicate = {mp} "
-                          f"below cluster.num_gpus={world}, so the LLM keeps whole model-parallel groups")
+                          f"below cluster.num_gpus={world}, so the LLM keeps whole model-parallel groups; or drop "
+                          f"disaggregated from sim.placements")
     return e
 
 
@@ -173,11 +174,14 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     for gi, mbs in enumerate(groups):
         for i, mb in enumerate(mbs):
             length = common or _round_up(max(mb.tokens, 1), tp)
+            # The runtime pads a row with one more document (an empty micro-batch is one
+            # document of padding): it attends like any other.
+            docs = mb.docs + ([length - mb.tokens] if length > mb.tokens else [])
             for st in range(pp * v):
-                key = (st, length, tuple(mb.docs))
+                key = (st, length, tuple(docs))
                 if key not in cache:
                     w = stage_work(m, spec, range(stage_layers[st][0], stage_layers[st][-1] + 1), st == 0,
-                                   st == last_stage, length, mb.docs, tp, cp, ep, cluster.gpus_per_node,
+                                   st == last_stage, length, docs, tp, cp, ep, cluster.gpus_per_node,
                                    par.activation_checkpoint)
                     if per_mb_fsdp:
                         w = _with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]),

@@ -150,7 +150,7 @@ def encoder_work(m: Machine, spec: ModelSpec, items: list[tuple[str, int, int]],
         compute = (m.gemm(sum(e.beta * n / sp for n, sp in mine), BF16 * e.params)
                    + m.attention(sum(e.alpha * n * n / sp for n, sp in mine))
                    + m.memory(BF16 * 16 * tokens * e.hidden * e.num_layers)
-                   + m.overhead(12 * e.num_layers))
+                   + m.overhead(12 * e.num_layers)) / m.cluster.encoder_efficiency
         comm = sum(4 * e.num_layers * m.all_to_all(BF16 * n / sp * e.hidden * (sp - 1) / sp, sp, sp > gpus_per_node)
                    for n, sp in mine if sp > 1)
         fwd += compute + comm

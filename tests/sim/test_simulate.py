@@ -168,7 +168,7 @@ def test_plan_with_no_memory_left_says_so(capsys):
 def test_calibration_file_round_trip(tmp_path):
     from omni.sim.calibrate import CalibrationFit
 
-    fit = CalibrationFit("h100", {"gemm_efficiency": 0.5, "comm_efficiency": 0.4}, 1.6, None, 10, 0.5, 0.1, 3)
+    fit = CalibrationFit("h100", {"gemm_efficiency": 0.5, "comm_efficiency": 0.4}, 1.6, 1.2, None, 10, 0.5, 0.1, 3)
     path = tmp_path / "fit.yaml"
     path.write_text(fit.to_yaml())
     cfg = load_sim_config([*SMALL, f"sim.calibration={path}"])
