@@ -1,14 +1,20 @@
 """Checkpoints: model + optimizer through torch.distributed.checkpoint (sharded, layout-free),
 plus the scheduler, the data-loader state, the step and each rank's RNG.
 
-A checkpoint folder counts only once its `COMPLETE` marker exists, so a run killed while
-saving resumes from the previous one.
+Crash safety: every rank writes into ``.tmp-step_N``; once all have, rank 0 writes the
+manifest (size and SHA-256 of every file, ``checkpoint_manifest``), flushes the folder to disk
+and renames it to ``step_N`` in one atomic step. A folder named ``step_N`` is therefore always
+complete; a run killed mid-save leaves only a ``.tmp-`` folder, which the next save clears.
+``resume=auto`` also re-checks the newest folders against their manifests and skips, with a
+message, one that was damaged afterwards (a truncated or corrupted file).
 """
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from omni.errors import ConfigError
+from omni.runtime.checkpoint_manifest import fsync_dir, fsync_tree, verify, write_manifest
 from omni.runtime.config import CheckpointConfig
 from omni.runtime.optim import PartOptimizers
 from parallel.layout import barrier
@@ -26,6 +33,7 @@ from parallel.layout import barrier
 MARKER = "COMPLETE"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 PREFIX = "step_"
+TMP = ".tmp-"  # a checkpoint being written
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,23 +77,36 @@ class Checkpointer:
         if choice == "never":
             return None
         if choice == "auto":
-            done = self.completed()
-            return done[-1] if done else None
+            for path in reversed(self.completed()):
+                problem = _check(path)
+                if problem is None:
+                    return path
+                if self.rank == 0:
+                    print(f"omni: checkpoint {path} is damaged ({problem}); skipping it for an older one",
+                          file=sys.stderr, flush=True)
+            return None
         path = Path(choice)
         if not (path / MARKER).exists():
             raise ConfigError(
                 f"checkpoint.resume={choice} is not a completed checkpoint folder (no {MARKER} file); "
                 f"use checkpoint.resume=auto to pick the latest under {self.root}"
             )
+        problem = _check(path)
+        if problem is not None:
+            raise ConfigError(f"checkpoint.resume={choice} is damaged ({problem}); use checkpoint.resume=auto "
+                              f"to take the newest intact one under {self.root}")
         return path
 
     # -- save / load ---------------------------------------------------------------------------
     def save(self, step: int, optim: PartOptimizers, loader_state: dict) -> Path:
         """Every rank writes its shards (DCP); names are the unsplit model's, so the folder loads
         under any layout."""
-        path = self.root / f"{PREFIX}{step:08d}"
-        if self.rank == 0 and path.exists():
-            shutil.rmtree(path)  # a half-written folder from an interrupted save
+        final = self.root / f"{PREFIX}{step:08d}"
+        path = self.root / f"{TMP}{PREFIX}{step:08d}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(f"{TMP}*"):  # what an interrupted save left
+                shutil.rmtree(stale, ignore_errors=True)
         barrier()
         dcp.save(_merged_state(optim), checkpoint_id=str(path))
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
@@ -97,9 +118,16 @@ class Checkpointer:
         barrier()
         if self.rank == 0:
             (path / MARKER).write_text(json.dumps({"step": step}))
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            write_manifest(path, {"step": step, "world_size": world})
+            fsync_tree(path)
+            if final.exists():  # the same step saved again (e.g. a re-run): the new one wins
+                shutil.rmtree(final)
+            os.rename(path, final)
+            fsync_dir(self.root)
             self._prune()
         barrier()
-        return path
+        return final
 
     def load(self, path: Path, optim: PartOptimizers) -> Restored:
         state = _merged_state(optim)
@@ -119,6 +147,14 @@ class Checkpointer:
             return
         for old in self.completed()[: -self.cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _check(path: Path) -> str | None:
+    """Why ``path`` cannot be resumed from, or None. Folders saved before manifests existed
+    (a COMPLETE marker, no manifest) are trusted as before."""
+    if not (path / "manifest.json").exists():
+        return None if (path / MARKER).exists() else "not complete"
+    return verify(path)
 
 
 def _merged_state(optim: PartOptimizers) -> dict:
