@@ -145,11 +145,18 @@ class Assignment:
     long_of_block: dict[int, list[ItemMeta]]  # SP block -> its long items
     block_of: dict[tuple, int]  # long item key -> SP block
     loads: np.ndarray  # [world] planned cost per rank (base loads included)
+    chunk_loads: np.ndarray  # [world] of which this chunk's
     memory: dict[tuple, float]  # item key -> estimated activation bytes (when a limit is set)
     sp: int
 
     def block(self, b: int) -> list[int]:
         return list(range(b * self.sp, (b + 1) * self.sp))
+
+    @property
+    def balance(self) -> float:
+        """This chunk's max / mean cost over ranks (1.0 = perfect)."""
+        mean = float(self.chunk_loads.mean()) if self.chunk_loads.size else 0.0
+        return float(self.chunk_loads.max() / mean) if mean > 0 else 1.0
 
 
 def assign_items(
@@ -187,7 +194,8 @@ def assign_items(
             return costs[it.key] > share or (bool(memory) and memory[it.key] > memory_limit)
         return it.tokens > long_threshold
 
-    loads = np.zeros(world) if base_loads is None else np.asarray(base_loads, dtype=np.float64).copy()
+    base = np.zeros(world) if base_loads is None else np.asarray(base_loads, dtype=np.float64)
+    loads = base.copy()
     order = sorted(items, key=lambda it: (-costs[it.key], it.key))
     long_of_block: dict[int, list[ItemMeta]] = {}
     block_of: dict[tuple, int] = {}
@@ -217,7 +225,7 @@ def assign_items(
             r = int(local[0] if local.size else ties[0])
             placed[it.key] = r
             loads[r] += costs[it.key]
-    return Assignment(placed, long_of_block, block_of, loads, memory, sp)
+    return Assignment(placed, long_of_block, block_of, loads, loads - base, memory, sp)
 
 
 def plan_chunk(
@@ -253,9 +261,6 @@ def plan_chunk(
         holders.setdefault(g, []).append(r)
     placed, long_of_block, block_of, memory = a.placed, a.long_of_block, a.block_of, a.memory
     blocks = [a.block(b) for b in range(world // sp)]
-    loads = a.loads
-    own = loads - (np.asarray(base_loads, dtype=np.float64) if base_loads is not None else 0.0)
-    long_items = [it for its in long_of_block.values() for it in its]
 
     by_key = {it.key: it for it in items}
     # Features: who sends what to whom.
@@ -281,7 +286,7 @@ def plan_chunk(
     # Who encodes what, and the local output tables.
     row_home: dict[tuple, list[tuple[int, int, int]]] = {}  # key -> [(rank, lo, table offset of lo)]
     for r, p in enumerate(plans):
-        p.load = float(own[r])
+        p.load = float(a.chunk_loads[r])
         b = r // sp
         p.sp_block = b if b in long_of_block else None
         offset = 0
@@ -337,10 +342,9 @@ def plan_chunk(
             item = np.searchsorted(st, rows, side="right") - 1
             p.need_index[m] = np.asarray([where[(m, g, i, r - int(st[i]))] for r, i in zip(rows.tolist(), item.tolist())],
                                          dtype=np.int64)
-    mean = own.mean() if world else 0.0
     over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > memory_limit) \
         if memory else 0
-    return ChunkPlan(plans, len(long_items), float(own.max() / mean) if mean > 0 else 1.0, over)
+    return ChunkPlan(plans, len(block_of), a.balance, over)
 
 
 def _bytes(item_bytes, it: ItemMeta) -> float:

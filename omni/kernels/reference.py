@@ -5,15 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def cu_seqlens_segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Document index of every token [total] (int64)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
-    if ids.numel() != total:
-        raise ValueError(f"cu_seqlens covers {ids.numel()} tokens but the input has {total}")
-    return ids
-
-
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                         causal: bool = True, scale: float | None = None) -> torch.Tensor:
     """Each document on its own, with explicit softmax (q [T, H_q, D], k/v [T, H_kv, D])."""

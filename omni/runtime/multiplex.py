@@ -417,17 +417,23 @@ def encoder_ranks(sizes: Sizes, placement: str) -> list[int]:
     return [r for r in range(sizes.world) if placement != "stage0" or sizes.coords(r)["pp"] == 0]
 
 
+def memory_budget_setting(setting: str) -> float | str | None:
+    """``multiplex.encoder_memory_mib`` read: bytes, "auto" (decided on the device), or None (no
+    limit). The simulator reads it the same way."""
+    text = str(setting).lower()
+    if text in ("none", "auto"):
+        return None if text == "none" else "auto"
+    try:
+        return float(text) * 2**20
+    except ValueError:
+        raise LayoutError(f"multiplex.encoder_memory_mib={setting!r} is not a number of MiB, auto or none") from None
+
+
 def _memory_budget(setting: str, layout: Layout) -> float | None:
     """Bytes of activations one rank may spend on one item (``multiplex.encoder_memory_mib``)."""
-    text = str(setting).lower()
-    if text == "none":
-        return None
-    if text != "auto":
-        try:
-            return float(text) * 2**20
-        except ValueError:
-            raise LayoutError(f"multiplex.encoder_memory_mib={setting!r} is not a number of MiB, auto or none") \
-                from None
+    budget = memory_budget_setting(setting)
+    if budget != "auto":
+        return budget
     if layout.device.type != "cuda":
         return None  # host memory: no budget worth planning around
     free, _ = torch.cuda.mem_get_info(layout.device)

@@ -16,6 +16,7 @@ import numpy as np
 from dataloading.encoder_plan import ItemMeta, assign_items
 from omni.runtime.config import MultiplexConfig
 from omni.sim.data import MicroBatchWork
+from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, Machine, encoder_work
 
@@ -61,7 +62,6 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
         a = assign_items(items, group_of, world, spec.cost, sp=sp, long_threshold=threshold,
                          sp_modalities=sp_modalities, eligible=eligible, item_bytes=item_bytes,
                          memory_limit=memory_limit, base_loads=carried)
-        own = a.loads - carried
         carried = a.loads
         per_gpu: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]  # (modality, tokens, sp, group)
         for it in items:
@@ -75,13 +75,11 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
             w = encoder_work(m, spec, [(mod, t, s_) for mod, t, s_, _ in work], gpus_per_node)
             fwd.append(w.forward_s)
             bwd.append(w.backward_s)
-            act.append(sum(spec.encoders[mod].activation_bytes_per_token * t / s_ for mod, t, s_, _ in work))
+            act.append(sum(encoder_activation_bytes(spec, mod, t, sp=s_) for mod, t, s_, _ in work))
             # Features come from the item's own group unless this GPU holds them already.
             feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g in work if g != group_of[r])
             rows = sum(t / s_ for _, t, s_, _ in work)
             sent.append((feat, rows * spec.hidden * BF16))
-        mean = float(own.mean()) if world else 0.0
-        balance = float(own.max() / mean) if mean > 0 else 1.0
         # What one group's receiving GPU takes in: its share of the group's output rows.
         recv = max((sum(it.tokens for it in items if it.group == g) * spec.hidden * BF16 / receivers
                     for g in set(group_of)), default=0.0)
@@ -90,5 +88,5 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
         out.append(ChunkTimes(
             forward_s=max(fwd, default=0.0) + feat_s + out_s, backward_s=max(bwd, default=0.0) + out_s,
             gpu_forward_s=fwd, gpu_backward_s=bwd, gpu_activation_bytes=act, items=len(items),
-            long_items=len(a.block_of), balance=balance))
+            long_items=len(a.block_of), balance=a.balance))
     return out

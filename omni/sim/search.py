@@ -32,8 +32,6 @@ from omni.sim.timing import Machine
 from parallel.layout import LayoutError
 
 CHECKPOINTS = ("none", "selective", "full")
-KNOBS = ("dp_replicate", "dp_shard", "tp", "pp", "pp_virtual_stages", "pp_schedule", "cp", "ep",
-         "activation_checkpoint", "micro_batch_tokens", "encoder_sp", "long_threshold", "chunks_per_cut")
 GROUPS = (1, 2, 4)  # multiplex.chunks_per_cut tried in the last round
 
 

@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.runtime.multiplex import encoder_ranks
+from omni.runtime.multiplex import encoder_ranks, memory_budget_setting
 from omni.sim import memory as mem
-from omni.sim.config import PLACEMENTS, ClusterConfig, SimConfig
+from omni.sim import sync
+from omni.sim.config import PLACEMENTS, SimConfig
 from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
 from omni.sim.encoders import ChunkTimes, plan_chunks
 from omni.sim.engine import StepTimeline, simulate_step
@@ -184,7 +185,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                                    st == last_stage, length, docs, tp, cp, ep, cluster.gpus_per_node,
                                    par.activation_checkpoint)
                     if per_mb_fsdp:
-                        w = _with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]),
+                        w = sync.with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]),
                                        gather_per_mb, reduce_per_mb)
                     cache[key] = w
                 work[(gi, st, i)] = cache[key]
@@ -212,21 +213,21 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
-        _add_encoder_gathers(m, cfg, spec, chunks, len(members), cluster.gpus_per_node, _reshard(par, pp))
+        sync.add_encoder_gathers(m, cfg, spec, chunks, len(members), cluster.gpus_per_node, _reshard(par, pp))
     else:
         sim_placement = "none"
 
     # After the pipeline: exposed gradient synchronisation, then the optimizer.
     tail, tail_comm = {}, {}
-    enc_local = _encoder_local_params(cfg, spec, len(members))
+    enc_local = sync.encoder_local_params(cfg, spec, len(members))
     for gi in range(sizes.dp):
         for s in range(pp):
             local = sum(stage_local[s + k * pp] for k in range(v))
             layers = sum(len(stage_layers[s + k * pp]) for k in range(v))
             last_bwd = work[(gi, s + (v - 1) * pp if v > 1 else s, n - 1)].backward_s
-            comm = 0.0 if reduce_per_mb else _grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
+            comm = 0.0 if reduce_per_mb else sync.grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
             if members and (gi, s) in encoder_cells:
-                comm += _encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node)
+                comm += sync.encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node)
             tail_comm[(gi, s)] = comm
             tail[(gi, s)] = m.memory(28.0 * (local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)))
     timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
@@ -244,7 +245,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                                           unsharded_grads=pp > 1 or not par.fsdp_reduce_every_microbatch))
         if (tl.group, tl.stage) in encoder_cells:
             for modality in spec.encoders:
-                b = _add(b, mem.encoder_static_memory(spec, modality, shard=_encoder_shard(cfg, len(members)),
+                b = _add(b, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, len(members)),
                                                       optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
                                                       gather_whole=not _reshard(par, pp)))
         # The worst moment: a block's backward on top of the live activations (on the last
@@ -274,16 +275,16 @@ def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list
     chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, None, cfg.cluster.gpus_per_node,
                          sizes.tp * sizes.cp, None)
     compute = sum(c.forward_s + c.backward_s for c in chunks)
-    sync = _encoder_grad_sync(m, cfg, spec, e, cfg.cluster.gpus_per_node)
+    grad_sync = sync.encoder_grad_sync(m, cfg, spec, e, cfg.cluster.gpus_per_node)
     static = mem.MemoryBreakdown()
     for modality in spec.encoders:
-        static = _add(static, mem.encoder_static_memory(spec, modality, shard=_encoder_shard(cfg, e),
+        static = _add(static, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, e),
                                                         optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param))
     # A step's chunks are all alive on the pool until the LLM's gradients come back.
     static.activations = max((sum(c.gpu_activation_bytes[r] for c in chunks) for r in range(e)), default=0.0)
     busy = [sum(c.gpu_forward_s[r] + c.gpu_backward_s[r] for c in chunks) for r in range(e)]
-    return {"time_s": compute + sync, "busy_mean_s": float(np.mean(busy)) if busy else 0.0,
-            "comm_s": compute - float(np.max(busy) if busy else 0.0) + sync, "memory": static}
+    return {"time_s": compute + grad_sync, "busy_mean_s": float(np.mean(busy)) if busy else 0.0,
+            "comm_s": compute - float(np.max(busy) if busy else 0.0) + grad_sync, "memory": static}
 
 
 def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, steps: list[StepWork],
@@ -300,12 +301,11 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
     per_rank = []
     for k, c in enumerate(cells):
         vals = [r.timeline.cells[k] for r in runs]
-        st = [s for s in step_s]
         per_rank.append({"group": c.group, "stage": c.stage, "gpus": gpus_per_cell,
                          "llm_s": float(np.mean([x.llm_s for x in vals])),
                          "encoder_s": float(np.mean([x.encoder_s for x in vals])),
                          "comm_s": float(np.mean([x.comm_s for x in vals])),
-                         "idle_s": float(np.mean([x.idle_s(t) for x, t in zip(vals, st)]))})
+                         "idle_s": float(np.mean([x.idle_s(t) for x, t in zip(vals, step_s)]))})
     compute = sum((p["llm_s"] + p["encoder_s"]) * gpus_per_cell for p in per_rank)
     gpu_time = mean_step * (world - encoder_pool)
     if encoder_pool:
@@ -379,77 +379,12 @@ def _local_params(spec: ModelSpec, layers: list[int], first: bool, last: bool, t
     return n
 
 
-def _with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int, gather: bool,
-               reduce: bool) -> StageWork:
-    """FSDP per micro-batch: each pass gathers the weights layer by layer behind the compute
-    (``gather``; one layer's gather has nothing to hide behind), and backward reduce-scatters
-    the gradients (``reduce``)."""
-    ag = m.ring("all_gather", BF16 * local, shard, cross) if gather else 0.0
-    rs = m.ring("reduce_scatter", 4.0 * local, shard, cross) if reduce else 0.0
-    fwd_exposed = max(0.0, ag - w.forward_compute_s) + ag / max(layers, 1)
-    bwd_exposed = max(0.0, ag + rs - w.backward_compute_s) + (ag + rs) / max(layers, 1)
-    return StageWork(w.forward_s + fwd_exposed, w.backward_s + bwd_exposed, w.forward_compute_s, w.tokens,
-                     w.backward_compute_s)
-
-
-def _grad_sync(m: Machine, local: float, shard: int, replicate: int, cross: bool, layers: int,
-               last_backward: float) -> float:
-    """Reduce once per step during the last backward: what does not hide behind it is exposed
-    (at least the last layer's reduce)."""
-    t = 0.0
-    if shard > 1:
-        t += m.ring("reduce_scatter", 4.0 * local, shard, cross)
-    if replicate > 1:
-        t += m.ring("all_reduce", 4.0 * local / shard, replicate, True)
-    if t == 0.0:
-        return 0.0
-    return max(t - last_backward, t / max(layers, 1))
-
-
-def _encoder_shard(cfg: SimConfig, members: int) -> int:
-    return members if cfg.multiplex.encoder_weights == "sharded" else 1
-
-
-def _encoder_local_params(cfg: SimConfig, spec: ModelSpec, members: int) -> float:
-    total = sum(e.params for e in spec.encoders.values() if e.trainable)
-    return total / max(_encoder_shard(cfg, members), 1)
-
-
-def _encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int, gpus_per_node: int) -> float:
-    """Replicated encoder weights: one all-reduce of the gradients per step; sharded: one
-    reduce-scatter (the runtime's, in the step's last encoder backward). fp32 gradients."""
-    params = sum(e.params for e in spec.encoders.values() if e.trainable)
-    cross = members > gpus_per_node
-    if cfg.multiplex.encoder_weights == "sharded":
-        return m.ring("reduce_scatter", 4.0 * params, members, cross)
-    return m.ring("all_reduce", 4.0 * params, members, cross)
-
-
-def _add_encoder_gathers(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks: list[ChunkTimes], members: int,
-                         gpus_per_node: int, reshard: bool) -> None:
-    """Sharded encoder weights are all-gathered (bf16) before they run: once per step in the
-    first chunk's forward when they stay gathered (PP, reshard_after_forward=auto), else in
-    every chunk's forward and again in its backward. Layer-by-layer prefetch hides a gather
-    behind the chunk's compute where the compute is longer."""
-    if cfg.multiplex.encoder_weights != "sharded" or not chunks:
-        return
-    gather = m.ring("all_gather", BF16 * sum(e.params for e in spec.encoders.values()), members,
-                    members > gpus_per_node)
-    for j, ch in enumerate(chunks):
-        if j == 0 or reshard:
-            ch.forward_s += max(0.0, gather - max(ch.gpu_forward_s, default=0.0))
-        if reshard:
-            ch.backward_s += max(0.0, gather - max(ch.gpu_backward_s, default=0.0))
-
-
 def _encoder_memory_budget(cfg: SimConfig, spec: ModelSpec, sizes: Sizes) -> float | None:
     """multiplex.encoder_memory_mib as the runtime reads it on a GPU (auto: a quarter of what
     the model leaves free)."""
-    text = str(cfg.multiplex.encoder_memory_mib).lower()
-    if text == "none":
-        return None
-    if text != "auto":
-        return float(text) * 2**20
+    budget = memory_budget_setting(cfg.multiplex.encoder_memory_mib)
+    if budget != "auto":
+        return budget
     free = (cfg.cluster.hbm_gib - cfg.cluster.memory_reserve_gib) * GIB
     layers = split_layers(spec.num_layers, sizes.pp)[0]
     static = mem.static_memory(spec, layers, True, sizes.pp == 1, tp=sizes.tp, ep=sizes.ep,
@@ -460,7 +395,3 @@ def _encoder_memory_budget(cfg: SimConfig, spec: ModelSpec, sizes: Sizes) -> flo
 def _add(a: mem.MemoryBreakdown, b: mem.MemoryBreakdown) -> mem.MemoryBreakdown:
     return mem.MemoryBreakdown(**{f.name: getattr(a, f.name) + getattr(b, f.name)
                                   for f in dataclasses.fields(mem.MemoryBreakdown)})
-
-
-def cluster_with(cluster: ClusterConfig, **factors: float) -> ClusterConfig:
-    return dataclasses.replace(cluster, **factors)

@@ -52,9 +52,6 @@ class ModelSpec:
     def llm_params(self) -> int:
         return sum(self.layer_params) + self.embed_params + self.head_params + self.norm_params
 
-    def total_params(self) -> int:
-        return self.llm_params() + sum(e.params for e in self.encoders.values())
-
     def attention_alpha_per_layer(self) -> float:
         """Causal attention forward FLOPs per layer per token pair (the cost model's alpha / layers)."""
         return self.cost.alpha / self.llm.num_layers
@@ -64,8 +61,7 @@ class ModelSpec:
         token plus 12 x layers x heads x head_dim per token pair, not halved for causality, no
         recomputation), LLM and encoders. ``media``: (modality, tokens) items."""
         c = self.llm
-        active = sum(self.layer_active) + self.head_params if self.head_params else sum(self.layer_active) + \
-            self.embed_params
+        active = sum(self.layer_active) + (self.head_params or self.embed_params)  # a tied head is the embedding
         attn = 12.0 * c.num_layers * c.num_heads * c.resolved_head_dim()
         total = 0.0
         for L in doc_lengths:
