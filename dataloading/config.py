@@ -39,6 +39,10 @@ class DataConfig:
     backend: str = "inline"
     # backend=ray: the cluster to join (None: a running local Ray, else one started here).
     ray_address: Optional[str] = None
+    # backend=ray, a Ray started here: the address it listens on. "127.0.0.1": this machine only.
+    # For actors on other nodes: this host's IP on their network, or "0.0.0.0" (Ray's choice: the
+    # host's routable address, all interfaces). Not used when joining a cluster (ray_address).
+    ray_bind: str = "127.0.0.1"
     # What to do with a bad sample (corrupt media, placeholder mismatch): "skip" or "stop".
     on_error: str = "skip"
     # Skipping more than this fraction of samples stops the run.

@@ -26,6 +26,7 @@ from dataloading.errors import DataError, ProblemCounter
 from dataloading.index import SourceIndex
 from dataloading.media import MediaProcessor
 from dataloading.planner import Planner, StepPlan
+from dataloading.ray_local import LOOPBACK, check_bind
 from dataloading.tokenizer import Tokenizer
 
 BACKENDS = ("inline", "ray")
@@ -240,8 +241,8 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
                  on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
                  worker_timeout_s: float = 600.0, max_open_shards: int = 256,
                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
-                 backend: str = "inline", ray_address: str | None = None, build_missing_index: bool = False,
-                 progress: bool = True) -> StepLoader:
+                 backend: str = "inline", ray_address: str | None = None, ray_bind: str = LOOPBACK,
+                 build_missing_index: bool = False, progress: bool = True) -> StepLoader:
     """Mixture YAML -> indices -> Planner + SampleConstructor -> a loader for one DP rank.
 
     ``backend="inline"``: planner here, constructors in DataLoader workers (StepLoader).
@@ -250,6 +251,8 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
     """
     if backend not in BACKENDS:
         raise DataError(f"data.backend={backend!r} is not a backend; use one of {list(BACKENDS)}", kind="config")
+    if backend == "ray":
+        check_bind(ray_bind)  # before the indices are read
     planner, indices = build_planner(
         mixture, tokenizer, processors, seed=seed, global_batch_size=global_batch_size, dp_size=dp_size,
         micro_batch_tokens=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
@@ -262,7 +265,7 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
     if backend == "ray":
         from dataloading.ray_backend import RayStepLoader
 
-        loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address)
+        loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address, bind=ray_bind)
     else:
         loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers, worker_timeout_s)
     loader.problems.update(index_problems)

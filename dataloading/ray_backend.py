@@ -35,6 +35,7 @@ from pathlib import Path
 from dataloading.errors import DataError
 from dataloading.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
                                     loader_counts, require_ray)
+from dataloading.ray_local import LOOPBACK, check_bind, start_local_ray
 
 __all__ = ["RayStepLoader", "PlannerActor", "SourceLoaderActor", "ConstructorActor", "loader_counts",
            "default_run_id", "NAMESPACE"]
@@ -58,20 +59,23 @@ class RayStepLoader:
     """StepLoader's interface on the Ray data plane (see the module docstring).
 
     ``address``: a Ray cluster to join; without it (and without a running Ray or $RAY_ADDRESS)
-    a local Ray is started. ``total_loaders``: source loader actors to spread over the sources
+    a local Ray is started, listening on ``bind`` (default loopback only; see
+    ``dataloading.ray_local``). ``total_loaders``: source loader actors to spread over the sources
     (default: one per source). ``ranks_per_constructor``: DP ranks sharing a constructor actor.
     ``run_id``: names the shared actors; all ranks of one run must agree (default
     ``default_run_id``). Actors are created on the first ``next()``.
     """
 
     def __init__(self, planner, constructor, dp_rank: int, prefetch: int = 2, *, address: str | None = None,
-                 total_loaders: int | None = None, ranks_per_constructor: int = 1, run_id: str | None = None):
+                 total_loaders: int | None = None, ranks_per_constructor: int = 1, run_id: str | None = None,
+                 bind: str = LOOPBACK):
         if not 0 <= dp_rank < planner.dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
         if prefetch < 1 or ranks_per_constructor < 1 or (total_loaders is not None and total_loaders < 1):
             raise DataError(f"data.prefetch={prefetch}, ranks_per_constructor={ranks_per_constructor} and "
                             f"total_loaders={total_loaders} must be >= 1", kind="config")
         require_ray()  # fail now, with the install hint, if Ray is missing
+        self.bind = check_bind(bind)  # and now, naming data.ray_bind, if it is not an address
         self.planner = planner  # holds the committed state
         self.constructor = constructor
         self.dp_rank = dp_rank
@@ -103,8 +107,10 @@ class RayStepLoader:
             if address:
                 ray.init(address=address, log_to_driver=False, runtime_env=env)
             else:
-                # "local": a new instance even where `ray start` left a cluster address behind
-                ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=env)
+                # "local": a new instance even where `ray start` left a cluster address behind; it
+                # listens on self.bind (loopback unless data.ray_bind opens it)
+                start_local_ray(ray, self.bind, num_cpus=2, include_dashboard=False, log_to_driver=False,
+                                runtime_env=env)
         return ray
 
     def _actor(self, ray, cls, name: str, *args, **kwargs):

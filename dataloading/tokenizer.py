@@ -89,7 +89,16 @@ class HFTokenizer:
         from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
         self.directory = Path(directory)
-        tok = AutoTokenizer.from_pretrained(str(self.directory))
+        # Never run Python code shipped in the directory (an `auto_map` to custom tokenizer
+        # classes) and never reach the Hub: a tokenizer is data.
+        try:
+            tok = AutoTokenizer.from_pretrained(str(self.directory), trust_remote_code=False, local_files_only=True)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise DataError(f"tokenizer {self.directory}: its tokenizer_config.json names custom Python code "
+                            "(auto_map), which omni never runs; use a directory saved with a standard transformers "
+                            "tokenizer class (tokenizer.json)", kind="config") from None
         missing = [p for p in PLACEHOLDERS.values() if p not in tok.get_vocab()]
         if missing:
             # Added as special tokens so they are never split; the model's embedding table

@@ -43,5 +43,10 @@ class ParallelConfig:
     reshard_after_forward: str = "auto"
     # "auto": nccl on GPU, gloo on CPU.
     backend: str = "auto"
+    # Seconds a collective waits for its peers before this rank fails (the torch.distributed
+    # timeout of every group Omni creates, meshes included): a rank that died or hangs then ends
+    # the job instead of holding the others forever. trainer.hang_timeout_s is the watchdog
+    # that also catches hangs outside collectives. Keep it above the slowest checkpoint save.
+    timeout_s: float = 600.0
     # Ranks per node: TP (and TP x CP where possible) groups must fit inside one.
     gpus_per_node: int = 8

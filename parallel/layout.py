@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import product
 from typing import Callable
 
@@ -198,6 +199,9 @@ class Layout:
     mesh: DeviceMesh | None = None  # dims MESH_DIMS
     expert_mesh: DeviceMesh | None = None  # dims EXPERT_MESH_DIMS: dp_shard x cp split as (outer, ep)
     groups: dict = field(default_factory=dict)  # name -> ProcessGroup (see _build_groups)
+    # How long any collective waits for its peers (parallel.timeout_s); groups created later
+    # (pipeline, encoder SP, host) take it through ``new_group``.
+    timeout: timedelta = timedelta(seconds=600)
 
     @property
     def is_main(self) -> bool:
@@ -277,7 +281,26 @@ def _partition_groups(world: int, key: Callable[[int], tuple]) -> list[list[int]
     return list(parts.values())
 
 
-def _build_groups(sizes: Sizes, rank: int, backend: str | None) -> dict[str, dist.ProcessGroup]:
+def new_group(ranks: list[int] | None, timeout: timedelta, backend: str | None = None) -> dist.ProcessGroup:
+    """``dist.new_group`` with the layout's timeout: torch gives subgroups its own default
+    (30 minutes for gloo, 10 for nccl), not the world group's."""
+    return dist.new_group(ranks, backend=backend, timeout=timeout)
+
+
+def _mesh_options(dev_type: str, ndim: int, timeout: timedelta) -> dict | None:
+    """``init_device_mesh`` overrides that give every mesh dimension's groups ``timeout``
+    (the mesh passes a timeout on only through backend options)."""
+    backend = "nccl" if dev_type == "cuda" else "gloo"
+    kind = getattr(dist, "ProcessGroupNCCL" if backend == "nccl" else "ProcessGroupGloo", None)
+    if kind is None:
+        return None
+    options = kind.Options() if backend == "nccl" else kind._Options()
+    options._timeout = timeout
+    return {d: (backend, options) for d in range(ndim)}
+
+
+def _build_groups(sizes: Sizes, rank: int, backend: str | None,
+                  timeout: timedelta) -> dict[str, dist.ProcessGroup]:
     """Groups that are not one mesh dimension. Every rank creates every group, same order."""
     coords = sizes.coords
     world = sizes.world
@@ -308,7 +331,7 @@ def _build_groups(sizes: Sizes, rank: int, backend: str | None) -> dict[str, dis
     out = {}
     for name, key in specs.items():
         for members in _partition_groups(world, key):
-            g = dist.new_group(members, backend=backend) if world > 1 else dist.group.WORLD
+            g = new_group(members, timeout, backend) if world > 1 else dist.group.WORLD
             if rank in members:
                 out[name] = g
     return out
@@ -322,6 +345,23 @@ def _pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _restart_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a store private to this restart attempt; None elsewhere
+    (``init_process_group`` then reads MASTER_ADDR/MASTER_PORT itself).
+
+    torchrun (the elastic agent) keeps one store across ``--max-restarts`` attempts, with the
+    previous attempt's keys still in it: a restarted gloo group reads a dead peer's address
+    and fails to connect ("connectFullMesh failed ... Connection refused"). A prefix per
+    attempt gives every attempt fresh keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"omni/attempt_{attempt}", store)
+
+
 def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     """Join (or create) the process group, check the sizes and build the mesh and groups.
 
@@ -330,22 +370,29 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     """
     dev = _pick_device() if device == "auto" else torch.device(device)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    if cfg.timeout_s <= 0:
+        raise LayoutError(f"parallel.timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait)")
+    timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend)
+            store = _restart_store(timeout)
+            where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                              "world_size": int(os.environ["WORLD_SIZE"])}
+            dist.init_process_group(backend=backend, timeout=timeout, **where)
         else:
             store = dist.HashStore()
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = resolve_sizes(cfg, world)
     shard_cp = sizes.dp_shard * sizes.cp
-    mesh = init_device_mesh(dev.type, (sizes.pp, sizes.dp_replicate, shard_cp, sizes.tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(dev.type, (sizes.pp, sizes.dp_replicate, shard_cp, sizes.tp), mesh_dim_names=MESH_DIMS,
+                            backend_override=_mesh_options(dev.type, len(MESH_DIMS), timeout))
     expert_mesh = mesh if sizes.ep == 1 else init_device_mesh(
         dev.type, (sizes.pp, sizes.dp_replicate, shard_cp // sizes.ep, sizes.ep, sizes.tp),
-        mesh_dim_names=EXPERT_MESH_DIMS)
-    groups = _build_groups(sizes, rank, None)
+        mesh_dim_names=EXPERT_MESH_DIMS, backend_override=_mesh_options(dev.type, len(EXPERT_MESH_DIMS), timeout))
+    groups = _build_groups(sizes, rank, None, timeout)
     return Layout(world_size=world, rank=rank, device=dev, sizes=sizes, config=cfg, mesh=mesh,
-                  expert_mesh=expert_mesh, groups=groups)
+                  expert_mesh=expert_mesh, groups=groups, timeout=timeout)
 
 
 def encoder_mesh(layout: Layout, first_stage_only: bool) -> DeviceMesh:
@@ -355,8 +402,10 @@ def encoder_mesh(layout: Layout, first_stage_only: bool) -> DeviceMesh:
     same order."""
     dev = layout.device.type
     if not first_stage_only or layout.sizes.pp == 1:
-        return init_device_mesh(dev, (layout.world_size,), mesh_dim_names=("encoder",))
-    return init_device_mesh(dev, (layout.sizes.pp, layout.stage_world), mesh_dim_names=("pp", "encoder"))["encoder"]
+        return init_device_mesh(dev, (layout.world_size,), mesh_dim_names=("encoder",),
+                                backend_override=_mesh_options(dev, 1, layout.timeout))
+    return init_device_mesh(dev, (layout.sizes.pp, layout.stage_world), mesh_dim_names=("pp", "encoder"),
+                            backend_override=_mesh_options(dev, 2, layout.timeout))["encoder"]
 
 
 def pipeline_gradient_group(layout: Layout) -> dist.ProcessGroup:
@@ -369,7 +418,7 @@ def pipeline_gradient_group(layout: Layout) -> dist.ProcessGroup:
     coords = layout.sizes.coords
     mine = None
     for members in _partition_groups(layout.world_size, lambda r: tuple(v for d, v in coords(r).items() if d != "pp")):
-        g = dist.new_group(members)
+        g = new_group(members, layout.timeout)
         if layout.rank in members:
             mine = g
     return mine
@@ -381,7 +430,7 @@ def host_group(layout: Layout) -> dist.ProcessGroup | None:
     through the device and synchronises it). None: the default group already is gloo."""
     if layout.world_size == 1 or dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    return new_group(None, layout.timeout, backend="gloo")
 
 
 def describe(sizes: Sizes) -> str:

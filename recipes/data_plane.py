@@ -41,7 +41,7 @@ def build_training_loader(cfg: OmniConfig, mixture: str, tokenizer, model, proce
     return build_loader(mixture, tokenizer, processors, dp_size=dp_size, dp_rank=dp_rank, on_error=d.on_error,
                         max_skip_fraction=d.max_skip_fraction, prefetch=d.prefetch, num_workers=d.num_workers,
                         worker_timeout_s=d.worker_timeout_s, max_open_shards=d.max_open_shards,
-                        backend=d.backend, ray_address=d.ray_address, progress=progress,
+                        backend=d.backend, ray_address=d.ray_address, ray_bind=d.ray_bind, progress=progress,
                         **planner_kwargs(cfg, model))
 
 

@@ -15,20 +15,40 @@ from omegaconf import OmegaConf
 
 
 def _state_from_file(path: str) -> dict:
-    """A planner state: saved by --save-state, or a training checkpoint's trainer_state.pt."""
+    """A planner state: saved by --save-state, or a training checkpoint's trainer_state.pt.
+
+    A .pt file is read with ``torch.load(weights_only=True)``: omni's trainer_state.pt holds only
+    numbers, strings, lists and dicts, and a file that needs anything else unpickled (which could
+    run code) is refused with a one-line error instead."""
+    from dataloading.errors import DataError
+
     p = Path(path)
     if not p.is_file():
-        from dataloading.errors import DataError
-
         raise DataError(f"--load-state {p}: no such file; pass a file written by --save-state or a "
                         f"checkpoint's trainer_state.pt", kind="config")
     if p.suffix == ".pt":
+        import pickle
+
         import torch
 
-        sd = torch.load(p, map_location="cpu", weights_only=False)
-        sd = sd.get("loader", sd)
+        try:
+            sd = torch.load(p, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise DataError(f"--load-state {p}: not a trainer_state.pt that omni wrote (it asks to unpickle "
+                            f"objects other than plain numbers, strings, lists and dicts, which omni refuses "
+                            f"to do); pass a checkpoint's trainer_state.pt or a --save-state file",
+                            kind="config") from None
+        except (EOFError, KeyError, RuntimeError, ValueError) as e:
+            raise DataError(f"--load-state {p}: cannot be read as a torch file ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else 'truncated or empty'}); pass a checkpoint's "
+                            f"trainer_state.pt or a --save-state file", kind="config") from None
+        if isinstance(sd, dict):
+            sd = sd.get("loader", sd)
     else:
         sd = json.loads(p.read_text())
+    if not isinstance(sd, dict):
+        raise DataError(f"--load-state {p}: holds a {type(sd).__name__}, not a planner state; pass a "
+                        f"checkpoint's trainer_state.pt or a --save-state file", kind="config")
     return sd.get("planner", sd)
 
 

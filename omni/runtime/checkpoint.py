@@ -7,14 +7,26 @@ and renames it to ``step_N`` in one atomic step. A folder named ``step_N`` is th
 complete; a run killed mid-save leaves only a ``.tmp-`` folder, which the next save clears.
 ``resume=auto`` also re-checks the newest folders against their manifests and skips, with a
 message, one that was damaged afterwards (a truncated or corrupted file).
+
+Asynchronous saves (``checkpoint.async_save``): the step blocks only while DCP copies the
+state to host memory; a background thread writes the shards over a process group of its own
+(the training loop keeps using the others). Rank 0's DCP save returns only after every rank
+has written (its final step gathers their results), so rank 0 then writes the manifest and
+renames, still in the background. The next save, and the end of training, wait for it.
+
+Loading never unpickles arbitrary objects: the small files (trainer state, RNG) hold only
+tensors and plain Python values and load with ``weights_only=True``.
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +40,7 @@ from omni.errors import ConfigError
 from omni.runtime.checkpoint_manifest import fsync_dir, fsync_tree, verify, write_manifest
 from omni.runtime.config import CheckpointConfig
 from omni.runtime.optim import PartOptimizers
-from parallel.layout import barrier
+from parallel.layout import barrier, new_group
 
 MARKER = "COMPLETE"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -37,7 +49,11 @@ TMP = ".tmp-"  # a checkpoint being written
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values (loadable with weights_only)."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -45,10 +61,23 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_plain(path: Path) -> Any:
+    """A small checkpoint file (trainer state, RNG): tensors and plain values only. A file that
+    needs more (arbitrary pickled objects, which could run code) is refused, not loaded."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{path} holds pickled objects beyond tensors and plain values, which Omni never writes; "
+                          f"refusing to load it ({first}); resume from a checkpoint this run wrote, or "
+                          "checkpoint.resume=never to start fresh") from None
 
 
 @dataclass
@@ -56,13 +85,29 @@ class Restored:
     step: int
     loader_state: dict
     path: Path
+    trainer: dict  # the trainer's own counters (skipped steps, ...)
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, rank: int = 0):
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, rank: int = 0, layout: dict | None = None,
+                 timeout=None):
+        """``layout``: the sizes recorded in each manifest. ``timeout``: the collective timeout
+        of the asynchronous writer's own process group."""
         self.cfg = cfg
         self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
         self.rank = rank
+        self.layout = dict(layout or {})
+        self.last_block_s = 0.0  # how long the latest save held the training loop
+        self._pending: Future | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._group = None
+        if cfg.async_save:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-checkpoint")
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                # The background writer's collectives must never interleave with the training
+                # loop's on one group: it gets its own (gloo: DCP's async save needs a CPU backend).
+                self._group = new_group(None, timeout, backend="gloo") if timeout else \
+                    torch.distributed.new_group(backend="gloo")
 
     # -- discovery -------------------------------------------------------------------------
     def completed(self) -> list[Path]:
@@ -98,9 +143,12 @@ class Checkpointer:
         return path
 
     # -- save / load ---------------------------------------------------------------------------
-    def save(self, step: int, optim: PartOptimizers, loader_state: dict) -> Path:
+    def save(self, step: int, optim: PartOptimizers, loader_state: dict, trainer_state: dict | None = None) -> Path:
         """Every rank writes its shards (DCP); names are the unsplit model's, so the folder loads
-        under any layout."""
+        under any layout. With ``checkpoint.async_save`` this returns once the state is copied
+        to host memory; ``wait()`` (or the next save) returns once the folder is complete."""
+        self.wait()
+        t0 = time.perf_counter()
         final = self.root / f"{PREFIX}{step:08d}"
         path = self.root / f"{TMP}{PREFIX}{step:08d}"
         if self.rank == 0:
@@ -108,26 +156,65 @@ class Checkpointer:
             for stale in self.root.glob(f"{TMP}*"):  # what an interrupted save left
                 shutil.rmtree(stale, ignore_errors=True)
         barrier()
-        dcp.save(_merged_state(optim), checkpoint_id=str(path))
+        path.mkdir(parents=True, exist_ok=True)
+        # The small files first, synchronously: they are part of what the manifest covers, and
+        # every rank writes its own before it joins DCP's collectives, so before rank 0's
+        # DCP save can return.
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
-            torch.save(
-                {"step": step, "scheduler": optim.scheduler_state(), "loader": loader_state},
-                path / "trainer_state.pt",
-            )
-        barrier()
-        if self.rank == 0:
-            (path / MARKER).write_text(json.dumps({"step": step}))
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            write_manifest(path, {"step": step, "world_size": world})
-            fsync_tree(path)
-            if final.exists():  # the same step saved again (e.g. a re-run): the new one wins
-                shutil.rmtree(final)
-            os.rename(path, final)
-            fsync_dir(self.root)
-            self._prune()
-        barrier()
+            torch.save({"step": step, "scheduler": optim.scheduler_state(), "loader": loader_state,
+                        "trainer": dict(trainer_state or {})}, path / "trainer_state.pt")
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        meta = {"step": step, "world_size": world, "layout": self.layout, "data": loader_state}
+        state = _merged_state(optim)
+        if self._writer is None:
+            dcp.save(state, checkpoint_id=str(path))
+            barrier()
+            if self.rank == 0:
+                self._publish(path, final, meta)
+            barrier()
+        else:
+            upload = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
+            self._pending = self._writer.submit(self._finish_async, upload, path, final, meta)
+        self.last_block_s = time.perf_counter() - t0
         return final
+
+    def _finish_async(self, upload: Future, path: Path, final: Path, meta: dict) -> Path:
+        upload.result()  # rank 0's returns after every rank's shards are written
+        if self.rank == 0:
+            self._publish(path, final, meta)
+        return final
+
+    def _publish(self, path: Path, final: Path, meta: dict) -> None:
+        """Rank 0, once every file is in ``path``: manifest, flush, atomic rename, retention."""
+        (path / MARKER).write_text(json.dumps({"step": meta["step"]}))
+        write_manifest(path, meta)
+        fsync_tree(path)
+        if final.exists():  # the same step saved again (e.g. a re-run): the new one wins
+            shutil.rmtree(final)
+        os.rename(path, final)
+        fsync_dir(self.root)
+        self._prune()
+
+    @property
+    def pending(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is complete and visible. Every
+        rank calls it at the same points (next save, end of training), so the writer's group
+        is idle afterwards."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            barrier()  # rank 0's rename is done before anyone looks for the folder
+
+    def close(self) -> None:
+        self.wait()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def load(self, path: Path, optim: PartOptimizers) -> Restored:
         state = _merged_state(optim)
@@ -135,12 +222,13 @@ class Checkpointer:
         for part, opt in zip(optim.parts, optim.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
-        extra = torch.load(path / "trainer_state.pt", weights_only=False)
+        extra = load_plain(path / "trainer_state.pt")
         optim.load_scheduler_state(extra["scheduler"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.exists():  # absent when resuming on more ranks than were saved
-            set_rng_state(torch.load(rng_file, weights_only=False))
-        return Restored(step=int(extra["step"]), loader_state=extra["loader"], path=path)
+            set_rng_state(load_plain(rng_file))
+        return Restored(step=int(extra["step"]), loader_state=extra["loader"], path=path,
+                        trainer=dict(extra.get("trainer", {})))
 
     def _prune(self) -> None:
         if self.cfg.keep_last <= 0:

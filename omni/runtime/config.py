@@ -39,6 +39,22 @@ class TrainerConfig:
     eval_samples: int = 64
     eval_batch_size: int = 32
     max_new_tokens: int = 100
+    # Numeric guards (docs/fault-tolerance.md). A step whose loss or gradient norm is not finite
+    # is skipped: no optimizer or lr-schedule update, its gradients dropped, its sample ids in
+    # <run_dir>/flagged_steps.jsonl, the running count in metrics.jsonl (skipped_steps). This
+    # many in a row stop the run without saving (1: stop at the first).
+    max_bad_steps: int = 3
+    # Loss spikes: a step whose loss exceeds the mean of the previous loss_spike_window steps by
+    # more than loss_spike_sigmas standard deviations is logged (with its sample ids) to
+    # flagged_steps.jsonl; training goes on. 0: off.
+    loss_spike_sigmas: float = 6.0
+    loss_spike_window: int = 50
+    # Write every step's sample ids, per data-parallel rank, to <run_dir>/samples.jsonl.
+    log_samples: bool = False
+    # Hang watchdog: a rank that makes no progress (no new phase of a step) for this many
+    # seconds prints where it is stuck, what the other ranks were doing and its stacks, and
+    # exits with code 75, so the job ends or torchrun restarts it. 0: off.
+    hang_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -52,6 +68,9 @@ class CheckpointConfig:
     # Keep the last N checkpoints (0: keep all).
     keep_last: int = 2
     save_at_end: bool = True
+    # Write in the background: a save holds the step only while the state is copied to host
+    # memory (DCP async_save); the folder appears, complete, when the writer is done.
+    async_save: bool = False
 
 
 @dataclass

@@ -10,10 +10,10 @@ from tqdm import tqdm
 
 
 class MetricsLog:
-    """Appends to <run_dir>/metrics.jsonl on the main rank only."""
+    """Appends to <run_dir>/<name> (metrics.jsonl unless named) on the main rank only."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False):
-        self.path = run_dir / "metrics.jsonl"
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False, name: str = "metrics.jsonl"):
+        self.path = run_dir / name
         self.enabled = enabled
         self._tb = None
         if enabled:

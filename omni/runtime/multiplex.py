@@ -41,7 +41,7 @@ from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.runtime.media_tower import MediaTower
-from parallel.layout import Layout, LayoutError, Sizes, host_group
+from parallel.layout import Layout, LayoutError, Sizes, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import exchange_rows
 
@@ -143,7 +143,7 @@ class Multiplexer:
         mine = None
         for b in range(len(self.members) // sp):
             block = self.members[b * sp:(b + 1) * sp]
-            g = dist.new_group(block)
+            g = new_group(block, layout.timeout)
             if layout.rank in block:
                 mine = g
         return mine

@@ -1,15 +1,20 @@
 """The training loop: micro-batch accumulation, global-token loss normalisation, AdamW with
-warmup + cosine, clipping, checkpoints, metrics, and the held-out evaluation at the end."""
+warmup + cosine, clipping, checkpoints, metrics, and the held-out evaluation at the end.
+
+Fault handling (docs/fault-tolerance.md): non-finite steps are skipped and counted, loss spikes
+logged with their sample ids, a hang watchdog ends a stuck rank, and a collective that times
+out says at which step and phase."""
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from dataloading.batch import MicroBatch, StepBatch
@@ -18,6 +23,7 @@ from omni.models.multimodal import OmniModel
 from omni.runtime.checkpoint import Checkpointer
 from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.evaluate import evaluate
+from omni.runtime.guards import BadStepGuard, NonFiniteSteps, SpikeDetector
 from omni.runtime.metrics import MetricsLog, progress_bar
 from omni.runtime.optim import PartOptimizers
 from omni.models.multimodal import Prepared
@@ -26,7 +32,8 @@ from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, r
                                    write_chrome_trace)
 from parallel.data_parallel import all_reduce_sums
 from parallel.grad_norm import clip_grads
-from parallel.layout import Layout
+from omni.runtime.watchdog import Watchdog
+from parallel.layout import Layout, host_group
 from parallel.pipeline import microbatch_count
 
 
@@ -34,11 +41,24 @@ def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
+FLAGGED = "flagged_steps.jsonl"  # non-finite and spiking steps, with their sample ids
+
+
+class CollectiveTimeout(UserError):
+    """A collective waited longer than parallel.timeout_s: a peer died or hangs."""
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc)
+    return "Timed out" in text or "timed out" in text or "Timeout" in text
+
+
 @dataclass
 class FitResult:
     last_step: int
     losses: list[float]
     eval_accuracy: float | None
+    skipped_steps: int = 0
 
 
 class Trainer:
@@ -73,8 +93,18 @@ class Trainer:
         self.clip = optim_cfg.clip_grad_norm
         self.run_dir = Path(trainer_cfg.run_dir)
         self.ckpt_cfg = ckpt_cfg
-        self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank)
+        self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank, layout=asdict(layout.sizes),
+                                         timeout=layout.timeout)
         self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main, tensorboard=trainer_cfg.tensorboard)
+        self.flagged = MetricsLog(self.run_dir, enabled=layout.is_main, name=FLAGGED)
+        self.sample_log = MetricsLog(self.run_dir, enabled=layout.is_main and trainer_cfg.log_samples,
+                                     name="samples.jsonl")
+        self.guard = BadStepGuard(trainer_cfg.max_bad_steps)
+        self.spikes = SpikeDetector(trainer_cfg.loss_spike_sigmas, trainer_cfg.loss_spike_window)
+        self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
+        # Sample ids travel to rank 0 over gloo (None: the default group already is).
+        self._host = host_group(layout) if layout.world_size > 1 else None
+        self._step, self._phase_name = 0, "starting"
         self.trace_step = trace_step
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
 
@@ -122,6 +152,11 @@ class Trainer:
     def _span(self, kind: str, name: str):
         tl = self.pm.timeline
         return tl.span(kind, name) if tl is not None else contextlib.nullcontext()
+
+    def _phase(self, name: str) -> None:
+        """Tell the watchdog (and a collective-timeout message) where this rank is."""
+        self._phase_name = name
+        self.watchdog.beat(self._step, name)
 
     def train_step(self, batch: StepBatch) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics."""
@@ -183,24 +218,28 @@ class Trainer:
             if mux is not None:
                 with self._autocast():
                     mux.finish()
+        self._phase("gradient sync")
         with self._span("comm", "gradient sync"):
             self.pm.sync_gradients()
+        # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
+        counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
+        ce_sum, aux_sum = all_reduce_sums([ce_total if counts_loss else 0.0, aux_total], self.device)
+        loss_value = ce_sum / global_targets
+        self._phase("optimizer")
         with self._span("optim", "clip and step"):
             max_norm = self.clip if self.clip > 0 else math.inf
             grad_norm = clip_grads(list(self.pm.parameters()), max_norm, self.layout.stage_world,
                                    self.pm.norm_skip, self.device)
             lr = self.optim.lr
-            self.optim.step()
+            # The loss and the norm are the same on every rank (all-reduced), so every rank
+            # skips the same steps. A skipped step leaves weights, optimizer moments and the lr
+            # schedule as they were; only its gradients are dropped.
+            bad = BadStepGuard.is_bad(loss_value, grad_norm) or not math.isfinite(aux_sum)
+            if not bad:
+                self.optim.step()
             self.optim.zero_grad()
-        # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
-        counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
-        ce_sum, aux_sum = all_reduce_sums([ce_total if counts_loss else 0.0, aux_total], self.device)
-        loss_value = ce_sum / global_targets
-        if not math.isfinite(loss_value):
-            raise UserError(
-                f"the loss became {loss_value} at step {batch.step}; lower optim.lr or raise optim.warmup_steps"
-            )
-        out = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "target_tokens": int(global_targets)}
+        out = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "target_tokens": int(global_targets),
+               "skipped": bad}
         if aux_sum:
             out["aux_loss"] = aux_sum
         return out
@@ -212,9 +251,12 @@ class Trainer:
             restored = self.checkpointer.load(resume, self.optim)
             start = restored.step
             self.loader.load_state_dict(restored.loader_state)
-            self.metrics.truncate_after(start)
+            self.guard.load_state_dict(restored.trainer)
+            for log in (self.metrics, self.flagged, self.sample_log):
+                log.truncate_after(start)
             if self.layout.is_main:
                 print(f"omni: resumed from {resume} (step {start})", flush=True)
+        self._step = start
         losses: list[float] = []
         last_saved = start
         bar = progress_bar(self.cfg.max_steps, start, enabled=self.cfg.progress and self.layout.is_main)
@@ -224,41 +266,112 @@ class Trainer:
         for part in self.pm.parts:
             part.train()
         summary = RunSummary()
-        for step in range(start + 1, last + 1):
-            t0 = time.perf_counter()
-            batch = next(it)
-            reset_peak_memory(self.device)
-            if self.pm.timeline is not None:
-                self.pm.timeline.begin_step(step)
-            stats = self.train_step(batch)
-            stats.update(self._step_profile(step))
-            summary.add(stats)
-            dt = time.perf_counter() - t0
-            tokens = all_reduce_sums([batch.num_tokens if self.layout.counts_data else 0], self.device)[0]
-            record = {"step": step, **stats, "tokens_per_s": tokens / dt, "step_time_s": dt,
-                      "data_wait_s": batch.data_wait_s, **batch.plan_stats}
-            # Running totals kept by the loader (and in its checkpointed state), index-time ones included.
-            problems = getattr(self.loader, "problems", None) or batch.problems
-            if problems:
-                record["data_problems"] = dict(problems)
-            losses.append(stats["loss"])
-            if step % self.cfg.log_every == 0 or step == self.cfg.max_steps:
-                self.metrics.write(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{tokens / dt:,.0f}", lr=f"{stats['lr']:.2e}")
-            if self.ckpt_cfg.every and step % self.ckpt_cfg.every == 0:
-                self.checkpointer.save(step, self.optim, self.loader.state_dict())
-                last_saved = step
-        bar.close()
-        if self.layout.is_main and self.pm.timeline is not None and self.pm.timeline.enabled:
-            for line in summary.lines():
-                print(f"omni: {line}", flush=True)
-        if self.ckpt_cfg.save_at_end and step > last_saved:
-            self.checkpointer.save(step, self.optim, self.loader.state_dict())
+        try:
+            with self.watchdog:
+                for step in range(start + 1, last + 1):
+                    self._step = step
+                    stats = self._guarded(self._one_step, it, step)
+                    summary.add(stats)
+                    losses.append(stats["loss"])
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{stats['tokens_per_s']:,.0f}",
+                                    lr=f"{stats['lr']:.2e}")
+                    if self.ckpt_cfg.every and step % self.ckpt_cfg.every == 0 and not stats["skipped"]:
+                        self._guarded(self._save, step)
+                        last_saved = step
+                bar.close()
+                if self.layout.is_main and self.pm.timeline is not None and self.pm.timeline.enabled:
+                    for line in summary.lines():
+                        print(f"omni: {line}", flush=True)
+                if self.ckpt_cfg.save_at_end and step > last_saved:
+                    self._guarded(self._save, step)
+                self._guarded(self.checkpointer.close)
+        except NonFiniteSteps:
+            self.checkpointer.close()  # a save in flight holds the last good state: finish it
+            self.metrics.close()
+            raise
         finished = step >= self.cfg.max_steps
         accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None
         self.metrics.close()
-        return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy)
+        return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy, skipped_steps=self.guard.skipped)
+
+    def _one_step(self, it, step: int) -> dict:
+        """Fetch, train, log and judge one step; returns its stats (``skipped`` included)."""
+        t0 = time.perf_counter()
+        self._phase("waiting for data")
+        batch = next(it)
+        self._phase("forward and backward")
+        reset_peak_memory(self.device)
+        if self.pm.timeline is not None:
+            self.pm.timeline.begin_step(step)
+        stats = self.train_step(batch)
+        self._phase("logging")
+        stats.update(self._step_profile(step))
+        dt = time.perf_counter() - t0
+        tokens = all_reduce_sums([batch.num_tokens if self.layout.counts_data else 0], self.device)[0]
+        bad = stats["skipped"]
+        spike = None if bad else self.spikes.check(stats["loss"])
+        samples = self._gather_samples(batch) if (bad or spike or self.cfg.log_samples) else None
+        stats["skipped_steps"] = self.guard.skipped + int(bad)
+        stats["tokens_per_s"] = tokens / dt
+        record = {"step": step, **stats, "step_time_s": dt, "data_wait_s": batch.data_wait_s, **batch.plan_stats}
+        # Running totals kept by the loader (and in its checkpointed state), index-time ones included.
+        problems = getattr(self.loader, "problems", None) or batch.problems
+        if problems:
+            record["data_problems"] = dict(problems)
+        if step % self.cfg.log_every == 0 or step == self.cfg.max_steps or bad:
+            self.metrics.write(record)
+        if self.cfg.log_samples:
+            self.sample_log.write({"step": step, "samples": samples})
+        if bad or spike:
+            kind = {"kind": "non_finite", "loss": stats["loss"], "grad_norm": stats["grad_norm"]} if bad \
+                else {"kind": "loss_spike", **spike}
+            self.flagged.write({"step": step, **kind, "samples": samples})
+            if spike and self.layout.is_main:
+                print(f"omni: loss spike at step {step}: {spike['loss']:.4g} against a mean of "
+                      f"{spike['window_mean']:.4g} (+{spike['sigmas']:.1f} sigma); sample ids in "
+                      f"{self.run_dir / FLAGGED}", flush=True)
+        if bad and self.layout.is_main:
+            print(f"omni: step {step} skipped: loss {stats['loss']}, gradient norm {stats['grad_norm']} "
+                  f"(skipped so far: {stats['skipped_steps']}; sample ids in {self.run_dir / FLAGGED})", flush=True)
+        completed = self.checkpointer.completed()
+        self.guard.record(step, bad, f"last loss {stats['loss']}, gradient norm {stats['grad_norm']}",
+                          str(completed[-1]) if completed else None, str(self.run_dir / FLAGGED))
+        return stats
+
+    def _save(self, step: int) -> None:
+        self._phase("checkpoint save")
+        self.checkpointer.save(step, self.optim, self.loader.state_dict(), self.guard.state_dict())
+        if self.ckpt_cfg.async_save:
+            self.metrics.write({"event": "checkpoint", "step": step, "blocked_s": self.checkpointer.last_block_s})
+
+    def _guarded(self, fn, *args):
+        """Run ``fn``; a collective that timed out becomes one line saying where this rank was."""
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            if not _is_timeout(e):
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.layout.rank}: a collective at step {self._step} ('{self._phase_name}') waited longer "
+                f"than parallel.timeout_s={self.layout.timeout.total_seconds():g} s for its peers: another rank died "
+                f"or hangs (the launcher's log and {self.run_dir / 'heartbeat'} say which); restart with "
+                f"checkpoint.resume=auto, or raise parallel.timeout_s if steps or saves take that long "
+                f"({str(e).splitlines()[0][:200]})") from e
+
+    def _gather_samples(self, batch: StepBatch) -> dict[str, list[str]] | None:
+        """The step's sample ids per data-parallel rank, on rank 0 (None elsewhere). One rank of
+        each data-parallel position sends (its peers hold the same samples). A collective:
+        every rank calls it at the same steps (the verdicts it depends on agree)."""
+        holds = self.layout.counts_data and self.layout.cp_rank == 0
+        mine = (self.layout.dp_rank, [sid for mb in batch.micro_batches for sid in mb.sample_ids]) if holds else None
+        if self.layout.world_size == 1:
+            return {str(mine[0]): mine[1]}
+        got = [None] * self.layout.world_size if self.layout.is_main else None
+        dist.gather_object(mine, got, dst=0, group=self._host)
+        if got is None:
+            return None
+        return {str(dp): ids for dp, ids in sorted(x for x in got if x is not None)}
 
     def _step_profile(self, step: int) -> dict:
         """The step's time split over ranks (encoder / LLM / communication / idle), the

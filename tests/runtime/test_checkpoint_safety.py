@@ -55,3 +55,32 @@ def test_damaged_or_interrupted_checkpoints_are_never_resumed(demo_root, tmp_pat
                                                 "checkpoint.resume": "auto", "checkpoint.keep_last": 0}))
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [3, 4]
     assert not stale.exists() and verify(latest) is None
+
+
+class _RunsCode:
+    """Unpickling this runs code: it creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unopened(demo_root, tmp_path):
+    import torch
+
+    from omni.runtime.checkpoint_manifest import write_manifest
+
+    run_dir = tmp_path / "run"
+    over = tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": 2})
+    train(over)
+    folder = run_dir / "checkpoints" / "step_00000002"
+    state = torch.load(folder / "trainer_state.pt", weights_only=True)  # what Omni writes loads safely
+    marker = tmp_path / "pwned"
+    state["loader"]["payload"] = _RunsCode(marker)
+    torch.save(state, folder / "trainer_state.pt")
+    write_manifest(folder, json.loads((folder / MANIFEST).read_text()))  # even with a matching manifest
+    with pytest.raises(ConfigError, match="trainer_state.pt holds pickled objects beyond tensors"):
+        train(tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": 3}))
+    assert not marker.exists()

@@ -12,10 +12,21 @@ Three ways, tried in order:
 3. a dotted class path, ``pkg.mod:Class`` or ``pkg.mod.Class`` (Hydra ``_target_`` style).
 
 Built-ins win over an entry point of the same name from another package.
+
+What a class path may name (config is data, not code): a *class* in a module importable from the
+Python path, written as dot-separated Python identifiers with at most one ``:`` between the module
+and the class (``pkg.mod:Outer.Inner`` is fine). Refused with a one-line ValueError before anything
+is imported: file paths (``/tmp/x.py:Cls``, ``../evil``), relative imports, parts that are not
+identifiers, are keywords or start with ``__`` (``Cls.__class__``). Refused after the import and
+before anything is called: an object that is not a class (``os.system``, a module, a function or a
+factory). The class must then pass the plugin check (an ``EncoderAnchor`` subclass, or a class with
+its methods). Importing a module runs its top-level code, as any import does: name only packages
+you trust.
 """
 from __future__ import annotations
 
 import importlib
+import keyword
 import warnings
 from importlib import metadata
 from typing import Any, Dict, List, Mapping, Optional
@@ -74,13 +85,34 @@ def _check(cls: Any, what: str) -> type:
     return cls
 
 
-def _import_dotted(path: str) -> Any:
+_FORM = "expected 'pkg.mod:Class' or 'pkg.mod.Class' naming a class importable from the Python path"
+
+
+def _split_dotted(path: str) -> tuple[str, str]:
+    """(module, attribute path) of a class path, or a ValueError naming it (no import is done)."""
+    if not isinstance(path, str):
+        raise ValueError(f"encoder class path {path!r} is not a string; {_FORM}")
+    if "/" in path or "\\" in path or path.endswith((".py", ".pyc", ".so")) or ".py:" in path:
+        raise ValueError(f"encoder class path {path!r} looks like a file path, which is never loaded; {_FORM} "
+                         f"(install the package or put its folder on PYTHONPATH)")
+    if path.count(":") > 1:
+        raise ValueError(f"bad encoder class path {path!r} (more than one ':'); {_FORM}")
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
         module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"bad encoder class path {path!r}; expected 'pkg.mod:Class' or 'pkg.mod.Class'")
+    parts = [*module_name.split("."), *attr.split(".")]
+    bad = [p for p in parts if not p.isidentifier() or keyword.iskeyword(p) or p.startswith("__")]
+    if not module_name or not attr or bad:
+        why = (f" (part {bad[0]!r}: each part must be a Python identifier, not a keyword, not starting with '__')"
+               if bad and bad[0] else "")
+        raise ValueError(f"bad encoder class path {path!r}{why}; {_FORM}")
+    return module_name, attr
+
+
+def _import_dotted(path: str) -> type:
+    """The class a dotted class path names; anything that is not a class is refused (never called)."""
+    module_name, attr = _split_dotted(path)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
@@ -90,6 +122,9 @@ def _import_dotted(path: str) -> Any:
             obj = getattr(obj, part)
         except AttributeError:
             raise ValueError(f"cannot import encoder class {path!r}: {module_name} has no {attr!r}") from None
+    if not isinstance(obj, type):
+        raise ValueError(f"encoder class path {path!r} names a {type(obj).__name__}, not a class; {_FORM} "
+                         f"(an EncoderAnchor subclass)")
     return obj
 
 
@@ -111,7 +146,7 @@ def get_encoder_class(name: str) -> type:
         except Exception as e:  # a broken plugin: say which one
             raise ValueError(f"cannot load encoder '{name}' ({_origin(ep)}, {ep.value}): {e}") from e
         return _check(cls, f"encoder '{name}' ({ep.value})")
-    if "." in name or ":" in name:
+    if any(c in name for c in ".:/\\"):
         return _check(_import_dotted(name), repr(name))
     names = ", ".join([*_BUILTINS, *sorted(eps)])
     raise ValueError(
