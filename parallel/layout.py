@@ -281,17 +281,17 @@ def _partition_groups(world: int, key: Callable[[int], tuple]) -> list[list[int]
     return list(parts.values())
 
 
-def new_group(ranks: list[int] | None, timeout: timedelta, backend: str | None = None) -> dist.ProcessGroup:
+def new_group(ranks: list[int] | None, timeout: timedelta | None, backend: str | None = None) -> dist.ProcessGroup:
     """``dist.new_group`` with the layout's timeout: torch gives subgroups its own default
     (30 minutes for gloo, 10 for nccl), not the world group's."""
     return dist.new_group(ranks, backend=backend, timeout=timeout)
 
 
-def _mesh_options(dev_type: str, ndim: int, timeout: timedelta) -> dict | None:
-    """``init_device_mesh`` overrides that give every mesh dimension's groups ``timeout``
-    (the mesh passes a timeout on only through backend options)."""
-    backend = "nccl" if dev_type == "cuda" else "gloo"
-    kind = getattr(dist, "ProcessGroupNCCL" if backend == "nccl" else "ProcessGroupGloo", None)
+def _mesh_options(ndim: int, timeout: timedelta) -> dict | None:
+    """``init_device_mesh`` overrides that give every mesh dimension's groups ``timeout`` (the
+    mesh passes a timeout on only through backend options), on the world group's backend."""
+    backend = dist.get_backend()
+    kind = {"nccl": getattr(dist, "ProcessGroupNCCL", None), "gloo": dist.ProcessGroupGloo}.get(backend)
     if kind is None:
         return None
     options = kind.Options() if backend == "nccl" else kind._Options()
@@ -386,10 +386,10 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     sizes = resolve_sizes(cfg, world)
     shard_cp = sizes.dp_shard * sizes.cp
     mesh = init_device_mesh(dev.type, (sizes.pp, sizes.dp_replicate, shard_cp, sizes.tp), mesh_dim_names=MESH_DIMS,
-                            backend_override=_mesh_options(dev.type, len(MESH_DIMS), timeout))
+                            backend_override=_mesh_options(len(MESH_DIMS), timeout))
     expert_mesh = mesh if sizes.ep == 1 else init_device_mesh(
         dev.type, (sizes.pp, sizes.dp_replicate, shard_cp // sizes.ep, sizes.ep, sizes.tp),
-        mesh_dim_names=EXPERT_MESH_DIMS, backend_override=_mesh_options(dev.type, len(EXPERT_MESH_DIMS), timeout))
+        mesh_dim_names=EXPERT_MESH_DIMS, backend_override=_mesh_options(len(EXPERT_MESH_DIMS), timeout))
     groups = _build_groups(sizes, rank, None, timeout)
     return Layout(world_size=world, rank=rank, device=dev, sizes=sizes, config=cfg, mesh=mesh,
                   expert_mesh=expert_mesh, groups=groups, timeout=timeout)
@@ -403,9 +403,9 @@ def encoder_mesh(layout: Layout, first_stage_only: bool) -> DeviceMesh:
     dev = layout.device.type
     if not first_stage_only or layout.sizes.pp == 1:
         return init_device_mesh(dev, (layout.world_size,), mesh_dim_names=("encoder",),
-                                backend_override=_mesh_options(dev, 1, layout.timeout))
+                                backend_override=_mesh_options(1, layout.timeout))
     return init_device_mesh(dev, (layout.sizes.pp, layout.stage_world), mesh_dim_names=("pp", "encoder"),
-                            backend_override=_mesh_options(dev, 2, layout.timeout))["encoder"]
+                            backend_override=_mesh_options(2, layout.timeout))["encoder"]
 
 
 def pipeline_gradient_group(layout: Layout) -> dist.ProcessGroup:

@@ -106,8 +106,7 @@ class Checkpointer:
             if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
                 # The background writer's collectives must never interleave with the training
                 # loop's on one group: it gets its own (gloo: DCP's async save needs a CPU backend).
-                self._group = new_group(None, timeout, backend="gloo") if timeout else \
-                    torch.distributed.new_group(backend="gloo")
+                self._group = new_group(None, timeout, backend="gloo")
 
     # -- discovery -------------------------------------------------------------------------
     def completed(self) -> list[Path]:

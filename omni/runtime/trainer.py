@@ -103,7 +103,7 @@ class Trainer:
         self.spikes = SpikeDetector(trainer_cfg.loss_spike_sigmas, trainer_cfg.loss_spike_window)
         self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
         # Sample ids travel to rank 0 over gloo (None: the default group already is).
-        self._host = host_group(layout) if layout.world_size > 1 else None
+        self._host = host_group(layout)
         self._step, self._phase_name = 0, "starting"
         self.trace_step = trace_step
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
@@ -334,9 +334,12 @@ class Trainer:
         if bad and self.layout.is_main:
             print(f"omni: step {step} skipped: loss {stats['loss']}, gradient norm {stats['grad_norm']} "
                   f"(skipped so far: {stats['skipped_steps']}; sample ids in {self.run_dir / FLAGGED})", flush=True)
-        completed = self.checkpointer.completed()
+        last_good = None
+        if bad:  # named in the message should this streak stop the run (not listed every step)
+            done = self.checkpointer.completed()
+            last_good = str(done[-1]) if done else None
         self.guard.record(step, bad, f"last loss {stats['loss']}, gradient norm {stats['grad_norm']}",
-                          str(completed[-1]) if completed else None, str(self.run_dir / FLAGGED))
+                          last_good, str(self.run_dir / FLAGGED))
         return stats
 
     def _save(self, step: int) -> None:
