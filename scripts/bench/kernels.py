@@ -15,7 +15,7 @@ against flash-attn's (or the fp32 reference) before it is timed.
 
 On a GPU the table replaces the "Varlen attention kernels (GPU)" section of ``--doc``; the
 smoke run writes nothing there (its times mean nothing). Without CUDA and without ``--smoke``
-it says so and exits.
+it says so and exits with status 1.
 """
 from __future__ import annotations
 
@@ -181,8 +181,9 @@ def main() -> None:
 
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
-        print("kernels: no CUDA device, nothing measured (use --smoke to check the script on the CPU)")
-        return
+        # An error, not a quiet exit: scripts/gpu_check.sh must record that nothing was measured.
+        raise SystemExit(f"kernels: error: torch {torch.__version__} sees no CUDA device, nothing measured "
+                         f"(use --smoke to check the script on the CPU)")
     if args.smoke:
         args.tokens, args.heads, args.kv_heads, args.head_dim, args.repeats = 300, 4, 2, 32, 1
     device = torch.device("cuda" if cuda else "cpu")
