@@ -1,5 +1,6 @@
-"""Measured CPU training runs and the simulator's replay of them, for
-tests/sim/test_validation_cpu.py.
+"""Measured CPU training runs and the simulator's replay of them, for the benchmark
+scripts/bench/sim_validation_cpu.py (the timings) and tests/sim/test_validation_cpu.py (the
+structure, timing-free).
 
 A run is the user path: ``torchrun --standalone --nproc-per-node 2 --no-python omni train ...``
 (``-m recipes.cli train`` without the console script), ``OMP_NUM_THREADS=1``, gloo, fp32, on the
@@ -13,6 +14,7 @@ Steps: training counts from 1, the data planner from 0 (``omni train``'s step s 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -125,6 +127,23 @@ def sim_overrides(placement: str, mixture: Path, first_trainer_step: int, steps:
     if calibration is not None:
         o["sim.calibration"] = calibration
     return [f"{k}={v}" for k, v in o.items()]
+
+
+# The calibrated factors that do not depend on where the fit starts: compute times scale with
+# every efficiency and the per-op overhead, so a start k times too fast ends on the same ones.
+# Not comm_efficiency: the gradient sync's latency and its overlap with the last backward do not
+# scale with it.
+START_INDEPENDENT = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "op_overhead_us",
+                     "encoder_efficiency")
+
+
+def faster(cluster, k: float):
+    """The cluster preset predicting every compute and communication time ``k`` times too fast
+    (efficiencies x k, per-op overhead / k; the encoders' relative factor kept)."""
+    c = cluster
+    return dataclasses.replace(c, gemm_efficiency=k * c.gemm_efficiency, attention_efficiency=k * c.attention_efficiency,
+                               memory_efficiency=k * c.memory_efficiency, op_overhead_us=c.op_overhead_us / k,
+                               comm_efficiency=k * c.comm_efficiency)
 
 
 def median(xs: list[float]) -> float:
