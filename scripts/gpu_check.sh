@@ -59,8 +59,13 @@ command_for() {
         CMD=(bash -c 'if [ -x .venv/bin/python ] && .venv/bin/python -c "import omni, pytest" 2>/dev/null; then echo "reusing .venv"; else python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]"; fi')
       fi ;;
     env) CMD=("$PY" scripts/bench/gpu_check_report.py env "$OUT_DIR/env.json") ;;
-    gpu_tests) CMD=(env TRITON_INTERPRET=0 "$PY" -m pytest -q -rs -p no:cacheprovider -k "gpu or cuda"
-                    --junitxml "$OUT_DIR/gpu_tests/junit.xml" "${GPU_TEST_FILES[@]}") ;;
+    gpu_tests)
+      if [[ ${#GPU_TEST_FILES[@]} -eq 0 ]]; then  # else pytest would collect the whole suite
+        CMD=(bash -c 'echo "gpu_check: error: no test under tests/ skips without CUDA" >&2; exit 1')
+      else
+        CMD=(env TRITON_INTERPRET=0 "$PY" -m pytest -q -rs -p no:cacheprovider -k "gpu or cuda"
+             --junitxml "$OUT_DIR/gpu_tests/junit.xml" "${GPU_TEST_FILES[@]}")
+      fi ;;
     mfu) CMD=("$PY" scripts/bench/mfu.py --device cuda --steps 10 --warmup 3 --out "$OUT_DIR/mfu") ;;
     demo_bf16) CMD=("$PY" -m recipes.cli train trainer.precision=bf16 trainer.device=cuda
                     "trainer.max_steps=$DEMO_STEPS" "trainer.run_dir=$WORK/demo_bf16" trainer.progress=false
