@@ -145,7 +145,8 @@ for path in sys.argv[1:]:
     except SyntaxError as e:
         print(f"gpu_check: error: {path}:{e.lineno}: {e.msg}", file=sys.stderr)
         sys.exit(1)
-print(f"  compiled {len(sys.argv) - 1} files: {' '.join(sorted(set(sys.argv[1:])))}")
+files = sorted(set(sys.argv[1:]))
+print(f"  compiled {len(files)} files: {' '.join(files)}")
 EOF
   fi
   if [[ $ERRORS -gt 0 ]]; then

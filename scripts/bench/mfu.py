@@ -29,6 +29,8 @@ Counted with the project's own rules, nothing restated here:
 
     python scripts/bench/mfu.py [--steps 10] [--warmup 3] [--out DIR]
     python scripts/bench/mfu.py --tiny --device cpu --steps 2 --warmup 1   # mechanics only
+
+``--quick``: at most 3 timed steps after 1 warm-up.
 """
 from __future__ import annotations
 
@@ -234,6 +236,8 @@ def main() -> None:
     p.add_argument("--image-tokens", type=int, default=1024, help="patches of each sample's one image")
     p.add_argument("--global-batch", type=int, default=8, help="samples per step")
     args = p.parse_args()
+    if args.quick:  # the shared --quick flag: fewer steps
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     if args.tiny:
         args.micro_batch_tokens, args.sample_tokens = TINY_SHAPE["micro_batch_tokens"], TINY_SHAPE["sample_tokens"]
         args.image_tokens, args.global_batch = TINY_SHAPE["image_tokens"], TINY_SHAPE["global_batch"]

@@ -46,11 +46,13 @@ def model_overrides(placement: str) -> dict:
             **{f"encoders.vision.params.{k}": v for k, v in VISION.items()}}
 
 
-def write_mixture(demo: Path, weights: dict = IMAGE_HEAVY) -> Path:
-    path = demo / "mixture_validation.yaml"
+def write_mixture(demo: Path, weights: dict = IMAGE_HEAVY, folder: Path | None = None) -> Path:
+    """The mixture file, in ``folder`` (default: the demo's own), naming the demo's sources by
+    absolute path (the test's demo folder is shared with other tests: it writes elsewhere)."""
+    path = Path(folder or demo) / "mixture_validation.yaml"
     lines = ["# image-heavy mixture of the demo sources (tests/sim/_runs.py)", "sources:"]
-    lines += [f"  - name: {n}\n    path: {n}\n    weight: {w}" for n, w in weights.items()]
-    path.write_text("\n".join(lines + ["eval: eval", ""]))
+    lines += [f"  - name: {n}\n    path: {Path(demo, n).resolve()}\n    weight: {w}" for n, w in weights.items()]
+    path.write_text("\n".join(lines + [f"eval: {Path(demo, 'eval').resolve()}", ""]))
     return path
 
 

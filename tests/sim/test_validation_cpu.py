@@ -35,8 +35,9 @@ K = {"llm": 1.7, "encoder": 1.3, "comm": 2.5}  # known factors of the synthetic 
 def traced(demo_root, tmp_path_factory):
     from recipes.simulate_cmd import load_sim_config
 
-    mixture = R.write_mixture(demo_root)
-    run = R.train("colocated", mixture, demo_root, tmp_path_factory.mktemp("traced") / "colocated", STEPS, STEPS)
+    root = tmp_path_factory.mktemp("traced")
+    mixture = R.write_mixture(demo_root, folder=root)
+    run = R.train("colocated", mixture, demo_root, root / "colocated", STEPS, STEPS)
     cfg = load_sim_config(R.sim_overrides("colocated", mixture, STEPS, 1))
     return {"mixture": mixture, "trace": run.trace(STEPS), "cfg": cfg}
 
