@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh without a GPU: the dry run lists every part, checks the script and every
 script and test it names, and runs scripts/bench/mfu.py --tiny on the CPU plus the report over
-it; a path that does not exist fails the dry run before anything runs; in a real run on a
+it; a path that does not exist, a syntax error, a script that does not compile or a CUDA-only
+test the name filter would miss fails the dry run before anything runs; in a real run on a
 machine without CUDA the parts that need it fail, are recorded, and the others still run."""
 from __future__ import annotations
 
@@ -64,6 +65,36 @@ def test_a_syntax_error_past_the_dry_run_still_fails_it(tmp_path):
     p = _run(broken, tmp_path / "out", "--dry-run", GPU_CHECK_REPO=str(REPO))
     assert p.returncode == 1, p.stdout + p.stderr
     assert "bash -n found a syntax error" in p.stderr
+
+
+def _repo_copy(root: Path) -> Path:
+    """The files the dry run looks at, copied: the scripts, the module and the GPU test file."""
+    import shutil
+
+    shutil.copytree(REPO / "scripts", root / "scripts")
+    for rel in ("recipes/cli.py", "tests/kernels/test_varlen_attention.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / rel, root / rel)
+    return root
+
+
+def test_a_script_that_does_not_compile_fails_the_dry_run(tmp_path):
+    repo = _repo_copy(tmp_path / "repo")
+    mfu = repo / "scripts" / "bench" / "mfu.py"
+    mfu.write_text(mfu.read_text() + "\ndef broken(:\n")
+    p = _run(repo / "scripts" / "gpu_check.sh", tmp_path / "out", "--dry-run")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "gpu_check: error: scripts/bench/mfu.py:" in p.stderr and "does not compile" in p.stderr
+
+
+def test_a_cuda_only_test_the_name_filter_would_miss_fails_the_dry_run(tmp_path):
+    repo = _repo_copy(tmp_path / "repo")
+    (repo / "tests" / "test_new.py").write_text(
+        "import pytest, torch\n\n\n@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')\n"
+        "def test_fast_path():\n    assert True\n")
+    p = _run(repo / "scripts" / "gpu_check.sh", tmp_path / "out", "--dry-run")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "tests/test_new.py skips tests without CUDA but none is named" in p.stderr
 
 
 def test_parts_that_need_cuda_fail_and_are_recorded_while_the_others_run(tmp_path):
