@@ -92,6 +92,9 @@ def _check(q, k, v, cu_seqlens, backend, schedule) -> None:
     if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"varlen_attention: q [T, H_q, D] and k, v [T, H_kv, D], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        # The dtype policy keeps q, k and v in the projections' dtype (omni.models.llm.rope.apply_rotary).
+        raise ValueError(f"varlen_attention: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"varlen_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -148,7 +151,9 @@ class _TritonVarlen(torch.autograd.Function):
         from omni.kernels import _attention_triton as kern
 
         q, k, v, o, lse, cu = ctx.saved_tensors
-        do = do.contiguous()
+        # The incoming gradient may arrive in another dtype than the output (a consumer that
+        # upcast it); the kernels need one dtype throughout.
+        do = do.to(o.dtype).contiguous()
         t, h, d = q.shape
         h_kv = k.shape[1]
         delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [H, T]

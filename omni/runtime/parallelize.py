@@ -114,9 +114,15 @@ class ParallelModel:
                 dist.all_reduce(g, group=group)
 
 
-def activation_dtype(pcfg: ParallelConfig, device: torch.device) -> torch.dtype:
-    policy = precision_policy(pcfg.mixed_precision, device)
-    return policy.param_dtype or torch.float32
+def activation_dtype(layout: Layout) -> torch.dtype:
+    """The dtype of the residual stream between pipeline stages (their send and receive
+    buffers), the same on every stage: FSDP's compute dtype where FSDP shards the stages (it
+    casts the embedding and every block, so the stream is in that dtype), else the weights'
+    own dtype (fp32). bf16 autocast does not change it: autocast casts matmul inputs, and the
+    residual additions and norms return to the stream's dtype (docs/parallelism.md, "Precision")."""
+    if layout.fsdp_mesh().size() > 1:
+        return precision_policy(layout.config.mixed_precision, layout.device).param_dtype or torch.float32
+    return torch.float32
 
 
 def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | None = None,
@@ -153,7 +159,7 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     for chunk in chunks:
         _apply_one(chunk, layout, pm)
     if num_stages > 1:
-        group, dtype = layout.mesh["pp"].get_group(), activation_dtype(pcfg, layout.device)
+        group, dtype = layout.mesh["pp"].get_group(), activation_dtype(layout)
         if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # Omni's executor, with cuts for encoder work
             defer = not pcfg.fsdp_reduce_every_microbatch and layout.fsdp_mesh().size() > 1
             groups = (group, pipeline_gradient_group(layout))

@@ -7,6 +7,7 @@ context-parallel rank its zig-zag slice, exactly as the data plane hands them ou
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 from dataclasses import asdict
@@ -24,6 +25,14 @@ from omni.models.multimodal import OmniModel
 from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.optim import build_optimizer, build_scheduler
 
+# bf16 runs (autocast, or bf16 FSDP parameters) against the single-process run in the same
+# precision cannot be equal: a layout splits matmul reductions (TP), sums partial results in
+# another order (FSDP's reduce-scatter, separate pipeline stages) and rounds each partial result
+# to bf16, whose 8 mantissa bits leave a relative error of up to 2^-8 = 3.9e-3 per rounding. A
+# loss or gradient passes through a few such roundings per layer on each side, so the runs
+# differ by a few times 4e-3; 3e-2 is about eight roundings. An error of dtype policy or layout
+# (a missing or doubled contribution) is of the size of a whole term, far above it.
+BF16_TOL = 3e-2
 STEPS = 5
 MICRO_PER_STEP = 4
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, clip_grad_norm=0.5)
@@ -157,10 +166,19 @@ def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text
     return out
 
 
-def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None = None, frozen: tuple = ()) -> dict:
+def autocast(precision: str):
+    """``trainer.precision``: bf16 autocast on the CPU, as the Trainer enters it."""
+    if precision == "bf16":
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None = None, frozen: tuple = (),
+              precision: str = "fp32") -> dict:
     """The single-process run: same math as the Trainer with one rank (global-token-normalised
     CE, router losses averaged over the global batch's micro-batches, clipping, AdamW), with
-    the encoders run inline. ``data``: keyword arguments of ``global_batches``."""
+    the encoders run inline. ``data``: keyword arguments of ``global_batches``. ``precision``:
+    "bf16" runs every forward under bf16 autocast (the GPU default, on the CPU)."""
     model = build(moe, num_layers, media, frozen)
     opt = build_optimizer(model, OPTIM)
     sched = build_scheduler(opt, OPTIM, 100)
@@ -170,11 +188,15 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
         model.runtime.aux_weight = 1.0 / len(mbs)
         ce = 0.0
         for mb in mbs:
-            parts = model(mb)
+            with autocast(precision):
+                parts = model(mb)
             (parts.ce_sum / targets).backward()
             ce += float(parts.ce_sum.detach())
         losses.append(ce / targets)
         if step == 0:  # before clipping (which would hide a uniform scale error)
+            lost = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+            if lost:
+                raise AssertionError(f"single-process run: no gradient for {lost}")
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad_norm)))
         opt.step()
@@ -184,7 +206,7 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
 
 
 def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple = (), data: dict | None = None,
-               multiplex: dict | None = None, probe=None, frozen: tuple = ()) -> dict:
+               multiplex: dict | None = None, probe=None, frozen: tuple = (), precision: str = "fp32") -> dict:
     """Train STEPS steps under ``sizes`` on this rank; returns losses, grad norms and the full
     first-step gradients of the parameters this rank holds. ``multiplex``: MultiplexConfig
     fields; ``probe(pm, result)``: called after every step (to record runtime figures)."""
@@ -200,9 +222,10 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     pm = parallelize(build(moe, num_layers, media, frozen), layout, MultiplexConfig(**(multiplex or {})))
     run_dir = tempfile.mkdtemp(prefix="omni-layout-")
     trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=100, run_dir=run_dir, progress=False,
-                                                      eval_at_end=False),
+                                                      eval_at_end=False, precision=precision),
                       OPTIM, CheckpointConfig(save_at_end=False), tokenizer=None)
     first_grads: dict = {}
+    missing: list[str] = []  # trainable parameters of this rank that got no gradient
     real_sync = pm.sync_gradients
 
     def sync_and_capture():  # the summed gradients, before clipping
@@ -211,6 +234,8 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
             for name, p in pm.named_parameters():
                 g = p.grad
                 if g is None:
+                    if p.requires_grad:
+                        missing.append(name)
                     continue
                 first_grads[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
 
@@ -227,7 +252,8 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
         norms.append(out["grad_norm"])
         if probe is not None:
             probe(pm, result)
-    return {"losses": losses, "norms": norms, "grads": first_grads, "sizes": dict(sizes), **result}
+    return {"losses": losses, "norms": norms, "grads": first_grads, "missing": missing, "sizes": dict(sizes),
+            **result}
 
 
 def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None) -> None:
@@ -248,8 +274,14 @@ def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None) -> Non
 
 
 def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
-    """Every mismatch as a line (empty: equal)."""
+    """Every mismatch of one rank's result as a line (empty: equal). A missing step or a
+    trainable parameter without a gradient is a mismatch too (``covered`` checks that the
+    ranks together hold every gradient)."""
     bad = []
+    for key in ("losses", "norms"):
+        if len(result[key]) != len(ref[key]):
+            bad.append(f"{len(result[key])} {key} vs {len(ref[key])} steps of the single-process run")
+    bad += [f"grad {name}: trainable, but no gradient on this rank" for name in result.get("missing", ())]
     for i, (a, b) in enumerate(zip(result["losses"], ref["losses"])):
         if not abs(a - b) <= tol * abs(b):
             bad.append(f"loss {i}: {a!r} vs single-process {b!r}")
@@ -279,4 +311,11 @@ def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
     return bad
 
 
-__all__ = ["reference", "run_layout", "compare", "asdict"]
+def covered(results: list[dict], ref: dict) -> list[str]:
+    """The gradients the single-process run has that no rank captured (each rank holds its
+    stage's or shard's parameters; together they hold all)."""
+    held = {name for r in results for name in r["grads"]}
+    return [f"grad {name}: on no rank" for name in sorted(set(ref["grads"]) - held)]
+
+
+__all__ = ["reference", "run_layout", "compare", "covered", "asdict"]

@@ -3,6 +3,10 @@ the gradient norms and the first step's gradients (fp32, relative error <= 1e-5)
 
 One spawn per world size runs its layouts one after another (process start-up dominates on
 this machine); a failure lists every layout that differed and how.
+
+
+bf16 cases (the GPU default, on the CPU) are compared with the single-process run under the
+same precision, to ``layout_harness.BF16_TOL`` (why that much: its comment).
 """
 from __future__ import annotations
 
@@ -11,12 +15,12 @@ import pickle
 import pytest
 
 from dist_helpers import run_ranks
-from layout_harness import compare, reference, run_named_layouts
+from layout_harness import BF16_TOL, compare, covered, reference, run_named_layouts
 
 DENSE = {"moe": False, "num_layers": 4}
 DENSE8 = {"moe": False, "num_layers": 8}  # pp=4 x 2 virtual stages needs 8 layers
 MOE = {"moe": True, "num_layers": 4}
-BF16_TOL = 3e-2  # bf16 keeps 8 mantissa bits: ~4e-3 per rounding, a few roundings deep
+AUTOCAST = {"precision": "bf16"}  # merged into the model kwargs: the reference runs under autocast too
 
 LAYOUTS = {
     2: [
@@ -37,6 +41,14 @@ LAYOUTS = {
         # bf16 parameters with fp32 gradient reduction (the GPU default) also run on CPU: close
         # to the fp32 run, not equal (BF16_TOL).
         ("dp_shard=2 bf16 mixed precision", dict(dp_shard=2, mixed_precision="bf16"), DENSE),
+        # bf16 autocast with fp32 weights (no FSDP) and with bf16 FSDP parameters.
+        # mixed_precision=bf16 without FSDP is what `auto` means on a GPU: it must leave the
+        # pipeline's fp32 residual stream (and so its buffers) alone.
+        ("tp=2 bf16 autocast", dict(dp_shard=1, tp=2), {**DENSE, **AUTOCAST}),
+        ("pp=2 1f1b bf16 autocast", dict(dp_shard=1, pp=2, pp_schedule="1f1b", mixed_precision="bf16"),
+         {**DENSE, **AUTOCAST}),
+        ("dp_shard=2 bf16 autocast, bf16 parameters", dict(dp_shard=2, mixed_precision="bf16"),
+         {**DENSE, **AUTOCAST}),
     ],
     4: [
         ("dp_replicate=2 x dp_shard=2", dict(dp_replicate=2, dp_shard=2), DENSE),
@@ -45,6 +57,7 @@ LAYOUTS = {
         ("ep=4 (MoE)", dict(dp_shard=4, ep=4), MOE),
         # Not in the acceptance list: the re-layout target of the checkpoint test, without FSDP.
         ("tp=2 x pp=2", dict(dp_shard=1, tp=2, pp=2), DENSE),
+        ("tp=2 x pp=2 bf16 autocast", dict(dp_shard=1, tp=2, pp=2, mixed_precision="bf16"), {**DENSE, **AUTOCAST}),
     ],
     # dp_shard=2 x tp=2 x pp=2 is proven with encoders on top, under every multiplexing
     # placement, in test_multiplex_equal_single.py (same decoder, 8 ranks).
@@ -66,13 +79,20 @@ def test_layouts_equal_single_process(world, tmp_path):
     refs = {key: reference(**dict(key)) for key in {tuple(sorted(m.items())) for _, _, m in layouts}}
     run_ranks(_worker, world, layouts, str(tmp_path), timeout_s=120 * len(layouts))
     problems = []
+    by_layout: dict[str, list] = {name: [] for name, _, _ in layouts}
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            for (name, sizes, model), (_, result, error) in zip(layouts, pickle.load(f)):
-                if error:
-                    problems.append(f"[{name}] rank {rank}: {error}")
-                    continue
-                ref = refs[tuple(sorted(model.items()))]
-                tol = BF16_TOL if sizes.get("mixed_precision") == "bf16" else 1e-5
-                problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, tol)]
+            results = pickle.load(f)
+        if len(results) != len(layouts):
+            problems.append(f"rank {rank}: {len(results)} results for {len(layouts)} layouts")
+        for (name, sizes, model), (_, result, error) in zip(layouts, results):
+            if error:
+                problems.append(f"[{name}] rank {rank}: {error}")
+                continue
+            ref = refs[tuple(sorted(model.items()))]
+            bf16 = sizes.get("mixed_precision") == "bf16" or model.get("precision") == "bf16"
+            problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, BF16_TOL if bf16 else 1e-5)]
+            by_layout[name].append(result)
+    for name, _, model in layouts:
+        problems += [f"[{name}]: {line}" for line in covered(by_layout[name], refs[tuple(sorted(model.items()))])]
     assert not problems, "\n".join(problems[:40])

@@ -13,7 +13,7 @@ import pickle
 import pytest
 
 from dist_helpers import run_ranks
-from layout_harness import compare, reference, run_named_layouts
+from layout_harness import BF16_TOL, compare, covered, reference, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
@@ -60,6 +60,8 @@ LAYOUTS = {
         ("dp_shard=2 colocated, frozen vision + trainable audio, sharded encoders", dict(dp_shard=2), FROZEN_VISION,
          SHORT, SHARDED),
         *[(f"pp=2 text only {p}", PP2, IMAGE, TEXT, {"placement": p}) for p in PLACEMENTS],
+        # the GPU default on the CPU: bf16 autocast, fp32 weights (no FSDP on the LLM)
+        ("pp=2 1f1b colocated bf16 autocast", PP2, {**IMAGE, "precision": "bf16"}, SHORT, {}),
     ],
     # stage0 with its encoder weights sharded over the first stage's ranks only
     4: [(f"pp=2 x dp_shard=2 media on one data group only, {p}{', sharded encoders' if p == 'stage0' else ''}",
@@ -108,14 +110,23 @@ def test_multiplexing_equals_single_process(world, tmp_path):
             refs[key] = reference(data=data, **model)
     run_ranks(_worker, world, layouts, str(tmp_path), timeout_s=120 * len(layouts))
     problems = []
+    by_layout: dict[str, list] = {name: [] for name, *_ in layouts}
     for rank in range(world):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            for (name, sizes, model, data, mux), (_, result, _) in zip(layouts, pickle.load(f)):
-                ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
-                problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref)]
-                if mux.get("encoder_sp", 1) > 1 and not result["long_items"]:
-                    problems.append(f"[{name}]: no item was long enough to be split (the layout tests nothing)")
-                problems += [f"[{name}] rank {rank}: {line}" for line in _weights_held(result, mux, sizes)]
+            results = pickle.load(f)
+        if len(results) != len(layouts):
+            problems.append(f"rank {rank}: {len(results)} results for {len(layouts)} layouts")
+        for (name, sizes, model, data, mux), (_, result, _) in zip(layouts, results):
+            ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
+            tol = BF16_TOL if model.get("precision") == "bf16" else 1e-5
+            problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, tol)]
+            by_layout[name].append(result)
+            if mux.get("encoder_sp", 1) > 1 and not result["long_items"]:
+                problems.append(f"[{name}]: no item was long enough to be split (the layout tests nothing)")
+            problems += [f"[{name}] rank {rank}: {line}" for line in _weights_held(result, mux, sizes)]
+    for name, _, model, data, _ in layouts:
+        ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
+        problems += [f"[{name}]: {line}" for line in covered(by_layout[name], ref)]
     assert not problems, "\n".join(problems[:40])
     if world == 2:
         _check_memory_bound(tmp_path)

@@ -178,6 +178,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, T, D], k [B, Hkv, T, D], cos/sin [B, T, D] (HF's half-split rotation layout)."""
+    """q [B, Hq, T, D], k [B, Hkv, T, D], cos/sin [B, T, D] (HF's half-split rotation layout).
+
+    The rotated q and k keep the dtype of the projections that made them. Under bf16 autocast
+    with fp32 weights the projections are bf16 while the tables follow the fp32 residual
+    stream; type promotion would then hand attention fp32 q and k beside a bf16 v, which no
+    varlen kernel accepts (the dtype policy: docs/parallelism.md, "Precision")."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q_out = q * cos + _rotate_half(q) * sin
+    k_out = k * cos + _rotate_half(k) * sin
+    return q_out.to(q.dtype), k_out.to(k.dtype)
