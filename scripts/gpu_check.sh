@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (docs/benchmarks.md, "GPU check"): on one CUDA GPU, from a fresh checkout, in at
 # most GPU_CHECK_BUDGET_S seconds (default 470: under 8 minutes with the report):
-#   setup      the venv (.venv, `pip install -e ".[dev]"`; pip picks the torch the pyproject allows,
-#              on a GPU machine a CUDA build), unless GPU_CHECK_PYTHON names an interpreter to use
+#   setup      the venv (.venv): on a machine whose python3 has a CUDA torch, over its packages
+#              (plus wheels in .whl/, if any) with Omni installed alone, no network needed; else
+#              `pip install -e ".[dev]"`; unless GPU_CHECK_PYTHON names an interpreter to use
 #   env        torch, CUDA and the GPU (fails, and says so, when torch sees no CUDA device)
 #   gpu_tests  the tests that skip without CUDA (files with skipif(not torch.cuda.is_available()),
 #              tests named *gpu* / *cuda*), with compiled Triton kernels (TRITON_INTERPRET=0)
@@ -56,7 +57,16 @@ command_for() {
       if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
         CMD=("$PY" -c "import omni, pytest")
       else
-        CMD=(bash -c 'if [ -x .venv/bin/python ] && .venv/bin/python -c "import omni, pytest" 2>/dev/null; then echo "reusing .venv"; else python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]"; fi')
+        # A lent GPU machine reaches no package registry: where its own python3 already has a
+        # CUDA torch, the venv sees its packages and installs Omni alone, without the network;
+        # wheels of what it lacks can travel in .whl/ (the device tool's notes). Elsewhere a
+        # plain install, as the README's.
+        CMD=(bash -c 'if [ -x .venv/bin/python ] && .venv/bin/python -c "import omni, pytest" 2>/dev/null; then echo "reusing .venv";
+elif python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  python3 -m venv --system-site-packages .venv &&
+  { [ ! -d .whl ] || .venv/bin/pip install -q --no-index --no-deps .whl/*.whl; } &&
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e . && .venv/bin/python -c "import omni, pytest, hydra, transformers, webdataset"
+else python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]"; fi')
       fi ;;
     env) CMD=("$PY" scripts/bench/gpu_check_report.py env "$OUT_DIR/env.json") ;;
     gpu_tests)
