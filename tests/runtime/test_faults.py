@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,8 +32,14 @@ RUN = {"trainer.max_steps": STEPS, "data.global_batch_size": 8, "checkpoint.ever
 pytestmark = pytest.mark.slow
 
 
-def _launch(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0, timeout: float = 300,
-            **extra) -> tuple[subprocess.CompletedProcess, float]:
+# A liveness limit, not a performance bound: a job that has not ended by then hangs (the test
+# fails with TimeoutExpired). Generous, since the two-core CI machine may be loaded; the faults
+# themselves end the jobs within seconds (watchdog 8 s, collective timeout 10 s, worker 4 s).
+LIVENESS_S = 600
+
+
+def _launch(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0,
+            timeout: float = LIVENESS_S, **extra) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     env.pop("OMNI_FAULT", None)
@@ -43,9 +48,7 @@ def _launch(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", str(restarts), str(LAUNCH), "train",
            *tiny_overrides(demo_root, run_dir, **{**RUN, **extra})]
-    t0 = time.monotonic()
-    out = subprocess.run(cmd, env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout)
-    return out, time.monotonic() - t0
+    return subprocess.run(cmd, env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -125,8 +128,8 @@ def test_resume_on_a_different_world_size_replans_data_and_reshards(reference, d
 
 def test_hung_rank_is_reported_and_the_job_exits(demo_root, tmp_path):
     run_dir = tmp_path / "run"
-    out, took = _launch(run_dir, demo_root, fault="hang:1:2", timeout=240,
-                        **{"trainer.hang_timeout_s": 8, "trainer.max_steps": 3, "checkpoint.every": 0})
+    out = _launch(run_dir, demo_root, fault="hang:1:2",
+                  **{"trainer.hang_timeout_s": 8, "trainer.max_steps": 3, "checkpoint.every": 0})
     assert out.returncode != 0
     # The first watchdog to fire ends the job: the hung rank's, or its peer's, blocked in a
     # collective waiting for it. Either report names its own rank, step and phase and, from the
@@ -136,16 +139,14 @@ def test_hung_rank_is_reported_and_the_job_exits(demo_root, tmp_path):
     assert "at step 2 in 'forward and backward'" in line and "exiting with code 75" in line, line
     assert f"others: rank {1 - me} " in line and "at step 2 'forward and backward'" in line, line
     assert "Current thread" in out.stderr and 'File "' in out.stderr.split("Python stacks follow.", 1)[1]
-    assert took < 180, took
     beats = {json.loads(p.read_text())["rank"] for p in (run_dir / "heartbeat").glob("rank_*.json")}
     assert beats == {0, 1}
 
 
 def _error_line(run_dir: Path, demo_root: Path, fault: str, **extra) -> str:
     """Run a job that must fail on its own (not by the test's timeout): its one-line error."""
-    out, took = _launch(run_dir, demo_root, fault=fault, timeout=240, **{"trainer.max_steps": 3,
-                                                                         "checkpoint.every": 0, **extra})
-    assert out.returncode != 0 and took < 180, (out.returncode, took)
+    out = _launch(run_dir, demo_root, fault=fault, **{"trainer.max_steps": 3, "checkpoint.every": 0, **extra})
+    assert out.returncode != 0, out.returncode
     return next(ln for ln in out.stderr.splitlines() if "omni: error:" in ln)
 
 
