@@ -7,6 +7,13 @@ stages r, r + pp, r + 2*pp, ... This is what the interleaved and zero-bubble sch
 Shapes: torch's stages allocate receive buffers from fixed activation shapes. Packed rows
 vary in length from step to step, so the caller pads a step's micro-batches to one length and
 schedules are built per (length, micro-batch count) and cached.
+
+Point-to-point traffic is torch's: its runtime issues unbatched isend / irecv on the one
+pipeline group, each receive placed by its planner where the matching send goes, so every
+rank issues its operations in one global order; tests/parallel/test_pipeline_p2p.py replays
+the order of the schedule built here under nccl's rules (a send completes only when the
+receive is posted, one group's operations in issue order) and finds it pairs and completes.
+Omni cannot batch it or split its groups without rewriting torch's runtime.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ can join in.
 torch.distributed.pipelining's schedules fuse a stage's sends with its next receive and wait
 on both, so a collective that spans pipeline stages (the multiplexing runtime's encoder
 chunks) cannot be placed inside them without deadlock. This executor runs each rank's own
-program of forwards and backwards and posts every send as soon as its tensor exists, so a
-rank only ever waits for data.
+program of forwards and backwards and posts every send as soon as it is due (see below), so
+a rank only ever waits for data.
 
 **Cuts.** Cut k is where encoder chunk k must be ready: on stage 0's rank, just before the
 forward of micro-batch k, F(0, k). Every other rank gets cut k at the same moment of the
@@ -18,11 +18,36 @@ by time rather than at the earliest consistent point lets each rank finish the w
 anyway before meeting the others (under 1F1B, stage s meets stage 0's F(0, k) while running its
 own forward of micro-batch k, not one tick earlier).
 
-**Channels.** Activations and gradients travel on two process groups over the same pipeline
-ranks. On each group and each ordered pair of ranks the messages are sent and received in the
-same order (the schedules below order a rank's forwards, and its backwards, by one formula for
-every rank), so matching by order is safe on gloo and nccl alike, also when a pair carries both
-kinds (interleaved stages with pp = 2).
+**Messages.** Activations travel on one process group, gradients on a second over the same
+pipeline ranks (``groups``). On each group and each ordered pair of ranks the messages are
+sent and received in the same order (the schedules below order a rank's forwards, and its
+backwards, by one formula for every rank), which is what matching by order needs on gloo and
+nccl alike (neither checks which message a receive gets, nccl not even its size).
+
+**Why the sends cannot deadlock.** On nccl a send may not finish before its peer posts the
+matching receive, and the operations of one group run one after another in the order they
+were issued: two ranks that each put a send ahead of the receive the other one waits for
+deadlock. Sending each message as soon as it exists and receiving it just before its use
+(what this executor did, and what gloo, which buffers sends, tolerates) does exactly that
+whenever a group's traffic runs around the ring of ranks: with interleaved stages stage
+pp - 1 sends its activations to stage pp on rank 0 (and stage pp its gradients back), and at
+pp = 2 one pair of ranks carries both directions on each group. Per-direction groups
+would need four groups for pp = 2 alone and would still not order a rank's traffic across
+its peers; the executor orders it instead. ``p2p_programs`` gives every message one key, the
+start of the action that receives it in the as-soon-as-possible execution of the programs
+(the model ``place_cuts`` uses); each rank issues its operations in key order, in one
+``batch_isend_irecv`` per group and key range: before an action, the sends due by its start
+and, on the action's group, the receive it needs (that batch waited, the others not); then
+the sends due before the next action or cut starts, left in flight while the action runs.
+Keys are a global order that respects every rank's program and every dependency, so the
+operations with the smallest unfinished key are, on every rank and group, at the head of the
+queue and already posted (every rank can reach them), and complete: by induction every
+operation does, whatever the real timings. Before cut k every send due before it (its
+receiver takes it before its own cut) is posted and every batch in flight waited for
+(DRAIN): no point-to-point operation is open while a cut's collectives run. Both gloo and
+nccl run the same batches. tests/parallel/test_pipeline_p2p.py replays them under nccl's
+rules for every schedule and finds the pairing exact and no deadlock; the same replay of the
+former traffic deadlocks for every interleaved case.
 
 Stage modules take the previous stage's activation (a placeholder on the first stage) and
 return the next activation, or on the last stage the micro-batch's loss, already scaled as
@@ -31,7 +56,9 @@ the caller wants it summed (no averaging here).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional, Sequence
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -159,6 +186,126 @@ def encoder_backward_cuts(program0: Sequence[Action], n_micro: int) -> list[Opti
     return ready
 
 
+CHANNELS = ("act", "grad")  # the two process groups of ``PipelineExecutor``, in its ``groups`` order
+DRAIN: Action = ("drain", -1, -1)  # wait for every batch still in flight
+CACHED_P2P_PROGRAMS = 8
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One send or receive: on ``channel``, to or from pipeline rank ``peer``, of the tensor
+    that global stage ``stage`` produced for micro-batch ``micro`` and stage ``dest`` takes
+    (an activation going to stage + 1, or a gradient going to stage - 1)."""
+    send: bool
+    channel: str
+    peer: int
+    stage: int
+    dest: int
+    micro: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One ``batch_isend_irecv`` on ``channel``'s group; ``wait``: the rank waits for it
+    before going on (it holds the receive of the next action)."""
+    channel: str
+    ops: tuple[P2P, ...]
+    wait: bool
+
+
+Item = Union[Action, Batch]
+
+
+def _message_in(kind: str, stage: int, micro: int, last: int) -> Optional[tuple[str, int, int]]:
+    """(channel, sending stage, micro-batch) of the tensor an action receives, if any."""
+    if kind == "f":
+        return ("act", stage - 1, micro) if stage > 0 else None
+    return ("grad", stage + 1, micro) if stage < last else None
+
+
+def _message_out(kind: str, stage: int, micro: int, last: int) -> Optional[tuple[str, int, int]]:
+    """(channel, sending stage, micro-batch) of the tensor an action sends, if any."""
+    if kind == "f":
+        return ("act", stage, micro) if stage < last else None
+    return ("grad", stage, micro) if stage > 0 else None
+
+
+def _receiver(channel: str, stage: int) -> int:
+    return stage + 1 if channel == "act" else stage - 1
+
+
+def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> list[list[Item]]:
+    """Every rank's program with cuts (``place_cuts``) turned into what the executor issues:
+    its actions and cuts with the ``Batch``es and ``DRAIN``s between them, every message a
+    [shape] tensor of ``dtype`` (see "Why the sends cannot deadlock" in the module docstring).
+
+    A message's key is the start of the action that receives it in the as-soon-as-possible
+    execution (``_start_times``); a rank issues its operations in key order. Before action a:
+    on each group one batch of the sends due by a's start plus, on a's group, the receive a
+    needs (that batch last and waited, the others not); then, unwaited, the sends due before
+    the next action or cut starts. Before cut k (at stage 0's F(0, k) start): the sends due
+    before it, then DRAIN. At the end: the rest, then DRAIN."""
+    last = pp * virtual - 1
+    bare = [[a for a in prog if a[0] != "cut"] for prog in programs]
+    start = _start_times(bare, pp, virtual)
+    key: dict[tuple[str, int, int], float] = {}  # message -> start of the action receiving it
+    for r, prog in enumerate(bare):
+        for pos, (kind, c, i) in enumerate(prog):
+            if (m := _message_in(kind, c * pp + r, i, last)) is not None:
+                key[m] = start[r][pos]
+    cut_time = {i: start[0][pos] for pos, (kind, c, i) in enumerate(bare[0]) if kind == "f" and c == 0}
+    out = []
+    for r, prog in enumerate(programs):
+        times = iter(start[r])
+        at = [next(times) if a[0] != "cut" else cut_time[a[1]] for a in prog] + [float("inf")]
+        items: list[Item] = []
+        pending: list[tuple[str, int, int]] = []  # produced, not yet posted
+        open_batches = False
+
+        def post(until: float, strict: bool, recv: Optional[tuple[str, int, int]] = None) -> None:
+            nonlocal open_batches
+            due = [m for m in pending if key[m] < until or (not strict and key[m] == until)]
+            for m in due:
+                pending.remove(m)
+            due.sort(key=lambda m: key[m])  # a receiver takes its messages in key order (stable: ties as produced)
+            batches = []
+            for channel in CHANNELS:
+                ops = [P2P(True, ch, _receiver(ch, st) % pp, st, _receiver(ch, st), i, shape, dtype)
+                       for ch, st, i in due if ch == channel]
+                waited = recv is not None and recv[0] == channel
+                if waited:
+                    ops.append(P2P(False, channel, recv[1] % pp, recv[1], _receiver(*recv[:2]), recv[2], shape, dtype))
+                if ops:
+                    batches.append(Batch(channel, tuple(ops), waited))
+            batches.sort(key=lambda b: b.wait)  # the waited one last: this rank's other sends are out first
+            open_batches |= any(not b.wait for b in batches)
+            items.extend(batches)
+
+        for pos, action in enumerate(prog):
+            kind, c, i = action
+            if kind == "cut":
+                post(at[pos], strict=True)
+                if open_batches:
+                    items.append(DRAIN)
+                    open_batches = False
+                items.append(action)
+                continue
+            stage = c * pp + r
+            post(at[pos], strict=False, recv=_message_in(kind, stage, i, last))
+            post(at[pos + 1], strict=True)
+            items.append(action)
+            if (m := _message_out(kind, stage, i, last)) is not None:
+                pending.append(m)
+        post(float("inf"), strict=True)
+        if open_batches:
+            items.append(DRAIN)
+        out.append(items)
+    return out
+
+
 class PipelineExecutor:
     """Runs one step of ``n_micro`` micro-batches through this rank's stages."""
 
@@ -172,8 +319,8 @@ class PipelineExecutor:
         the step."""
         self.modules, self.stage_ids = list(modules), list(stage_ids)
         self.num_stages, self.schedule = num_stages, schedule
-        self.act_group, self.grad_group = groups
-        self.pp = dist.get_world_size(self.act_group)
+        self.groups = dict(zip(CHANNELS, groups))
+        self.pp = dist.get_world_size(groups[0])
         self.virtual = len(self.modules)
         if num_stages != self.pp * self.virtual or any(s % self.pp != self.stage_ids[0] for s in self.stage_ids):
             raise ValueError(f"stages {self.stage_ids} of {num_stages} are not one looped rank's of pp={self.pp}")
@@ -185,6 +332,8 @@ class PipelineExecutor:
         # Called at each cut k (see the module docstring); set by the caller.
         self.on_cut: Optional[Callable[[int], None]] = None
         self._programs: dict[int, list[list[Action]]] = {}
+        self._p2p: OrderedDict[tuple[int, int], list[list[Item]]] = OrderedDict()
+        self._connected = False
 
     def programs(self, n_micro: int) -> list[list[Action]]:
         """Every rank's program with cuts, for ``n_micro`` micro-batches (cached)."""
@@ -196,33 +345,63 @@ class PipelineExecutor:
     def encoder_backward_cuts(self, n_micro: int) -> list[Optional[int]]:
         return encoder_backward_cuts(self.programs(n_micro)[0], n_micro)
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.act_group, stage % self.pp)
+    def p2p_programs(self, length: int, n_micro: int) -> list[list[Item]]:
+        """Every rank's actions, cuts and point-to-point batches for ``n_micro`` micro-batches
+        of [1, length, hidden] activations: what ``run`` issues, op for op (the few most
+        recent (length, n_micro) are cached: the row length changes from step to step)."""
+        key = (length, n_micro)
+        if key in self._p2p:
+            self._p2p.move_to_end(key)
+        else:
+            while len(self._p2p) >= CACHED_P2P_PROGRAMS:
+                self._p2p.popitem(last=False)
+            self._p2p[key] = p2p_programs(self.programs(n_micro), self.pp, self.virtual,
+                                          (1, length, self.hidden_size), self.dtype)
+        return self._p2p[key]
 
     def run(self, length: int, n_micro: int) -> None:
         """Forward and backward of ``n_micro`` micro-batches whose stage activations are
         [1, length, hidden]."""
+        if not self._connected:
+            self._connect()
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
-        sends: list = []
+        to_send: dict[tuple[str, int, int], torch.Tensor] = {}
+        received: dict[tuple[str, int, int], torch.Tensor] = {}
+        in_flight: list = []  # (works, tensors) of unwaited batches: the tensors live until DRAIN
         last = self.num_stages - 1
-        for kind, c, i in self.programs(n_micro)[self.rank]:
+        for item in self.p2p_programs(length, n_micro)[self.rank]:
+            if isinstance(item, Batch):
+                works, tensors = self._issue(item, to_send, received)
+                if item.wait:
+                    for work in works:
+                        work.wait()
+                else:
+                    in_flight.append((works, tensors))
+                continue
+            kind, c, i = item
+            if kind == "drain":
+                for works, _ in in_flight:
+                    for work in works:
+                        work.wait()
+                in_flight = []
+                continue
             if kind == "cut":
                 if self.on_cut is not None:
                     self.on_cut(c)
                 continue
             stage, module = self.stage_ids[c], self.modules[c]
             if kind == "f":
-                x = self._recv(length, self._peer(stage - 1), self.act_group).requires_grad_(True) if stage > 0 \
+                x = received.pop(("act", stage - 1, i)).requires_grad_(True) if stage > 0 \
                     else torch.zeros(1, device=self.device)
                 with self._span(f"stage{stage} forward mb{i}"):
                     out = module(x)
                 inputs[(c, i)], outputs[(c, i)] = x, out
                 if stage < last:
-                    sends.append(dist.isend(out.detach().contiguous(), self._peer(stage + 1), group=self.act_group))
+                    to_send[("act", stage, i)] = out.detach().contiguous()
             else:
                 out = outputs.pop((c, i))
-                grad = None if stage == last else self._recv(length, self._peer(stage + 1), self.grad_group)
+                grad = None if stage == last else received.pop(("grad", stage + 1, i))
                 self._set_grad_sync(module, i == n_micro - 1)
                 with self._span(f"stage{stage} backward mb{i}"):
                     if stage == last:
@@ -231,15 +410,37 @@ class PipelineExecutor:
                         torch.autograd.backward(out, grad)
                 x = inputs.pop((c, i))
                 if stage > 0:
-                    g = x.grad if x.grad is not None else torch.zeros_like(x)
-                    sends.append(dist.isend(g.contiguous(), self._peer(stage - 1), group=self.grad_group))
-        for work in sends:
-            work.wait()
+                    to_send[("grad", stage, i)] = (x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()
+        if in_flight or to_send or received:
+            raise RuntimeError("pipeline step ended with messages in flight (a bug in p2p_programs)")
 
-    def _recv(self, length: int, src: int, group: dist.ProcessGroup) -> torch.Tensor:
-        buf = torch.empty(1, length, self.hidden_size, dtype=self.dtype, device=self.device)
-        dist.recv(buf, src, group=group)
-        return buf
+    def _issue(self, batch: Batch, to_send: dict, received: dict) -> tuple[list, list[torch.Tensor]]:
+        """Post one batch: its sends take their tensors from ``to_send``, its receives put
+        fresh buffers into ``received``."""
+        group = self.groups[batch.channel]
+        ops, tensors = [], []
+        for op in batch.ops:
+            key = (op.channel, op.stage, op.micro)
+            if op.send:
+                t = to_send.pop(key)
+                if tuple(t.shape) != op.shape or t.dtype != op.dtype:
+                    # nccl would not notice (it matches by order, without a size check)
+                    raise RuntimeError(f"pipeline stage {op.stage} sends a {t.dtype} tensor of shape "
+                                       f"{tuple(t.shape)}; its receiver expects {op.dtype} {op.shape}")
+                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=op.peer))
+            else:
+                t = received[key] = torch.empty(op.shape, dtype=op.dtype, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=op.peer))
+            tensors.append(t)
+        return dist.batch_isend_irecv(ops), tensors
+
+    def _connect(self) -> None:
+        """One collective on each pipeline group before its first batch: nccl creates a group's
+        communicator at its first operation with every member taking part, which batches
+        between two ranks (and a cut's collectives keeping the others busy) would not give."""
+        for group in self.groups.values():
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
+        self._connected = True
 
     def _span(self, name: str):
         if self.timeline is None:
