@@ -17,6 +17,7 @@ import collections
 import contextlib
 import tempfile
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -133,3 +134,76 @@ def _dp_rank(rank: int, world: int) -> None:
 
 def test_data_parallel_step_reads_the_device_once():
     run_ranks(_dp_rank, 2, timeout_s=240)
+
+
+def test_host_plans_match_what_the_device_would_find():
+    """The loss's target index and the ring's hop plan, built on the host from the layout, are
+    what the device-side rules find from the real (sliced) peers' rows."""
+    from dataloading.context_parallel import local_documents, slice_for_cp
+    from omni.models.multimodal import _ring_hops
+    from parallel.cp_attention import _live_rows_cols
+    from dataloading.batch import IGNORE_INDEX
+
+    model = build(False, 2)
+    for mb in global_batches(96, steps=1, micro=3)[0]:
+        p = model.prepare(mb)
+        assert torch.equal(p.target_index, (mb.labels != IGNORE_INDEX).nonzero().squeeze(1))
+        assert p.num_targets == mb.num_target_tokens
+        for cp in (2, 4):
+            slices = [slice_for_cp(mb, cp, r, 0) for r in range(cp)]
+            length = max(s.num_tokens for s in slices) + 3  # plus step padding, as the trainer adds
+            slices = [s.padded(length, 0) for s in slices]
+            docs = [local_documents(s.cp, length) for s in slices]
+            for r in range(cp):
+                hops = _ring_hops(slices[r].cp, docs[r], slices[r].position_ids)
+                assert hops is not None and len(hops) == cp - 1
+                for step, hop in enumerate(hops, start=1):
+                    peer = (r - step) % cp
+                    rows, cols = _live_rows_cols(docs[r][None], slices[r].position_ids[None], docs[peer][None],
+                                                 slices[peer].position_ids[None], True)
+                    assert hop.live == (rows.numel() > 0)
+                    assert torch.equal(torch.arange(length) if hop.rows is None else hop.rows, rows)
+                    assert torch.equal(torch.arange(length) if hop.cols is None else hop.cols, cols)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check runs it)")
+def test_cuda_step_synchronises_once():
+    """On a GPU, torch's own sync detector: the device step makes one synchronising call (the
+    step's read), whatever the number of micro-batches."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from omni.runtime.config import CheckpointConfig, MultiplexConfig, TrainerConfig
+    from omni.runtime.parallelize import parallelize
+    from omni.runtime.trainer import Trainer
+    from parallel.config import ParallelConfig
+    from parallel.layout import init_layout
+
+    try:
+        layout = init_layout(ParallelConfig(), device="cuda")
+        pm = parallelize(build(True, 2), layout, MultiplexConfig())
+        trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=10, run_dir=tempfile.mkdtemp(prefix="omni-sync-"),
+                                                          progress=False, eval_at_end=False, precision="bf16"),
+                          OPTIM, CheckpointConfig(save_at_end=False))
+        device_step = trainer._device_step
+        syncs = []
+
+        def watched(*args):
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return device_step(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    syncs.append(sum("synchroniz" in str(w.message) for w in seen))
+
+        trainer._device_step = watched
+        for micro in (1, 1, 3):  # the first step also sets things up (not counted)
+            trainer.train_step(StepBatch(step=1, micro_batches=global_batches(96, micro=micro, steps=1)[0]))
+        assert syncs[1:] == [1, 1], syncs
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -82,7 +82,7 @@ class Experts(nn.Module):
 
 
 def _grouped_mm_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether ``F.grouped_mm`` (torch >= 2.10) can run the experts: its operands' rows must be
+    """Whether ``F.grouped_mm`` (where this torch has it) can run the experts: its operands' rows must be
     16-byte aligned. It takes the group ends as a device tensor, so no count leaves the device."""
     if not hasattr(F, "grouped_mm") or x.device.type not in ("cpu", "cuda"):
         return False
