@@ -399,6 +399,8 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     collectives take the same code path as a multi-rank launch.
     """
     dev = _pick_device() if device == "auto" else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # device_id and the meshes need the index
+        dev = torch.device("cuda", torch.cuda.current_device())
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if cfg.timeout_s <= 0:
         raise LayoutError(f"parallel.timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait)")

@@ -86,7 +86,12 @@ def _grouped_mm_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
     16-byte aligned. It takes the group ends as a device tensor, so no count leaves the device."""
     if not hasattr(F, "grouped_mm") or x.device.type not in ("cpu", "cuda"):
         return False
-    elt = torch.finfo(_compute_dtype(x)).bits // 8
+    dt = _compute_dtype(x)
+    # On CUDA only the case torch's grouped kernel is built for (bf16 on sm90+, the GPU
+    # default) is taken; other dtypes and GPUs keep the loop rather than rely on a fallback.
+    if x.device.type == "cuda" and (dt != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    elt = torch.finfo(dt).bits // 8
     return all((n * elt) % 16 == 0 for n in (x.shape[-1], w_gate_up.shape[1], w_down.shape[-1]))
 
 
