@@ -110,7 +110,8 @@ class Trainer:
         self.guard = BadStepGuard(trainer_cfg.max_bad_steps)
         self.spikes = SpikeDetector(trainer_cfg.loss_spike_sigmas, trainer_cfg.loss_spike_window)
         self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
-        # Sample ids travel to rank 0 over gloo (None: the default group already is).
+        # Host numbers and objects (global counts, sample ids, timelines) go over gloo (None: the
+        # default group already is), never through the accelerator.
         self._host = host_group(layout)
         self._step, self._phase_name = 0, "starting"
         self._global_tokens = 0.0
