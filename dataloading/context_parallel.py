@@ -144,6 +144,17 @@ def local_documents(info: CPInfo, length: int) -> torch.Tensor:
     return torch.cat([doc, pad])
 
 
+def local_positions(info: CPInfo, length: int) -> torch.Tensor:
+    """Position of each of a CP rank's ``length`` local tokens when the row's positions count
+    from 0 in every document (as packing makes them): its offset in its padded document; tokens
+    past the sliced row count on from 0, as ``MicroBatch.padded`` numbers them. Lets one rank
+    know a peer's positions without receiving them (the ring attention's hop plan)."""
+    _, offset = _local_layout(info)
+    if length < offset.numel():
+        raise ValueError(f"local_positions: length={length} is shorter than the {offset.numel()} sliced tokens")
+    return torch.cat([offset, torch.arange(length - offset.numel(), dtype=offset.dtype, device=offset.device)])
+
+
 def local_real_tokens(info: CPInfo, length: int) -> torch.Tensor:
     """Which of a CP rank's ``length`` local tokens are real (not per-document or step padding)."""
     real = _local_to_original(info) >= 0

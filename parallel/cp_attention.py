@@ -18,6 +18,7 @@ real tokens would attend to it: give padding its own ``doc`` id in that case.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ def cp_attention(
     impl: str = "ring",
     causal: bool = True,
     scale: float | None = None,
+    hops: list[RingHop] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of the whole row, all CP ranks together.
 
@@ -52,7 +54,10 @@ def cp_attention(
     skips a block with none. Hops are not yet overlapped with the math. Backward: the hop is an
     autograd Function (the gradient of a visiting block travels the ring the other way) and
     autograd differentiates the blockwise math, so memory holds every visiting k/v block and its
-    live score matrix (up to [B, Hq, T_loc, T_loc]) per hop; nothing is recomputed.
+    live score matrix (up to [B, Hq, T_loc, T_loc]) per hop; nothing is recomputed. ``hops``
+    (``plan_ring_hops``, one per hop after the first, causal): the live rows and columns known on
+    the host from the CP layout; without it each hop finds them on the device, which reads their
+    number back (a host sync per hop).
     """
     _check_inputs(q, k, v, doc, pos, impl)
     group = dist.group.WORLD if group is None else group
@@ -61,7 +66,37 @@ def cp_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if impl == "ulysses":
         return _ulysses_attention(q, k, v, doc, pos, group, cp, causal, scale)
-    return _ring_attention(q, k, v, doc, pos, group, cp, causal, scale)
+    if hops is not None and (len(hops) != cp - 1 or not causal):
+        raise ValueError(f"cp_attention: {len(hops)} planned hops for cp={cp} (causal={causal}); plan cp-1 causal hops")
+    return _ring_attention(q, k, v, doc, pos, group, cp, causal, scale, hops)
+
+
+@dataclass
+class RingHop:
+    """One ring hop's live part: the query rows that see some key of the visiting block and the
+    keys some query sees (index tensors; None: all of them). ``live``: whether anything does."""
+
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    live: bool
+
+    def to(self, device) -> RingHop:
+        return RingHop(None if self.rows is None else self.rows.to(device),
+                       None if self.cols is None else self.cols.to(device), self.live)
+
+
+def plan_ring_hops(doc: torch.Tensor, pos: torch.Tensor, visiting: list[tuple[torch.Tensor, torch.Tensor]],
+                   causal: bool = True) -> list[RingHop]:
+    """The ``RingHop`` of each visiting block, given on the host: ``doc``/``pos`` [B, T_loc] of this
+    rank, ``visiting[s-1]`` the (doc, pos) of the block hop s brings (that of CP rank
+    ``rank - s``). The same rule as the ring applies without a plan, so the result is the same."""
+    t = doc.shape[1]
+    out = []
+    for doc_k, pos_k in visiting:
+        rows, cols = _live_rows_cols(doc, pos, doc_k, pos_k, causal)
+        out.append(RingHop(None if rows.numel() == t else rows, None if cols.numel() == t else cols,
+                           rows.numel() > 0))
+    return out
 
 
 def _check_inputs(q, k, v, doc, pos, impl: str) -> None:
@@ -97,7 +132,8 @@ def _mask(doc_q, pos_q, doc_k, pos_k, causal: bool) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- ring
 
 
-def _ring_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: float) -> torch.Tensor:
+def _ring_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: float,
+                    hops: list[RingHop] | None = None) -> torch.Tensor:
     b, hq, t, d = q.shape
     hkv = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics never below fp32
@@ -115,14 +151,24 @@ def _ring_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: floa
         k_s, v_s, doc_s, pos_s = block
         # Under zig-zag chunks half of every visiting block is masked: either its later chunk
         # (a rank earlier in the ring) or the local early chunk's queries (a later rank). Compute
-        # only the rows and columns that see something; skip a block that sees nothing.
-        rows, cols = _live_rows_cols(doc, pos, doc_s, pos_s, causal)
-        if rows.numel() == 0:
+        # only the rows and columns that see something; skip a block that sees nothing. The own
+        # block (step 0) is live everywhere (every token sees itself).
+        if step == 0:
+            hop = RingHop(None, None, True)
+        elif hops is not None:
+            hop = hops[step - 1]
+        else:
+            rows, cols = _live_rows_cols(doc, pos, doc_s, pos_s, causal)
+            hop = RingHop(None if rows.numel() == t else rows, cols, rows.numel() > 0)
+        if not hop.live:
             continue
-        mask = _mask(doc[:, rows], pos[:, rows], doc_s[:, cols], pos_s[:, cols], causal)
-        o_b, lse_b = _block_attention(q5[..., rows, :], k_s[:, :, cols].to(acc)[:, :, None],
-                                      v_s[:, :, cols].to(acc)[:, :, None], mask[:, None, None])
-        if rows.numel() == t:
+        rows, cols = hop.rows, hop.cols
+        doc_q, pos_q, q_b = (doc, pos, q5) if rows is None else (doc[:, rows], pos[:, rows], q5[..., rows, :])
+        if cols is not None:
+            k_s, v_s, doc_s, pos_s = k_s[:, :, cols], v_s[:, :, cols], doc_s[:, cols], pos_s[:, cols]
+        mask = _mask(doc_q, pos_q, doc_s, pos_s, causal)
+        o_b, lse_b = _block_attention(q_b, k_s.to(acc)[:, :, None], v_s.to(acc)[:, :, None], mask[:, None, None])
+        if rows is None:
             out, lse = _merge(out, lse, o_b, lse_b)
         else:
             o_m, lse_m = _merge(out[..., rows, :], lse[..., rows, :], o_b, lse_b)

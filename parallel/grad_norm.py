@@ -30,8 +30,11 @@ def _copies(t: torch.Tensor, stage_world: int) -> int:
     return n
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], stage_world: int, skip: Iterable = (),
-                     device: torch.device | None = None) -> float:
+def local_grad_square_sum(params: Iterable[torch.nn.Parameter], stage_world: int, skip: Iterable = (),
+                          device: torch.device | None = None) -> torch.Tensor:
+    """This rank's share of the squared global norm, on the device (fp64, 0-dim): summed over
+    the world it is the squared norm. Nothing is read back, so the caller can fold the
+    all-reduce into one it makes anyway (the trainer's per-step reduction)."""
     skip_ids = {id(p) for p in skip}
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
@@ -40,9 +43,29 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], stage_world: int, ski
         g = p.grad
         local = g.to_local() if isinstance(g, DTensor) else g
         total = total + local.double().pow(2).sum() / _copies(g, stage_world)
+    return total
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter], stage_world: int, skip: Iterable = (),
+                     device: torch.device | None = None) -> float:
+    total = local_grad_square_sum(params, stage_world, skip, device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return math.sqrt(float(total))
+
+
+@torch.no_grad()
+def scale_to_max_norm_(params: Iterable[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """``clip_grads``'s scaling with the norm still on the device (no host read): gradients are
+    multiplied by ``max_norm / (norm + 1e-6)`` where ``norm > max_norm`` and by exactly 1 elsewhere
+    (a non-finite norm included, as ``clip_grads`` leaves those alone)."""
+    if not math.isfinite(max_norm):
+        return
+    coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(coef.to(g.device))  # fp32 gradients: the fp32 rounding of coef, as clip_grads
 
 
 @torch.no_grad()

@@ -299,6 +299,11 @@ def _mesh_options(ndim: int, timeout: timedelta) -> dict | None:
     return {d: (backend, options) for d in range(ndim)}
 
 
+def _peers_key(sizes: Sizes) -> Callable[[int], tuple]:
+    """Ranks that consume the same samples: one (dp_replicate, dp_shard) position."""
+    return lambda r: (sizes.coords(r)["dp_replicate"], sizes.coords(r)["dp_shard"])
+
+
 def _build_groups(sizes: Sizes, rank: int, backend: str | None,
                   timeout: timedelta) -> dict[str, dist.ProcessGroup]:
     """Groups that are not one mesh dimension. Every rank creates every group, same order."""
@@ -326,7 +331,7 @@ def _build_groups(sizes: Sizes, rank: int, backend: str | None,
         # Ranks of one pipeline stage (every rank of the stage's model replica set).
         "stage": lambda r: (coords(r)["pp"],),
         # Ranks that consume the same samples (one loader, broadcast to the rest).
-        "peers": lambda r: (coords(r)["dp_replicate"], coords(r)["dp_shard"]),
+        "peers": _peers_key(sizes),
     }
     out = {}
     for name, key in specs.items():
@@ -337,12 +342,37 @@ def _build_groups(sizes: Sizes, rank: int, backend: str | None,
     return out
 
 
+def _host_peers_group(sizes: Sizes, rank: int, timeout: timedelta, peers: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The "peers" group (ranks that consume the same samples) over gloo, for the step's host
+    objects (omni/runtime/data_feed.py); the peers group itself when the world already is gloo.
+    Every rank creates every group, same order."""
+    if sizes.world == 1 or dist.get_backend() == "gloo":
+        return peers
+    mine = peers
+    for members in _partition_groups(sizes.world, _peers_key(sizes)):
+        g = new_group(members, timeout, "gloo")
+        if rank in members:
+            mine = g
+    return mine
+
+
 def _pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    """This process's GPU: ``LOCAL_RANK`` (torchrun sets it). A multi-process launch on CUDA
+    without it is refused rather than piling every rank onto GPU 0."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise LayoutError("WORLD_SIZE > 1 but LOCAL_RANK is not set, so this rank cannot tell which GPU is "
+                              "its own; launch with torchrun (it sets LOCAL_RANK) or set LOCAL_RANK per process")
+        local = "0"
+    index = int(local)
+    if not 0 <= index < torch.cuda.device_count():
+        raise LayoutError(f"LOCAL_RANK={index} but this node has {torch.cuda.device_count()} GPU(s); launch at "
+                          f"most that many processes per node (torchrun --nproc-per-node)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _restart_store(timeout: timedelta) -> dist.Store | None:
@@ -369,19 +399,24 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     collectives take the same code path as a multi-rank launch.
     """
     dev = _pick_device() if device == "auto" else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # device_id and the meshes need the index
+        dev = torch.device("cuda", torch.cuda.current_device())
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if cfg.timeout_s <= 0:
         raise LayoutError(f"parallel.timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait)")
     timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
+        # On CUDA the world group is bound to this rank's GPU: NCCL then connects eagerly and
+        # never guesses the device from the current one.
+        bound = {"device_id": dev} if dev.type == "cuda" else {}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store = _restart_store(timeout)
             where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
                                               "world_size": int(os.environ["WORLD_SIZE"])}
-            dist.init_process_group(backend=backend, timeout=timeout, **where)
+            dist.init_process_group(backend=backend, timeout=timeout, **where, **bound)
         else:
             store = dist.HashStore()
-            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **bound)
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = resolve_sizes(cfg, world)
     shard_cp = sizes.dp_shard * sizes.cp
@@ -391,6 +426,7 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
         dev.type, (sizes.pp, sizes.dp_replicate, shard_cp // sizes.ep, sizes.ep, sizes.tp),
         mesh_dim_names=EXPERT_MESH_DIMS, backend_override=_mesh_options(len(EXPERT_MESH_DIMS), timeout))
     groups = _build_groups(sizes, rank, None, timeout)
+    groups["peers_host"] = _host_peers_group(sizes, rank, timeout, groups["peers"])
     return Layout(world_size=world, rank=rank, device=dev, sizes=sizes, config=cfg, mesh=mesh,
                   expert_mesh=expert_mesh, groups=groups, timeout=timeout)
 

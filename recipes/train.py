@@ -98,4 +98,5 @@ def _loader(cfg: OmniConfig, layout, mixture, tokenizer, model, processors, show
     if layout.world_size == layout.dp_size:
         return loader  # no peers
     return PeerFeed(loader, layout.group("peers"), source, cp_size=layout.sizes.cp, cp_rank=layout.cp_rank,
-                    pad_id=getattr(tokenizer, "pad_id", None) or 0)
+                    pad_id=getattr(tokenizer, "pad_id", None) or 0, host_group=layout.group("peers_host"),
+                    device=layout.device)

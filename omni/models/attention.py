@@ -29,11 +29,15 @@ class ContextParallelSegments:
     pos: torch.Tensor  # int64 [B, T_local]
     group: dist.ProcessGroup
     impl: str  # ring | ulysses
+    # parallel.cp_attention.RingHop per ring hop, planned on the host from the CP layout (None:
+    # the ring finds each hop's live rows on the device).
+    hops: list | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         from parallel.cp_attention import cp_attention
 
-        return cp_attention(q, k, v, self.doc, self.pos, self.group, impl=self.impl, causal=True, scale=scale)
+        return cp_attention(q, k, v, self.doc, self.pos, self.group, impl=self.impl, causal=True, scale=scale,
+                            hops=self.hops)
 
 
 def uses_varlen_kernels(backend: str, device: torch.device) -> bool:

@@ -12,20 +12,21 @@ deleted (``keep_stage``); parameter names never change, so checkpoints move betw
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.context_parallel import local_documents, local_real_tokens
+from dataloading.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
+from dataloading.context_parallel import local_documents, local_positions, local_real_tokens
 from omni.models.attention import (ContextParallelSegments, PackedSegments, segment_ids_from_position_ids,
                                    uses_varlen_kernels)
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.llm import Decoder
 from omni.models.projector import Projector
+from parallel.cp_attention import RingHop, plan_ring_hops
 from parallel.tensor_parallel import (gather_sequence_shards, local_tensor, scatter_to_sequence_shards,
                                       vocab_parallel_cross_entropy, vocab_range)
 
@@ -69,6 +70,12 @@ class Prepared:
     token_mask: Optional[torch.Tensor]  # [1, T] bool, None when every token is real
     global_targets: float = 1.0  # the loss of this micro-batch is ce_sum / global_targets
     index: int = 0  # the micro-batch's place in the step (its encoder chunk under multiplexing)
+    # Built on the host from the host labels (None when the row came to ``prepare`` already on
+    # the device): the target positions and their labels, so the loss gathers by index instead
+    # of selecting by a device mask (a boolean selection reads its size back from the device).
+    target_index: Optional[torch.Tensor] = None  # int64 [n_targets]
+    target_labels: Optional[torch.Tensor] = None  # int64 [n_targets]
+    num_targets: Optional[int] = None
 
 
 @dataclass
@@ -79,7 +86,9 @@ class StageFeed:
 
     items: list = field(default_factory=list)
     next_index: int = 0
-    ce_sums: list = field(default_factory=list)  # detached, for logging
+    # Detached 0-dim device tensors, for logging: the trainer sums them on the device and reads
+    # the step's total once.
+    ce_sums: list = field(default_factory=list)
     aux_sums: list = field(default_factory=list)
 
     def reset(self, items: list) -> None:
@@ -146,22 +155,37 @@ class OmniModel(nn.Module):
 
     # -- inputs -------------------------------------------------------------------------------
     def prepare(self, mb: MicroBatch, global_targets: float = 1.0, real_tokens: int | None = None,
-                max_seqlen: int | None = None) -> Prepared:
+                max_seqlen: int | None = None, device: torch.device | str | None = None) -> Prepared:
         """Positions, attention segments and the real-token mask of a (possibly CP-sliced or
         padded) micro-batch. ``real_tokens``: the row's first tokens that are not step padding.
         ``max_seqlen``: its longest document, known on the host (read from ``mb.cu_seqlens``
-        when not given) — the varlen attention kernels need it."""
+        when not given) — the varlen attention kernels need it. ``device``: where the row
+        trains; a host row is described on the host (target positions, CP ring hops) and moved
+        there once with what was derived from it, so the forward reads nothing back."""
+        on_host = mb.input_ids.device.type == "cpu"
+        device = mb.input_ids.device if device is None else torch.device(device)
+        p = self._describe(mb, global_targets, real_tokens, max_seqlen, on_host, device)
+        if on_host:
+            targets = (mb.labels != IGNORE_INDEX).nonzero().squeeze(1)
+            p.target_index, p.target_labels, p.num_targets = targets, mb.labels[targets], int(targets.numel())
+        if device != mb.input_ids.device:
+            p = _moved(p, device)
+        return p
+
+    def _describe(self, mb: MicroBatch, global_targets: float, real_tokens: int | None, max_seqlen: int | None,
+                  on_host: bool, device: torch.device) -> Prepared:
         rt = self.runtime
         position_ids = mb.position_ids[None]
         t = mb.input_ids.numel()
         mask = None
         if mb.cp is not None and mb.cp.cp_size > 1:
             doc = local_documents(mb.cp, t)
-            segments = ContextParallelSegments(doc[None], position_ids, rt.cp_group, rt.cp_impl)
+            hops = _ring_hops(mb.cp, doc, mb.position_ids) if on_host and rt.cp_impl == "ring" else None
+            segments = ContextParallelSegments(doc[None], position_ids, rt.cp_group, rt.cp_impl, hops)
             mask = local_real_tokens(mb.cp, t)[None]
         else:
             segments = segment_ids_from_position_ids(position_ids)
-            if uses_varlen_kernels(rt.attn_backend, mb.input_ids.device):
+            if uses_varlen_kernels(rt.attn_backend, device):
                 if max_seqlen is None:
                     max_seqlen = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max()) if t else 0
                 segments = PackedSegments(segments, mb.cu_seqlens.to(torch.int32), max_seqlen, True, rt.attn_backend)
@@ -200,16 +224,19 @@ class OmniModel(nn.Module):
         if isinstance(x, Prepared):
             h, aux = self._body(self._input_hidden(x), x)
             ce = self._ce_sum(h, x)
-            return LossParts(ce_sum=ce, num_targets=int((x.mb.labels != IGNORE_INDEX).sum()), aux_loss=aux)
+            # The count from the host when prepare saw the host row; a row already on the device
+            # (evaluation, tests) pays a read for it.
+            n = x.num_targets if x.num_targets is not None else int((x.mb.labels != IGNORE_INDEX).sum())
+            return LossParts(ce_sum=ce, num_targets=n, aux_loss=aux)
         p = self.feed.pop()
         h = self._input_hidden(p) if self.runtime.first_stage else x
         h, aux = self._body(h, p)
         if aux is not None:
-            self.feed.aux_sums.append(float(aux))
+            self.feed.aux_sums.append(aux.detach())
         if not self.runtime.last_stage:
             return h
         ce = self._ce_sum(h, p)
-        self.feed.ce_sums.append(float(ce.detach()))
+        self.feed.ce_sums.append(ce.detach())
         return ce / p.global_targets
 
     def _input_hidden(self, p: Prepared) -> torch.Tensor:
@@ -257,12 +284,47 @@ class OmniModel(nn.Module):
         h = self.llm.norm(h)
         if rt.tp_mesh is not None:
             h = gather_sequence_shards(h, rt.tp_mesh, partial_grad=True)
-        target_mask = p.mb.labels != IGNORE_INDEX
-        hidden = h[0][target_mask]
-        labels = p.mb.labels[target_mask]
+        if p.target_index is not None:  # host-built: a gather, nothing read back
+            hidden, labels = h[0].index_select(0, p.target_index), p.target_labels
+        else:
+            target_mask = p.mb.labels != IGNORE_INDEX
+            hidden, labels = h[0][target_mask], p.mb.labels[target_mask]
         weight = self.llm.embed_tokens.weight if self.llm.lm_head is None else self.llm.lm_head.weight
         if rt.tp_mesh is None:
             return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
         local_w = local_tensor(weight)
         start, _ = vocab_range(self.llm.config.vocab_size, rt.tp_size, rt.tp_rank)
         return vocab_parallel_cross_entropy(F.linear(hidden, local_w), labels, start, rt.tp_group)
+
+
+def _ring_hops(info: CPInfo, doc: torch.Tensor, position_ids: torch.Tensor) -> list[RingHop] | None:
+    """Which of this CP rank's queries and which keys of each visiting block the ring attention
+    computes, from the CP layout on the host: the block of hop s comes from CP rank
+    ``cp_rank - s``, whose documents and positions the layout gives without a message. None
+    (the ring then finds them on the device, reading back per hop) when the row's positions do
+    not count from 0 in every document."""
+    t = doc.numel()
+    if not torch.equal(local_positions(info, t), position_ids):
+        return None
+    peers = []
+    for step in range(1, info.cp_size):
+        peer = replace(info, cp_rank=(info.cp_rank - step) % info.cp_size)
+        peers.append((local_documents(peer, t), local_positions(peer, t)))
+    return plan_ring_hops(doc[None], position_ids[None], [(d[None], q[None]) for d, q in peers])
+
+
+def _moved(p: Prepared, device: torch.device) -> Prepared:
+    """``p`` with every tensor on ``device`` (the segments' too); host numbers stay."""
+    def to(x):
+        return None if x is None else x.to(device)
+
+    seg = p.segments
+    if isinstance(seg, ContextParallelSegments):
+        seg = replace(seg, doc=to(seg.doc), pos=to(seg.pos), hops=None if seg.hops is None else
+                      [hop.to(device) for hop in seg.hops])
+    elif isinstance(seg, PackedSegments):
+        seg = replace(seg, ids=to(seg.ids), cu_seqlens=to(seg.cu_seqlens))
+    elif isinstance(seg, torch.Tensor):
+        seg = to(seg)
+    return replace(p, mb=p.mb.to(device), position_ids=to(p.position_ids), segments=seg, token_mask=to(p.token_mask),
+                   target_index=to(p.target_index), target_labels=to(p.target_labels))

@@ -154,7 +154,7 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
         if num_stages > 1:
             chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1)
         chunks.append(chunk)
-    timeline = Timeline(layout.rank, enabled=multiplex.timeline)
+    timeline = Timeline(layout.rank, enabled=multiplex.timeline, device=layout.device)  # CUDA events on a GPU
     pm = ParallelModel(chunks, ids, num_stages, timeline=timeline)
     for chunk in chunks:
         _apply_one(chunk, layout, pm)

@@ -7,8 +7,12 @@ the idle rest (bubbles, waiting on peers), and how unevenly the busy time is spr
 together, `summarise_ranks` turns them into flat metrics.jsonl fields, `chrome_trace` draws one
 step of every rank for chrome://tracing / Perfetto, and `RunSummary` prints the end-of-run digest.
 
-Timings are host-clock intervals. On CUDA, kernels run asynchronously: without a `sync` callable
-(e.g. ``torch.cuda.synchronize``) a span measures launch time, not execution time.
+Timings: on CUDA (``device``), spans are CUDA events on the current stream, so they measure the
+device's execution, not kernel launches; the step waits for its last event once, at
+``end_step``, and reads every elapsed time then. Elsewhere they are host-clock intervals (an
+optional ``sync`` callable runs before every clock read). A disabled timeline records, waits
+for and reads nothing. `gather_step_times` is an object collective: give it a gloo group
+(``parallel.layout.host_group``), never NCCL's.
 """
 from __future__ import annotations
 
@@ -75,14 +79,12 @@ class _Span:
         self._tl, self._kind, self._name, self._args = tl, kind, name, args
 
     def __enter__(self) -> _Span:
-        self._tl._sync()
-        self._start = self._tl._clock()
+        self._start = self._tl._now()
         self._tl._open += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        self._tl._sync()
-        end = self._tl._clock()
+        end = self._tl._now()
         self._tl._open -= 1
         self._tl._record(self._kind, self._name, self._start, end, self._args)
 
@@ -99,14 +101,18 @@ class Timeline:
     Spans and intervals recorded outside ``begin_step``/``end_step`` (evaluation, checkpointing)
     are not part of any step and are not recorded. ``sync``, when given, is called before every
     clock read so that asynchronous device work is attributed to the span that launched it.
+    ``device``: a CUDA device times spans with CUDA events instead (no ``sync``, no clock); `add`
+    intervals stay on the host clock, placed from the host time of the step start.
     """
 
     def __init__(self, rank: int, enabled: bool = True, clock: Callable[[], float] = time.perf_counter,
-                 sync: Callable[[], None] | None = None):
+                 sync: Callable[[], None] | None = None, device: torch.device | str | None = None):
         self.rank = rank
         self.enabled = enabled
         self._clock = clock
         self._sync_fn = sync
+        self._cuda = device is not None and torch.device(device).type == "cuda" and sync is None
+        self._t0_event = None
         self._noop = contextlib.nullcontext()  # reused: a disabled span() allocates nothing
         self._step: int | None = None
         self._t0 = 0.0
@@ -117,6 +123,21 @@ class Timeline:
         if self._sync_fn is not None:
             self._sync_fn()
 
+    def _now(self):
+        """A time mark: a recorded CUDA event (read at ``end_step``), or the synced host clock."""
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        self._sync()
+        return self._clock()
+
+    def _seconds(self, mark) -> float:
+        """A mark as seconds since the step start (events: their elapsed time, read now)."""
+        if isinstance(mark, float | int):
+            return mark - self._t0
+        return self._t0_event.elapsed_time(mark) / 1e3
+
     def begin_step(self, step: int) -> None:
         if self._step is not None:
             raise RuntimeError(f"Timeline.begin_step({step}): step {self._step} was never ended; call end_step first")
@@ -124,8 +145,12 @@ class Timeline:
         self._intervals = []
         self._open = 0
         if self.enabled:
-            self._sync()
-            self._t0 = self._clock()
+            if self._cuda:
+                self._t0_event = self._now()
+                self._t0 = self._clock()  # the host origin of `add` intervals
+            else:
+                self._sync()
+                self._t0 = self._clock()
 
     def span(self, kind: str, name: str = "", **args: Any):
         """``with timeline.span("encoder", "vision", items=12): ...`` records that interval."""
@@ -137,7 +162,7 @@ class Timeline:
         """Records an interval measured elsewhere on the same clock (e.g. by autograd hooks)."""
         if not self.enabled or self._step is None:
             return
-        if end < start:
+        if float(end) < float(start):
             raise ValueError(f"Timeline.add({kind!r}, {name!r}): end {end} is before start {start}")
         self._record(kind, name, start, end, args)
 
@@ -153,14 +178,16 @@ class Timeline:
         if self._open:
             raise RuntimeError(f"Timeline.end_step({step}): {self._open} span(s) still open; end_step "
                                "must come after every span of the step has exited")
-        self._sync()
-        t1 = self._clock()
-        step_time = t1 - self._t0
+        end = self._now()
+        if self._cuda:
+            end.synchronize()  # the step's one wait: every event before it has completed
+        step_time = self._seconds(end)
         # Intervals measured elsewhere may reach outside the step: only the part inside counts.
-        clipped = [iv._replace(start=max(iv.start, self._t0), end=min(iv.end, t1)) for iv in self._intervals]
+        clipped = [iv._replace(start=max(self._seconds(iv.start), 0.0), end=min(self._seconds(iv.end), step_time))
+                   for iv in self._intervals]
         clipped = [iv for iv in clipped if iv.end >= iv.start]
         busy = _exclusive_busy(clipped)
-        events = [Event(iv.kind, iv.name, iv.start - self._t0, iv.end - iv.start, iv.args)
+        events = [Event(iv.kind, iv.name, iv.start, iv.end - iv.start, iv.args)
                   for iv in sorted(clipped, key=lambda iv: (iv.start, iv.seq))]
         self._intervals = []
         total = sum(busy.values())

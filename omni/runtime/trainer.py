@@ -31,7 +31,7 @@ from omni.runtime.parallelize import ParallelModel, gather_full_model
 from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
                                    write_chrome_trace)
 from parallel.data_parallel import all_reduce_sums
-from parallel.grad_norm import clip_grads
+from parallel.grad_norm import local_grad_square_sum, scale_to_max_norm_
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
 from parallel.pipeline import microbatch_count
@@ -39,6 +39,14 @@ from parallel.pipeline import microbatch_count
 
 def _round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
+
+
+def _device_sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of detached 0-dim losses in fp64 (the precision the logged totals always had),
+    on the device: nothing is read back."""
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([p.to(torch.float64) for p in parts]).sum()
 
 
 FLAGGED = "flagged_steps.jsonl"  # non-finite and spiking steps, with their sample ids
@@ -102,9 +110,11 @@ class Trainer:
         self.guard = BadStepGuard(trainer_cfg.max_bad_steps)
         self.spikes = SpikeDetector(trainer_cfg.loss_spike_sigmas, trainer_cfg.loss_spike_window)
         self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
-        # Sample ids travel to rank 0 over gloo (None: the default group already is).
+        # Host numbers and objects (global counts, sample ids, timelines) go over gloo (None: the
+        # default group already is), never through the accelerator.
         self._host = host_group(layout)
         self._step, self._phase_name = 0, "starting"
+        self._global_tokens = 0.0
         self.trace_step = trace_step
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
 
@@ -118,13 +128,15 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
-    def _counts(self, batch: StepBatch) -> tuple[float, float]:
-        """(target tokens, real micro-batches) of the whole global batch. Peers that hold the
+    def _counts(self, batch: StepBatch) -> tuple[float, float, float]:
+        """(target tokens, real micro-batches, tokens) of the whole global batch, from host
+        numbers over the host (gloo) group: nothing touches the accelerator. Peers that hold the
         same tokens (TP, PP) or the same micro-batches (CP) count them once."""
         holder = self.layout.counts_data
         targets = batch.num_target_tokens if holder else 0
         real = sum(1 for mb in batch.micro_batches if mb.sample_ids) if holder and self.layout.cp_rank == 0 else 0
-        return tuple(all_reduce_sums([targets, real], self.device))
+        tokens = batch.num_tokens if holder else 0
+        return tuple(all_reduce_sums([targets, real, tokens], torch.device("cpu"), self._host))
 
     def _rows(self, batch: StepBatch) -> tuple[list[tuple[MicroBatch, int]], int]:
         """Every micro-batch padded as the layout needs (and, under PP, to one length and a
@@ -147,7 +159,9 @@ class Trainer:
         mb, real = row
         lengths = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
         longest = int(lengths.max()) if lengths.numel() else 0  # on the host, for the varlen kernels
-        return self.model.prepare(mb.to(self.device), global_targets, real_tokens=real, max_seqlen=longest)
+        # The host row: prepare derives what it needs on the host (targets, CP hops) and moves
+        # the row to the device once.
+        return self.model.prepare(mb, global_targets, real_tokens=real, max_seqlen=longest, device=self.device)
 
     def _span(self, kind: str, name: str):
         tl = self.pm.timeline
@@ -160,7 +174,13 @@ class Trainer:
 
     def train_step(self, batch: StepBatch) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics."""
-        global_targets, global_real = self._counts(batch)
+        prepared, length, global_targets = self._host_inputs(batch)
+        return self._device_step(prepared, length, global_targets)
+
+    def _host_inputs(self, batch: StepBatch) -> tuple[list[Prepared], int, float]:
+        """The step's host work: global counts (over the host group), padding, and every
+        micro-batch's inputs built on the host and moved to the device once."""
+        global_targets, global_real, self._global_tokens = self._counts(batch)
         if global_targets == 0:
             raise UserError(f"step {batch.step} has no target tokens in the whole global batch; check the data")
         # Every rank divides by the same global count, so summing gradients over ranks and
@@ -181,7 +201,16 @@ class Trainer:
                          for _ in range(n - len(prepared))]
         for i, p in enumerate(prepared):
             p.index = i
-        ce_total, aux_total = 0.0, 0.0
+        return prepared, length, global_targets
+
+    def _device_step(self, prepared: list[Prepared], length: int, global_targets: float) -> dict[str, float]:
+        """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
+        step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
+        norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
+        test_no_host_sync.py holds it to that)."""
+        ce_parts: list[torch.Tensor] = []  # detached 0-dim device tensors
+        aux_parts: list[torch.Tensor] = []
+        mux = self.pm.multiplexer
         if self.pm.runner is not None:
             for chunk in self.pm.chunks:
                 chunk.feed.reset(prepared)
@@ -193,8 +222,8 @@ class Trainer:
                 if mux is not None:
                     mux.finish()
             for chunk in self.pm.chunks:
-                ce_total += sum(chunk.feed.ce_sums)
-                aux_total += sum(chunk.feed.aux_sums)
+                ce_parts += chunk.feed.ce_sums
+                aux_parts += chunk.feed.aux_sums
         else:
             # Every micro-batch runs, placeholders too: FSDP, TP, CP and EP collectives must
             # happen the same number of times on every rank.
@@ -212,24 +241,30 @@ class Trainer:
                     loss = parts.ce_sum / global_targets
                 with self._span("llm", f"backward mb{i}"):
                     loss.backward()
-                ce_total += float(parts.ce_sum.detach())
+                ce_parts.append(parts.ce_sum.detach())
                 if parts.aux_loss is not None:
-                    aux_total += float(parts.aux_loss)
+                    aux_parts.append(parts.aux_loss.detach())
             if mux is not None:
                 with self._autocast():
                     mux.finish()
         self._phase("gradient sync")
         with self._span("comm", "gradient sync"):
             self.pm.sync_gradients()
-        # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
-        counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
-        ce_sum, aux_sum = all_reduce_sums([ce_total if counts_loss else 0.0, aux_total], self.device)
-        loss_value = ce_sum / global_targets
         self._phase("optimizer")
         with self._span("optim", "clip and step"):
+            params = list(self.pm.parameters())
+            # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
+            counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
+            sums = torch.stack([_device_sum(ce_parts if counts_loss else [], self.device),
+                                _device_sum(aux_parts, self.device),
+                                local_grad_square_sum(params, self.layout.stage_world, self.pm.norm_skip,
+                                                      self.device)])
+            if self.layout.world_size > 1:
+                dist.all_reduce(sums)  # one collective for the loss, the router loss and the norm
             max_norm = self.clip if self.clip > 0 else math.inf
-            grad_norm = clip_grads(list(self.pm.parameters()), max_norm, self.layout.stage_world,
-                                   self.pm.norm_skip, self.device)
+            scale_to_max_norm_(params, sums[2].sqrt(), max_norm)
+            ce_sum, aux_sum, square = sums.tolist()  # the step's one device read
+            loss_value, grad_norm = ce_sum / global_targets, math.sqrt(square)
             lr = self.optim.lr
             # The loss and the norm are the same on every rank (all-reduced), so every rank
             # skips the same steps. A skipped step leaves weights, optimizer moments and the lr
@@ -308,7 +343,7 @@ class Trainer:
         self._phase("logging")
         stats.update(self._step_profile(step))
         dt = time.perf_counter() - t0
-        tokens = all_reduce_sums([batch.num_tokens if self.layout.counts_data else 0], self.device)[0]
+        tokens = self._global_tokens
         bad = stats["skipped"]
         spike = None if bad else self.spikes.check(stats["loss"])
         samples = self._gather_samples(batch) if (bad or spike or self.cfg.log_samples) else None
@@ -383,7 +418,7 @@ class Trainer:
         tl = self.pm.timeline
         if tl is not None and tl.enabled:
             trace = step == self.trace_step
-            per_rank = gather_step_times(tl.end_step(), keep_events=trace)
+            per_rank = gather_step_times(tl.end_step(), group=self._host, keep_events=trace)  # over gloo
             out.update(summarise_ranks(per_rank))
             if trace and self.layout.is_main:
                 write_chrome_trace(self.run_dir / f"trace_step{step}.json", per_rank)

@@ -67,3 +67,55 @@ def test_peers_receive_the_source_ranks_steps(demo_dir, tmp_path, cp_size=2):
         p.join(timeout=120)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert out.get(timeout=5) is True
+
+
+class _MediaLoader:
+    """Steps of micro-batches with image and audio features (two dtypes), for the split path."""
+
+    def __init__(self):
+        self.step = 0
+
+    def __next__(self):
+        from dataloading.batch import MediaInputs, MicroBatch, StepBatch
+
+        self.step += 1
+        gen = torch.Generator().manual_seed(self.step)
+        mbs = []
+        for i in range(2):
+            ids = torch.randint(0, 50, (12,), generator=gen)
+            media = {"image": MediaInputs(torch.randn(4 + i, 6, generator=gen), torch.tensor([[2, 2 + i // 2]]),
+                                          torch.tensor([4]), torch.arange(4)),
+                     "audio": MediaInputs(torch.randn(3, 5, generator=gen).double(), torch.tensor([[3]]),
+                                          torch.tensor([2]), torch.arange(5, 7))}
+            mbs.append(MicroBatch(ids, torch.arange(12), ids.clone(), torch.tensor([0, 12], dtype=torch.int32),
+                                  media if i == 0 else {"image": media["image"]}, [f"s{self.step}.{i}"]))
+        return StepBatch(self.step, mbs)
+
+    def state_dict(self):
+        return {"step": self.step, "problems": {}}
+
+
+def _split_peer(rank, world):
+    from omni.runtime.data_feed import PeerFeed
+
+    feed = PeerFeed(_MediaLoader() if rank == 0 else None, None, src=0, features_on_device=True)
+    got = [next(feed) for _ in range(2)]
+    ref = _MediaLoader()
+    for batch in got:
+        want = next(ref)
+        assert [mb.sample_ids for mb in batch.micro_batches] == [mb.sample_ids for mb in want.micro_batches]
+        for a, b in zip(batch.micro_batches, want.micro_batches):
+            assert torch.equal(a.input_ids, b.input_ids) and a.media.keys() == b.media.keys()
+            for m in a.media:
+                x, y = a.media[m], b.media[m]
+                assert x.features.dtype == y.features.dtype and torch.equal(x.features, y.features)
+                assert torch.equal(x.positions, y.positions) and torch.equal(x.sizes, y.sizes)
+    assert feed.state_dict() == ref.state_dict()
+
+
+def test_media_features_travel_apart_from_the_pickled_step():
+    """The path NCCL peers take (features broadcast into the device, host objects pickled over
+    gloo), forced on gloo: every rank gets the source's steps, features of both dtypes exact."""
+    from tests.parallel.dist_helpers import run_ranks
+
+    run_ranks(_split_peer, 2, timeout_s=120)

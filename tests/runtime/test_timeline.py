@@ -228,3 +228,51 @@ def _gather_worker(rank: int, world_size: int) -> None:
 
 def test_gather_step_times_two_gloo_ranks():
     run_ranks(_gather_worker, 2)
+
+
+class _FakeCudaEvent:
+    """Stands in for torch.cuda.Event on the CPU: records the fake clock, counts waits."""
+
+    clock: FakeClock
+    waits = 0
+    made = 0
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        type(self).made += 1
+        self.t = None
+
+    def record(self) -> None:
+        self.t = self.clock()
+
+    def synchronize(self) -> None:
+        type(self).waits += 1
+
+    def elapsed_time(self, other: "_FakeCudaEvent") -> float:
+        return (other.t - self.t) * 1e3  # milliseconds, as CUDA reports them
+
+
+@pytest.fixture
+def fake_cuda_events(monkeypatch):
+    clock = FakeClock()
+    event = type("Event", (_FakeCudaEvent,), {"clock": clock, "waits": 0, "made": 0})
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    return clock, event
+
+
+def test_cuda_timeline_times_events_and_waits_once_per_step(fake_cuda_events):
+    clock, event = fake_cuda_events
+    tl = Timeline(rank=0, device="cuda", clock=lambda: 0.0)  # the host clock is never used for spans
+    st = _nested_step(tl, clock)
+    assert event.waits == 1  # end_step waits for its last event, nothing else does
+    assert st.step_time_s == 12.0
+    assert st.busy_s == {"encoder": 3.0, "llm": 6.0, "comm": 1.0, "optim": 0.0}
+    assert [(e.kind, e.start_s, e.dur_s) for e in st.events] == [("llm", 0.0, 10.0), ("encoder", 2.0, 4.0),
+                                                                 ("comm", 3.0, 1.0)]
+
+
+def test_disabled_cuda_timeline_touches_nothing(fake_cuda_events):
+    clock, event = fake_cuda_events
+    tl = Timeline(rank=0, enabled=False, device="cuda")
+    _nested_step(tl, clock)
+    assert event.made == 0 and event.waits == 0

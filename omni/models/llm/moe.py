@@ -9,8 +9,9 @@ the per-expert counts. This is also transformers 5.x's in-memory layout (``gate_
 ``down_proj``), so checkpoint conversion is a rename.
 
 Compute is grouped, not dense: the (token, slot) pairs are sorted by expert id, each expert runs
-one matmul over its contiguous slice, and the results are un-permuted and combined with the router
-weights. A grouped-GEMM kernel slots in at ``Experts.forward``.
+one matmul over its contiguous slice (``F.grouped_mm``, which takes the slice ends on the device,
+so a layer without EP reads nothing back), and the results are un-permuted and combined with the
+router weights.
 
 Expert parallelism (``MoE.enable_expert_parallel``): the layer keeps only its EP rank's block of
 experts; the sorted rows go through ``parallel.expert_parallel.dispatch`` to the owning ranks, the
@@ -23,7 +24,7 @@ over those ranks so the aux loss is that of the whole micro-batch (see ``aux_los
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,11 +55,17 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x_sorted: torch.Tensor, counts: List[int]) -> torch.Tensor:
-        """x_sorted [M, H]: rows grouped by local expert, ``counts[e]`` rows for expert e."""
+    def forward(self, x_sorted: torch.Tensor, counts: Union[torch.Tensor, List[int]]) -> torch.Tensor:
+        """x_sorted [M, H]: rows grouped by local expert, ``counts[e]`` rows for expert e (an int
+        tensor on the rows' device, or a host list)."""
         # Under EP the runtime may wrap the expert blocks as DTensor shards (for checkpointing);
         # the compute only ever needs this rank's block.
         w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
+        if _grouped_mm_fits(x_sorted, w_gate_up, w_down):
+            return _grouped_swiglu(x_sorted, w_gate_up, w_down, counts)
+        # The per-expert loop needs the row counts on the host: with device counts this is a
+        # device-to-host read (once per layer and micro-batch), where grouped_mm is missing.
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         outs = []
         for e, xe in enumerate(torch.split(x_sorted, counts)):
             if xe.shape[0] == 0:
@@ -72,6 +79,39 @@ class Experts(nn.Module):
             gate, up = F.linear(x_sorted, w_gate_up[0]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, w_down[0])
         return torch.cat(outs)
+
+
+def _grouped_mm_fits(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` (where this torch has it) can run the experts: its operands' rows must be
+    16-byte aligned. It takes the group ends as a device tensor, so no count leaves the device."""
+    if not hasattr(F, "grouped_mm") or x.device.type not in ("cpu", "cuda"):
+        return False
+    dt = _compute_dtype(x)
+    # On CUDA only the case torch's grouped kernel is built for (bf16 on sm90+, the GPU
+    # default) is taken; other dtypes and GPUs keep the loop rather than rely on a fallback.
+    if x.device.type == "cuda" and (dt != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    elt = torch.finfo(dt).bits // 8
+    return all((n * elt) % 16 == 0 for n in (x.shape[-1], w_gate_up.shape[1], w_down.shape[-1]))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # grouped_mm is not on autocast's lists: cast as autocast would cast a linear.
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    counts: Union[torch.Tensor, List[int]]) -> torch.Tensor:
+    """Every expert's SwiGLU in two grouped matmuls over the expert-sorted rows (the same
+    products as the per-expert loop; an expert without rows is an empty group, and a rank
+    without rows still gets zero expert gradients through the graph)."""
+    dt = _compute_dtype(x)
+    counts = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts)
+    offs = torch.cumsum(counts.to(device=x.device), 0).to(torch.int32)  # group ends
+    gate_up = F.grouped_mm(x.to(dt), w_gate_up.to(dt).transpose(-2, -1), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down.to(dt).transpose(-2, -1), offs=offs)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -165,10 +205,12 @@ class MoE(nn.Module):
         counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         x_sorted = x[order // self.top_k]
         if self.ep_group is not None:
+            # An all-to-all takes its split sizes as host lists and the counts depend on the
+            # data, so EP reads them back once per layer (one transfer, in ``dispatch``).
             x_local, local_counts, handle = expert_parallel.dispatch(x_sorted, counts, self.ep_group)
             y_sorted = expert_parallel.combine(self.experts(x_local, local_counts), handle)
-        else:
-            y_sorted = self.experts(x_sorted, counts.tolist())
+        else:  # the counts stay on the device (grouped_mm)
+            y_sorted = self.experts(x_sorted, counts)
         # Undo the permutation (a gather, so the backward is a scatter-add), then mix the k slots.
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
