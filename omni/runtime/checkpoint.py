@@ -1,18 +1,23 @@
 """Checkpoints: model + optimizer through torch.distributed.checkpoint (sharded, layout-free),
 plus the scheduler, the data-loader state, the step and each rank's RNG.
 
-Crash safety: every rank writes into ``.tmp-step_N``; once all have, rank 0 writes the
-manifest (size and SHA-256 of every file, ``checkpoint_manifest``), flushes the folder to disk
-and renames it to ``step_N`` in one atomic step. A folder named ``step_N`` is therefore always
-complete; a run killed mid-save leaves only a ``.tmp-`` folder, which the next save clears.
-``resume=auto`` also re-checks the newest folders against their manifests and skips, with a
-message, one that was damaged afterwards (a truncated or corrupted file).
+Crash safety: every rank writes into ``.tmp-step_N``, then hashes and flushes the files it
+wrote (in parallel, no barrier around it); the small results reach rank 0 over gloo, which
+writes the manifest (size and SHA-256 of every file, ``checkpoint_manifest``), flushes it and
+renames the folder to ``step_N`` in one atomic step. A folder named ``step_N`` is therefore
+always complete; a run killed mid-save leaves only a ``.tmp-`` folder, which the next save
+clears. On resume (``checkpoint.verify``) each rank re-checks its share of the files against
+the manifest; ``resume=auto`` skips, with a message, a folder damaged after its save.
+
+Which model: the manifest holds the model's fingerprint (``model_fingerprint``); a checkpoint
+of another model is refused in one line before any weight is read, also under ``resume=auto``
+(it is not damaged: the run dir belongs to another model).
 
 Asynchronous saves (``checkpoint.async_save``): the step blocks only while DCP copies the
 state to host memory; a background thread writes the shards over a process group of its own
-(the training loop keeps using the others). Rank 0's DCP save returns only after every rank
-has written (its final step gathers their results), so rank 0 then writes the manifest and
-renames, still in the background. The next save, and the end of training, wait for it.
+(the training loop keeps using the others). Every rank's DCP save returns once all shards and
+DCP's metadata are written; the same thread then hashes the rank's files, and on rank 0
+writes the manifest and renames. The next save, and the end of training, wait for it.
 
 Loading never unpickles arbitrary objects: the small files (trainer state, RNG) hold only
 tensors and plain Python values and load with ``weights_only=True``.
@@ -33,12 +38,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from omni.errors import ConfigError
-from omni.runtime.checkpoint_manifest import fsync_dir, fsync_tree, verify, write_manifest
+from omni.runtime.checkpoint_manifest import MANIFEST, fsync_dir, read_manifest, seal, verify, write_manifest
 from omni.runtime.config import CheckpointConfig
+from omni.runtime.model_fingerprint import describe, fingerprint, local_entries, merge
 from omni.runtime.optim import PartOptimizers
 from parallel.layout import barrier, new_group
 
@@ -46,6 +54,7 @@ MARKER = "COMPLETE"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 PREFIX = "step_"
 TMP = ".tmp-"  # a checkpoint being written
+TRAINER_STATE = "trainer_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -96,17 +105,22 @@ class Checkpointer:
         self.cfg = cfg
         self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
         self.rank = rank
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.layout = dict(layout or {})
         self.last_block_s = 0.0  # how long the latest save held the training loop
         self._pending: Future | None = None
         self._writer: ThreadPoolExecutor | None = None
+        self._fingerprint: dict | None = None
+        # The group for host objects (hash results, verdicts, the model's parameter list) and
+        # the background writer: gloo, so they never go through the accelerator. None: the
+        # default group (already gloo, and no background writer whose collectives could
+        # interleave with the training loop's). The training thread uses the writer's group
+        # only while no save is in flight: resume comes before any save, and save() waits first.
         self._group = None
         if cfg.async_save:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-checkpoint")
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                # The background writer's collectives must never interleave with the training
-                # loop's on one group: it gets its own (gloo: DCP's async save needs a CPU backend).
-                self._group = new_group(None, timeout, backend="gloo")
+        if self.world > 1 and (cfg.async_save or dist.get_backend() != "gloo"):
+            self._group = new_group(None, timeout, backend="gloo")
 
     # -- discovery -------------------------------------------------------------------------
     def completed(self) -> list[Path]:
@@ -115,14 +129,18 @@ class Checkpointer:
         done = [p for p in self.root.glob(f"{PREFIX}*") if (p / MARKER).exists()]
         return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
-    def resume_path(self) -> Path | None:
-        """What `checkpoint.resume` points at: None (start fresh) or a completed checkpoint."""
+    def resume_path(self, parts: list[nn.Module] | None = None) -> Path | None:
+        """What `checkpoint.resume` points at: None (start fresh) or a completed checkpoint.
+        ``parts``: the model this rank trains; a checkpoint of another model is refused (a
+        UserError) before its files are read. Every rank calls it (the checks are shared)."""
         choice = self.cfg.resume
         if choice == "never":
             return None
+        model = None if parts is None else self.model_fingerprint(parts)
         if choice == "auto":
-            for path in reversed(self.completed()):
-                problem = _check(path)
+            for path in reversed(self._candidates()):
+                self._refuse_other_model(path, model)
+                problem = self._check(path)
                 if problem is None:
                     return path
                 if self.rank == 0:
@@ -135,7 +153,8 @@ class Checkpointer:
                 f"checkpoint.resume={choice} is not a completed checkpoint folder (no {MARKER} file); "
                 f"use checkpoint.resume=auto to pick the latest under {self.root}"
             )
-        problem = _check(path)
+        self._refuse_other_model(path, model)
+        problem = self._check(path)
         if problem is not None:
             raise ConfigError(f"checkpoint.resume={choice} is damaged ({problem}); use checkpoint.resume=auto "
                               f"to take the newest intact one under {self.root}")
@@ -162,16 +181,14 @@ class Checkpointer:
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             torch.save({"step": step, "scheduler": optim.scheduler_state(), "loader": loader_state,
-                        "trainer": dict(trainer_state or {})}, path / "trainer_state.pt")
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        meta = {"step": step, "world_size": world, "layout": self.layout, "data": loader_state}
+                        "trainer": dict(trainer_state or {})}, path / TRAINER_STATE)
+        meta = {"step": step, "world_size": self.world, "layout": self.layout, "data": loader_state,
+                "model": self.model_fingerprint(optim.parts)}
         state = _merged_state(optim)
         if self._writer is None:
-            dcp.save(state, checkpoint_id=str(path))
-            barrier()
-            if self.rank == 0:
-                self._publish(path, final, meta)
-            barrier()
+            dcp.save(state, checkpoint_id=str(path))  # returns once every rank's shards are written
+            self._seal_and_publish(path, final, meta)
+            barrier()  # rank 0's rename is done before anyone looks for the folder
         else:
             upload = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
             self._pending = self._writer.submit(self._finish_async, upload, path, final, meta)
@@ -179,16 +196,33 @@ class Checkpointer:
         return final
 
     def _finish_async(self, upload: Future, path: Path, final: Path, meta: dict) -> Path:
-        upload.result()  # rank 0's returns after every rank's shards are written
-        if self.rank == 0:
-            self._publish(path, final, meta)
+        upload.result()  # every rank's returns once all shards and DCP's metadata are written
+        self._seal_and_publish(path, final, meta)  # on the writer's own group, still in this thread
         return final
 
-    def _publish(self, path: Path, final: Path, meta: dict) -> None:
-        """Rank 0, once every file is in ``path``: manifest, flush, atomic rename, retention."""
+    def _own_files(self, path: Path) -> list[str]:
+        """What this rank wrote into ``path``: its RNG state and its DCP shards (DCP's file
+        writer names them ``__<rank>_<n>.distcp``), on rank 0 also the trainer state and DCP's
+        metadata. A file under another name is still covered: rank 0 hashes whatever no rank
+        claimed (``write_manifest``)."""
+        names = [f"rng_rank{self.rank}.pt", *(p.name for p in path.glob(f"__{self.rank}_*.distcp"))]
+        if self.rank == 0:
+            names += [TRAINER_STATE, ".metadata"]
+        return [n for n in names if (path / n).is_file()]
+
+    def _seal_and_publish(self, path: Path, final: Path, meta: dict) -> None:
+        """Every rank hashes and flushes its own files, all at once: the gather waits only for
+        the slowest rank's share, not for one rank reading the whole checkpoint. Rank 0 then
+        publishes."""
+        shares = self._gather(seal(path, self._own_files(path)))
+        if self.rank == 0:
+            self._publish(path, final, meta, {rel: e for s in shares for rel, e in s.items()})
+
+    def _publish(self, path: Path, final: Path, meta: dict, sealed: dict) -> None:
+        """Rank 0, once every file is in ``path`` and sealed by its rank: manifest (flushed with
+        the folder), atomic rename, retention."""
         (path / MARKER).write_text(json.dumps({"step": meta["step"]}))
-        write_manifest(path, meta)
-        fsync_tree(path)
+        write_manifest(path, meta, sealed)
         if final.exists():  # the same step saved again (e.g. a re-run): the new one wins
             shutil.rmtree(final)
         os.rename(path, final)
@@ -216,12 +250,13 @@ class Checkpointer:
             self._writer = None
 
     def load(self, path: Path, optim: PartOptimizers) -> Restored:
+        self._refuse_other_model(path, self.model_fingerprint(optim.parts))  # before DCP reads anything
         state = _merged_state(optim)
         dcp.load(state, checkpoint_id=str(path))
         for part, opt in zip(optim.parts, optim.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
-        extra = load_plain(path / "trainer_state.pt")
+        extra = load_plain(path / TRAINER_STATE)
         optim.load_scheduler_state(extra["scheduler"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.exists():  # absent when resuming on more ranks than were saved
@@ -236,12 +271,68 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _check(path: Path) -> str | None:
-    """Why ``path`` cannot be resumed from, or None. Folders saved before manifests existed
-    (a COMPLETE marker, no manifest) are trusted as before."""
-    if not (path / "manifest.json").exists():
-        return None if (path / MARKER).exists() else "not complete"
-    return verify(path)
+    # -- which model, and is it intact -------------------------------------------------------
+    def model_fingerprint(self, parts: list[nn.Module]) -> dict:
+        """The full model's fingerprint (names, global shapes, dtypes), the same on every rank
+        and every layout: each rank lists the parameters it holds, rank 0 merges. Once per run."""
+        if self._fingerprint is None:
+            shares = self._gather(local_entries(parts))
+            self._fingerprint = self._broadcast(fingerprint(merge(shares)) if self.rank == 0 else None)
+        return self._fingerprint
+
+    def _refuse_other_model(self, path: Path, model: dict | None) -> None:
+        """One line, before any weight is read, when ``path`` holds another model than ``model``.
+        Checkpoints saved before fingerprints existed are not checked; an unreadable manifest is
+        left to ``_check``, which calls the folder damaged."""
+        manifest, _ = read_manifest(path)
+        saved = (manifest or {}).get("model")
+        if model is None or not isinstance(saved, dict) or saved.get("sha256") == model["sha256"]:
+            return
+        there, here = describe(saved), describe(model)
+        if there == here:
+            here += " (same sizes, other parameter names, shapes or dtypes)"
+        where = "checkpoint.dir" if self.cfg.dir else "trainer.run_dir"
+        raise ConfigError(f"checkpoint {path} holds another model ({there}) than the config builds ({here}); "
+                          f"give this model its own {where}, or start it fresh with checkpoint.resume=never")
+
+    def _check(self, path: Path) -> str | None:
+        """Why ``path`` cannot be resumed from, or None: each rank checks its share of the files
+        (``checkpoint.verify``), the first problem found on any rank decides for all. Folders
+        saved before manifests existed (a COMPLETE marker, no manifest) are trusted as before."""
+        if (path / MANIFEST).exists():
+            local = verify(path, self.cfg.verify, self.rank, self.world)
+        else:
+            local = None if (path / MARKER).exists() else "not complete"
+        return next((p for p in self._all_gather(local) if p is not None), None)
+
+    def _candidates(self) -> list[Path]:
+        """Rank 0's list of completed checkpoints, so every rank checks the same folders in the
+        same order (and their collectives pair up) even if a rank sees the disk differently."""
+        return self._broadcast(self.completed() if self.rank == 0 else None)
+
+    # -- host objects over the gloo group -----------------------------------------------------
+    def _gather(self, obj: Any) -> list | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._group)
+        return out
+
+    def _all_gather(self, obj: Any) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def _broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
 
 
 def _merged_state(optim: PartOptimizers) -> dict:

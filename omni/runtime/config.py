@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from omni.errors import ConfigError
+from omni.runtime.checkpoint_manifest import VERIFY_MODES
+
 
 @dataclass
 class OptimConfig:
@@ -71,6 +74,15 @@ class CheckpointConfig:
     # Write in the background: a save holds the step only while the state is copied to host
     # memory (DCP async_save); the folder appears, complete, when the writer is done.
     async_save: bool = False
+    # What resume checks against the manifest, each rank its share of the files: "full"
+    # re-hashes them (catches any damage, costs one extra read of the checkpoint spread over
+    # all ranks), "size" compares sizes (a truncated or missing file), "none" trusts a folder
+    # that has its manifest.
+    verify: str = "full"
+
+    def __post_init__(self):
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"checkpoint.verify={self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
 
 
 @dataclass

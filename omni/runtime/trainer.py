@@ -281,7 +281,7 @@ class Trainer:
 
     def fit(self) -> FitResult:
         start = 0
-        resume = self.checkpointer.resume_path()
+        resume = self.checkpointer.resume_path(self.pm.parts)  # a checkpoint of another model: refused
         if resume is not None:
             restored = self.checkpointer.load(resume, self.optim)
             start = restored.step
