@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+# trainer.precision: "auto" is bf16 autocast on a GPU and fp32 on the CPU.
+TRAINER_PRECISIONS = ("auto", "fp32", "bf16")
+# checkpoint.resume keywords; any other value is the path of a checkpoint folder.
+RESUME_CHOICES = ("auto", "never")
+
 
 @dataclass
 class OptimConfig:

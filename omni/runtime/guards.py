@@ -64,6 +64,10 @@ class SpikeDetector:
     ``window`` good steps is a spike (needs at least ``min(window, 10)`` of them first)."""
 
     def __init__(self, sigmas: float, window: int):
+        if sigmas < 0:
+            raise UserError(f"trainer.loss_spike_sigmas={sigmas} must be >= 0 (0: no spike detection)")
+        if window < 2:
+            raise UserError(f"trainer.loss_spike_window={window} must be >= 2 (steps the spread is measured over)")
         self.sigmas = sigmas
         self.history: deque[float] = deque(maxlen=max(window, 2))
         self.warmup = min(max(window, 2), 10)
