@@ -49,11 +49,12 @@ class TrainerConfig:
     # <run_dir>/flagged_steps.jsonl, the running count in metrics.jsonl (skipped_steps). This
     # many in a row stop the run without saving (1: stop at the first).
     max_bad_steps: int = 3
-    # Loss spikes: a step whose loss exceeds the mean of the previous loss_spike_window steps by
-    # more than loss_spike_sigmas standard deviations is logged (with its sample ids) to
+    # Loss spikes: a step whose loss exceeds the median of the previous loss_spike_window steps by
+    # more than loss_spike_sigmas robust standard deviations (read off the window's upper tail,
+    # omni/runtime/guards.py; calibrated on the default demo) is logged (with its sample ids) to
     # flagged_steps.jsonl; training goes on. 0: off.
-    loss_spike_sigmas: float = 6.0
-    loss_spike_window: int = 50
+    loss_spike_sigmas: float = 10.0
+    loss_spike_window: int = 100
     # Write every step's sample ids, per data-parallel rank, to <run_dir>/samples.jsonl.
     log_samples: bool = False
     # Hang watchdog: a rank that makes no progress (no new phase of a step) for this many
