@@ -47,7 +47,8 @@ def _fraction(key: str, value) -> None:
 
 
 def check_config(cfg: OmniConfig, world_size: int | None = None) -> None:
-    """Raise ``ConfigError`` (one line: key, problem, fix) for the first bad value of ``cfg``.
+    """Raise a user error (one line: key, problem, fix; ``ConfigError``, or the ``LayoutError`` /
+    ``UserError`` of the rule called) for the first bad value of ``cfg``.
     ``world_size``: the launched ranks, for the layout's size rules (None: not checked, e.g.
     ``omni data plan``, which plans for ``--dp`` ranks)."""
     _trainer(cfg)

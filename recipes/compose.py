@@ -30,6 +30,13 @@ def compose_config(overrides: list[str], config_name: str = "config") -> DictCon
         model_choice = cfg.hydra.runtime.choices.get("model")
         with open_dict(cfg):
             del cfg["hydra"]
+        if model_choice == "hf" and not cfg.model.pretrained:
+            # conf/model/hf.yaml's `pretrained: ???` cannot make the key required: merged onto the
+            # schema's default (None) it leaves None, and the tiny default model would train.
+            from omni.errors import ConfigError
+
+            raise ConfigError("model=hf takes its architecture and weights from a Hugging Face checkpoint: add "
+                              "model.pretrained=/path/to/checkpoint (a local folder with config.json)")
         name_the_run(cfg, list(overrides), model_choice)
     # Resolve interpolations now so a bad one fails before any work starts.
     OmegaConf.resolve(cfg)

@@ -246,6 +246,12 @@ def test_bad_values_are_refused_by_data_plan_and_the_python_api(capsys, no_work)
         run(cfg)
 
 
+def test_model_hf_without_a_checkpoint_is_refused(capsys, no_work):
+    # It used to train the tiny default model: `pretrained: ???` merged onto None stays None.
+    line = _fails(capsys, ["train", "model=hf"])
+    assert "model=hf" in line and "model.pretrained=" in line
+
+
 def test_layout_rules_are_checked_before_start_up(capsys, no_work, monkeypatch):
     # 1 launched rank: tp=2 cannot fit; the heads rule needs the sizes of the launch.
     line = _fails(capsys, ["train", "parallel.tp=2", "parallel.dp_shard=1"])
