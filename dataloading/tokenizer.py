@@ -2,10 +2,17 @@
 
 Placeholders (``<image>``, ``<audio>``) are always cut out of the text *before* the
 underlying tokenizer sees it and become exactly one id each, so the data plane can count
-and expand them without trusting a BPE merge table.
+and expand them without trusting a BPE merge table. Only the placeholders of the modalities the
+model has encoders for are given ids (``modalities``): a vision-only model's vocabulary holds no
+``<audio>``, so it is not larger than the user's tokenizer, and the text "<audio>" is plain text
+to it.
+
+``save_tokenizer`` writes the tokenizer a run used into a folder that ``load_tokenizer`` reads
+back with the same ids (``<run_dir>/tokenizer``).
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -16,6 +23,19 @@ from dataloading.media import PLACEHOLDERS
 
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")")
 _MODALITY_OF = {p: m for m, p in PLACEHOLDERS.items()}
+# Written beside a saved tokenizer: which kind it is and which placeholders it has.
+OMNI_TOKENIZER_FILE = "omni_tokenizer.json"
+
+
+def _modalities(modalities: Iterable[str] | None) -> list[str]:
+    """The placeholder modalities to give ids (None: every known one), in PLACEHOLDERS order."""
+    if modalities is None:
+        return list(PLACEHOLDERS)
+    unknown = sorted(set(modalities) - set(PLACEHOLDERS))
+    if unknown:
+        raise DataError(f"no placeholder is defined for modality {unknown[0]!r}; known: {list(PLACEHOLDERS)}",
+                        kind="config")
+    return [m for m in PLACEHOLDERS if m in set(modalities)]
 
 
 @runtime_checkable
@@ -46,12 +66,13 @@ def estimate_text_tokens(tokenizer: Tokenizer, n_bytes: int) -> int:
 def encode_with_placeholders(
     text: str, placeholder_ids: dict[str, int], encode_piece: Callable[[str], Iterable[int]]
 ) -> list[int]:
-    """Text -> ids, each placeholder (``<image>``, ``<audio>``) becoming its single id and the
-    text between them going through the tokenizer's own ``encode_piece``."""
+    """Text -> ids, each placeholder of ``placeholder_ids`` (``<image>``, ``<audio>``) becoming its
+    single id and the text between them (a placeholder of another modality included) going through
+    the tokenizer's own ``encode_piece``."""
     ids: list[int] = []
     for piece in split_placeholders(text):
         modality = _MODALITY_OF.get(piece)
-        if modality is not None:
+        if modality in placeholder_ids:
             ids.append(placeholder_ids[modality])
         else:
             ids.extend(encode_piece(piece))
@@ -59,14 +80,17 @@ def encode_with_placeholders(
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then specials. Needs no files; used by the demo and tests."""
+    """UTF-8 bytes as ids 0..255, then specials. Needs no files; used by the demo and tests.
+    The placeholder ids are reserved whether or not their modality is used, so the vocabulary
+    (272) is the same for every model; ``modalities`` selects which placeholders are recognised."""
 
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<image>", "<audio>")
     bytes_per_token = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, modalities: Iterable[str] | None = None) -> None:
         self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
-        self.placeholder_ids = {"image": 259, "audio": 260}
+        reserved = {"image": 259, "audio": 260}
+        self.placeholder_ids = {m: reserved[m] for m in _modalities(modalities)}
         # 256 bytes + 5 specials + reserved ids, padded to a multiple of 16 so embedding
         # tables shard evenly under tensor parallelism.
         self.vocab_size = 272
@@ -78,14 +102,21 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / OMNI_TOKENIZER_FILE).write_text(json.dumps(
+            {"kind": "byte", "modalities": list(self.placeholder_ids)}, indent=1) + "\n")
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
 
 class HFTokenizer:
-    """Wraps ``transformers.AutoTokenizer`` loaded from a local directory."""
+    """Wraps ``transformers.AutoTokenizer`` loaded from a local directory. The placeholders of
+    ``modalities`` (None: all) that its vocabulary lacks are appended as special tokens."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, modalities: Iterable[str] | None = None):
         from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
         self.directory = Path(directory)
@@ -99,14 +130,15 @@ class HFTokenizer:
             raise DataError(f"tokenizer {self.directory}: its tokenizer_config.json names custom Python code "
                             "(auto_map), which omni never runs; use a directory saved with a standard transformers "
                             "tokenizer class (tokenizer.json)", kind="config") from None
-        missing = [p for p in PLACEHOLDERS.values() if p not in tok.get_vocab()]
+        wanted = _modalities(modalities)
+        missing = [PLACEHOLDERS[m] for m in wanted if PLACEHOLDERS[m] not in tok.get_vocab()]
         if missing:
             # Added as special tokens so they are never split; the model's embedding table
             # must then be resized to vocab_size (the backbone loader does this).
             tok.add_tokens(missing, special_tokens=True)
         self._tok = tok
         self.vocab_size = len(tok)
-        self.placeholder_ids = {m: int(tok.convert_tokens_to_ids(p)) for m, p in PLACEHOLDERS.items()}
+        self.placeholder_ids = {m: int(tok.convert_tokens_to_ids(PLACEHOLDERS[m])) for m in wanted}
         self.bos_id = tok.bos_token_id
         if tok.eos_token_id is None:
             raise DataError(f"tokenizer {self.directory} has no eos_token; set eos_token in its "
@@ -123,17 +155,43 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def save(self, directory: str | Path) -> None:
+        """``save_pretrained`` (the appended placeholders included) plus which ones are used."""
+        directory = Path(directory)
+        self._tok.save_pretrained(str(directory))
+        (directory / OMNI_TOKENIZER_FILE).write_text(json.dumps(
+            {"kind": "hf", "modalities": list(self.placeholder_ids)}, indent=1) + "\n")
+
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.directory)!r})"
 
 
-def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """``"byte"`` -> ByteTokenizer; anything else is a local Hugging Face tokenizer directory."""
+def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
+    """Write ``tokenizer`` into ``directory`` so that ``load_tokenizer(directory)`` gives the same ids."""
+    save = getattr(tokenizer, "save", None)
+    if save is None:
+        raise DataError(f"tokenizer {tokenizer!r} has no save(directory) method; add one to keep the run's "
+                        "tokenizer with its run", kind="config")
+    save(directory)
+
+
+def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None) -> Tokenizer:
+    """``"byte"`` -> ByteTokenizer; anything else is a local directory: one written by
+    ``save_tokenizer`` or a Hugging Face tokenizer. ``modalities``: whose placeholders get ids
+    (None: those a saved tokenizer recorded, else all)."""
     if str(spec) == "byte":
-        return ByteTokenizer()
+        return ByteTokenizer(modalities)
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise DataError(f"tokenizer {str(spec)!r}: no such directory; pass 'byte' or a local directory "
                         "holding tokenizer.json / tokenizer_config.json (downloads are not done here)",
                         kind="config")
-    return HFTokenizer(path)
+    saved = path / OMNI_TOKENIZER_FILE
+    kind = "hf"
+    if saved.is_file():
+        meta = json.loads(saved.read_text())
+        kind = meta.get("kind", "hf")
+        modalities = meta.get("modalities") if modalities is None else modalities
+    if kind == "byte":
+        return ByteTokenizer(modalities)
+    return HFTokenizer(path, modalities)

@@ -32,6 +32,8 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 CP_IMPLS = ("ring", "ulysses")
 CHECKPOINT_MODES = ("none", "selective", "full")
 PRECISIONS = ("auto", "bf16", "fp32")
+# parallel.reshard_after_forward; a YAML or command-line true/false arrives as a bool, read as "true"/"false".
+RESHARD_CHOICES = ("auto", "true", "false")
 
 
 class LayoutError(ValueError):
@@ -104,12 +106,13 @@ def resolve_sizes(cfg: ParallelConfig, world: int) -> Sizes:
             f"parallel.ep={cfg.ep} must divide dp_shard x cp = {dp_shard} x {cfg.cp}: expert parallelism borrows "
             f"those ranks; choose ep from the divisors of {dp_shard * cfg.cp}"
         )
-    _check_options(cfg)
+    check_options(cfg)
     _check_nodes(sizes, cfg.gpus_per_node, world)
     return sizes
 
 
-def _check_options(cfg: ParallelConfig) -> None:
+def check_options(cfg: ParallelConfig) -> None:
+    """The rules on the options (not the sizes) of ``cfg``: they need no launch to check."""
     for key, value, allowed in (("pp_schedule", cfg.pp_schedule, PP_SCHEDULES), ("cp_impl", cfg.cp_impl, CP_IMPLS),
                                 ("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES),
                                 ("mixed_precision", cfg.mixed_precision, PRECISIONS)):
@@ -129,8 +132,11 @@ def _check_options(cfg: ParallelConfig) -> None:
         )
     if cfg.fsdp_blocks_per_unit < 1 or cfg.fsdp_prefetch < 0:
         raise LayoutError("parallel.fsdp_blocks_per_unit must be >= 1 and parallel.fsdp_prefetch >= 0")
-    if cfg.reshard_after_forward not in ("auto", "true", "false", True, False):
-        raise LayoutError(f"parallel.reshard_after_forward={cfg.reshard_after_forward} is not one of auto, true, false")
+    if str(cfg.reshard_after_forward).lower() not in RESHARD_CHOICES:
+        raise LayoutError(f"parallel.reshard_after_forward={cfg.reshard_after_forward} is not one of "
+                          f"{', '.join(RESHARD_CHOICES)}")
+    if cfg.timeout_s <= 0:
+        raise LayoutError(f"parallel.timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait)")
 
 
 def _check_nodes(sizes: Sizes, gpus_per_node: int, world: int) -> None:
@@ -392,6 +398,15 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
     return dist.PrefixStore(f"omni/attempt_{attempt}", store)
 
 
+def launched_world_size() -> int:
+    """The ranks this job runs on, before any process group exists: torchrun's WORLD_SIZE, or 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return 1
+
+
 def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     """Join (or create) the process group, check the sizes and build the mesh and groups.
 
@@ -402,8 +417,7 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     if dev.type == "cuda" and dev.index is None:  # device_id and the meshes need the index
         dev = torch.device("cuda", torch.cuda.current_device())
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
-    if cfg.timeout_s <= 0:
-        raise LayoutError(f"parallel.timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait)")
+    check_options(cfg)  # before any process group: a bad timeout would otherwise reach init_process_group
     timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         # On CUDA the world group is bound to this rank's GPU: NCCL then connects eagerly and

@@ -19,15 +19,15 @@ def calibrate_main(overrides: list[str], micro_batches: int = 48, repeats: int =
     from dataloading.cost import fit_cost_model
     from dataloading.errors import ProblemCounter
     from dataloading.loader import build_planner
-    from dataloading.tokenizer import load_tokenizer
     from omni.models.build import build_model, media_processors
     from omni.models.cost import default_cost_model
     from omni.runtime.calibrate import micro_batch_work, time_micro_batches
     from recipes.compose import compose_config
     from recipes.data_plane import mixture_path, planner_kwargs
+    from recipes.run_info import run_tokenizer
 
     cfg = OmegaConf.to_object(compose_config(overrides))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = run_tokenizer(cfg)
     torch.manual_seed(cfg.trainer.seed)
     model = build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
     processors = media_processors(model)

@@ -8,9 +8,12 @@ import sys
 
 TRAIN_EPILOG = """\
 overrides (Hydra syntax):
-  GROUP=OPTION          choose a preset, e.g. model=tiny_moe, encoders=vision_only
+  GROUP=OPTION          choose a preset, e.g. model=tiny_moe, encoders=vision_only,
+                        encoders/vision=siglip (one encoder slot's preset)
   GROUP.KEY=VALUE       change one knob, e.g. trainer.max_steps=50 optim.lr=1e-3
   experiment=NAME       a whole experiment preset (default: demo)
+  name=NAME             the run's name; runs write to runs/<name> (trainer.run_dir). Default: the
+                        preset's name, or <model>-<digest> once the model, encoders or data differ
 
 config groups and their options:
 {groups}
@@ -20,14 +23,15 @@ examples:
   omni train experiment=demo_moe trainer.max_steps=200
   omni train data.mixture=/data/mix.yaml model=hf model.pretrained=/ckpt/llama
   omni train --cfg job                        # print the composed config and exit
-  torchrun --standalone --nproc-per-node 2 --no-python omni train
+  .venv/bin/torchrun --standalone --nproc-per-node 2 --no-python .venv/bin/omni train
+                                              # 2 ranks (with the venv of the README's install)
 """
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
     from recipes.compose import group_options
 
-    groups = "\n".join(f"  {g:<11} {', '.join(opts)}" for g, opts in group_options().items())
+    groups = "\n".join(f"  {g:<16} {', '.join(opts)}" for g, opts in group_options().items())
     p = sub.add_parser(
         "train",
         help="train a multimodal model (Hydra overrides follow)",

@@ -46,10 +46,21 @@ def build_training_loader(cfg: OmniConfig, mixture: str, tokenizer, model, proce
 
 
 def model_for_planning(cfg: OmniConfig, vocab_size: int):
-    """The model's structure without its weights (meta device): enough for processors and costs."""
+    """The model's structure without its weights (meta device): enough for processors and costs.
+    With model.pretrained, the architecture comes from its config.json alone: no weight is read
+    (and none could be copied into meta tensors)."""
+    from dataclasses import fields, replace
+
     import torch
 
     from omni.models.build import build_model
+    from recipes.checks import pretrained_architecture
 
+    model_cfg = cfg.model
+    if model_cfg.pretrained:
+        arch = pretrained_architecture(model_cfg.pretrained)
+        model_cfg = replace(model_cfg, pretrained=None, **{f.name: getattr(arch, f.name) for f in fields(arch)})
+        # Planning needs no embedding rows; the vocabulary is checked against the tokenizer at training.
+        vocab_size = min(vocab_size, arch.vocab_size)
     with torch.device("meta"):
-        return build_model(cfg.model, cfg.encoders, vocab_needed=vocab_size)
+        return build_model(model_cfg, cfg.encoders, vocab_needed=vocab_size)

@@ -55,16 +55,25 @@ def _state_from_file(path: str) -> dict:
 def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = None, as_json: bool = False,
               save_state: str | None = None, load_state: str | None = None, out=None) -> int:
     from dataloading.loader import build_planner
-    from dataloading.tokenizer import load_tokenizer
     from omni.models.build import media_processors
     from recipes.compose import compose_config
     from recipes.data_plane import mixture_path, model_for_planning, planner_kwargs
+    from recipes.run_info import run_tokenizer
 
     out = out or sys.stdout
     cfg = OmegaConf.to_object(compose_config(overrides))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if balance is not None:
+        from dataloading.balance import METHODS
+        from recipes.checks import one_of
+
+        one_of("--balance", balance, METHODS)
+    tokenizer = run_tokenizer(cfg)
     model = model_for_planning(cfg, tokenizer.vocab_size)
     mixture = mixture_path(cfg, progress=not as_json)
+    if cfg.data.mixture is None:
+        # On stderr, so that --json output stays one object per line.
+        print(f"omni data plan: no data.mixture given, so this plans the demo mixture {mixture}; plan your own "
+              f"with `omni data plan data.mixture=/path/to/mix.yaml` (docs/data.md)", file=sys.stderr, flush=True)
     kwargs = planner_kwargs(cfg, model)
     if balance is not None:
         kwargs["balance"] = balance

@@ -24,17 +24,19 @@ def run(cfg: OmniConfig):
     """Build everything from a composed config and train; returns the trainer's FitResult."""
     from dataloading.constructor import EvalSet
     from dataloading.mixture import load_mixture
-    from dataloading.tokenizer import load_tokenizer
     from omni.models.build import build_model, media_processors
     from omni.runtime.trainer import Trainer
     from omni.runtime.parallelize import parallelize
-    from parallel.layout import barrier, check_sequence, describe, init_layout, shutdown
+    from parallel.layout import barrier, check_sequence, describe, init_layout, launched_world_size, shutdown
+    from recipes.checks import check_config
     from recipes.data_plane import mixture_path
+    from recipes.run_info import record_run, run_tokenizer
 
+    check_config(cfg, world_size=launched_world_size())
     layout = init_layout(cfg.parallel, device=cfg.trainer.device)
     try:
         show = cfg.trainer.progress and layout.is_main
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = run_tokenizer(cfg)
         check_sequence(layout.sizes, cfg.data.micro_batch_tokens)
 
         def full_model():
@@ -54,10 +56,7 @@ def run(cfg: OmniConfig):
         pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model))
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            print(f"omni: {cfg.name}: {n_params / 1e6:.2f}M parameters, layout {describe(layout.sizes)}, "
-                  f"data {mixture}, run dir {run_dir}", flush=True)
+            record_run(cfg, run_dir, tokenizer, model.llm.config, n_params, describe(layout.sizes), mixture)
 
         def eval_samples():
             return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples)

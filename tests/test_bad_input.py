@@ -164,3 +164,100 @@ def test_zero_bubble_schedule_needs_encoder_first():
                     config=ParallelConfig(pp=2, dp_shard=1, pp_schedule="zero_bubble", pp_virtual_stages=2))
     with pytest.raises(LayoutError, match="multiplex.placement=encoder_first"):
         Multiplexer(None, layout, MultiplexConfig(), cost=None, hidden_size=32)
+
+
+# ---- every value is checked at composition, before any data or model work -------------------
+# (issue 17: `trainer.max_steps=-5` exited 0, `optim.lr=-1`, `optim.betas=[0.9,1.5]` and
+# `model.num_heads=3` ended in rank tracebacks, `data.balance=balnced` was caught only after the
+# index was read, without a suggestion.)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Reaching data or model work fails the test with a traceback (not a user error)."""
+    import dataloading.demo
+    import omni.models.build
+    import parallel.layout
+
+    def reached(*_a, **_k):
+        raise AssertionError("data or model work started before the config was checked")
+
+    monkeypatch.setattr(dataloading.demo, "ensure_demo_dataset", reached)
+    monkeypatch.setattr(omni.models.build, "build_model", reached)
+    monkeypatch.setattr(parallel.layout, "init_layout", reached)
+
+
+BAD_VALUES = [
+    ("trainer.max_steps=-5", ["trainer.max_steps=-5", ">= 1"]),
+    ("optim.lr=-1", ["optim.lr=-1", "positive", "optim.lr=3e-4"]),
+    ("optim.betas=[0.9,1.5]", ["optim.betas=[0.9, 1.5]", "[0, 1)"]),
+    ("optim.eps=0", ["optim.eps=0", "> 0"]),
+    ("optim.warmup_steps=-1", ["optim.warmup_steps=-1", ">= 0"]),
+    ("model.num_heads=3", ["model.num_heads=3", "model.hidden_size=128", "model.num_heads=4"]),
+    ("model.num_kv_heads=3", ["model.num_kv_heads=3", "model.num_heads=4", "divisors"]),
+    ("data.balance=balnced", ["data.balance='balnced'", "did you mean data.balance=balanced"]),
+    ("data.over_budget=trunc", ["data.over_budget='trunc'", "did you mean data.over_budget=truncate"]),
+    ("data.on_error=skipp", ["data.on_error='skipp'", "did you mean data.on_error=skip"]),
+    ("checkpoint.verify=sized", ["checkpoint.verify='sized'", "did you mean checkpoint.verify=size"]),
+    ("data.backend=rey", ["data.backend='rey'", "did you mean data.backend=ray"]),
+    ("data.global_batch_size=0", ["data.global_batch_size=0"]),
+    ("multiplex.placement=stage_0", ["multiplex.placement='stage_0'", "did you mean multiplex.placement=stage0"]),
+    ("multiplex.encoder_weights=shard", ["multiplex.encoder_weights='shard'", "sharded"]),
+    ("model.attn_backend=flsh", ["model.attn_backend='flsh'", "did you mean model.attn_backend=flash"]),
+    ("model.family=lama", ["model.family='lama'", "did you mean model.family=llama"]),
+    ("trainer.precision=bf61", ["trainer.precision='bf61'", "did you mean trainer.precision=bf16"]),
+    ("trainer.device=gpu", ["trainer.device='gpu'", "cuda"]),
+    ("parallel.cp_impl=ulyses", ["parallel.cp_impl='ulyses'", "did you mean parallel.cp_impl=ulysses"]),
+    ("parallel.pp_schedule=1f1", ["parallel.pp_schedule='1f1'", "did you mean parallel.pp_schedule=1f1b"]),
+    ("parallel.mixed_precision=bf15", ["parallel.mixed_precision='bf15'", "bf16"]),
+    ("parallel.activation_checkpoint=ful", ["parallel.activation_checkpoint='ful'", "full"]),
+    ("parallel.reshard_after_forward=maybe", ["parallel.reshard_after_forward='maybe'", "auto, true, false"]),
+    ("checkpoint.resume=nevr", ["checkpoint.resume='nevr'", "did you mean checkpoint.resume=never"]),
+    ("trainer.loss_spike_window=1", ["trainer.loss_spike_window=1", ">= 2"]),
+    ("encoders.vision.projector.activation=gleu", ["encoders.vision.projector.activation='gleu'", "gelu"]),
+]
+
+
+@pytest.mark.parametrize("override,needles", BAD_VALUES, ids=[o for o, _ in BAD_VALUES])
+def test_bad_value_is_one_line_at_composition(capsys, no_work, override, needles):
+    line = _fails(capsys, ["train", override])
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_bad_values_are_refused_by_data_plan_and_the_python_api(capsys, no_work):
+    from omegaconf import OmegaConf
+
+    from omni.errors import ConfigError
+    from recipes.compose import compose_config
+    from recipes.train import run
+
+    line = _fails(capsys, ["data", "plan", "data.balance=balnced"])
+    assert "did you mean data.balance=balanced" in line
+    line = _fails(capsys, ["data", "plan", "--balance", "kkk"])
+    assert "--balance='kkk'" in line and "kk" in line
+    with pytest.raises(ConfigError, match="optim.lr=-1"):
+        compose_config(["optim.lr=-1"])
+    # A config built in Python (no Hydra composition) is checked by run() before any work.
+    cfg = OmegaConf.to_object(compose_config([]))
+    cfg.trainer.max_steps = -5
+    with pytest.raises(ConfigError, match="trainer.max_steps=-5"):
+        run(cfg)
+
+
+def test_model_hf_without_a_checkpoint_is_refused(capsys, no_work):
+    # It used to train the tiny default model: `pretrained: ???` merged onto None stays None.
+    line = _fails(capsys, ["train", "model=hf"])
+    assert "model=hf" in line and "model.pretrained=" in line
+
+
+def test_layout_rules_are_checked_before_start_up(capsys, no_work, monkeypatch):
+    # 1 launched rank: tp=2 cannot fit; the heads rule needs the sizes of the launch.
+    line = _fails(capsys, ["train", "parallel.tp=2", "parallel.dp_shard=1"])
+    assert "parallel.tp" in line or "ranks were launched" in line
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    line = _fails(capsys, ["train", "parallel.tp=3"])
+    assert "parallel.tp=3 must divide the attention heads (4)" in line

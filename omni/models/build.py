@@ -7,7 +7,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from dataloading.media import PLACEHOLDERS, MediaProcessor
+from dataloading.media import MediaProcessor
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.kernels import BACKENDS
@@ -52,8 +52,9 @@ def build_encoders(slots: Mapping[str, EncoderSlot]) -> dict[str, tuple[str, Enc
 def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed: int) -> OmniModel:
     llm = build_llm(cfg)
     have = llm.config.vocab_size
-    if have < vocab_needed and cfg.pretrained and vocab_needed - have <= len(PLACEHOLDERS):
-        # The tokenizer appended the media placeholders to the checkpoint's vocabulary.
+    if have < vocab_needed and cfg.pretrained and vocab_needed - have <= len(slots):
+        # The tokenizer appended the placeholders of the configured modalities (one per encoder
+        # slot, dataloading/tokenizer.py) to the checkpoint's vocabulary.
         grow_vocab(llm, vocab_needed)
     elif have < vocab_needed and cfg.pretrained:
         raise ConfigError(

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from omni.errors import ConfigError
-from omni.runtime.checkpoint_manifest import VERIFY_MODES
+# trainer.precision: "auto" is bf16 autocast on a GPU and fp32 on the CPU.
+TRAINER_PRECISIONS = ("auto", "fp32", "bf16")
+# checkpoint.resume keywords; any other value is the path of a checkpoint folder.
+RESUME_CHOICES = ("auto", "never")
 
 
 @dataclass
@@ -47,11 +49,12 @@ class TrainerConfig:
     # <run_dir>/flagged_steps.jsonl, the running count in metrics.jsonl (skipped_steps). This
     # many in a row stop the run without saving (1: stop at the first).
     max_bad_steps: int = 3
-    # Loss spikes: a step whose loss exceeds the mean of the previous loss_spike_window steps by
-    # more than loss_spike_sigmas standard deviations is logged (with its sample ids) to
+    # Loss spikes: a step whose loss exceeds the median of the previous loss_spike_window steps by
+    # more than loss_spike_sigmas robust standard deviations (read off the window's upper tail,
+    # omni/runtime/guards.py; calibrated on the default demo) is logged (with its sample ids) to
     # flagged_steps.jsonl; training goes on. 0: off.
-    loss_spike_sigmas: float = 6.0
-    loss_spike_window: int = 50
+    loss_spike_sigmas: float = 10.0
+    loss_spike_window: int = 100
     # Write every step's sample ids, per data-parallel rank, to <run_dir>/samples.jsonl.
     log_samples: bool = False
     # Hang watchdog: a rank that makes no progress (no new phase of a step) for this many
@@ -78,11 +81,7 @@ class CheckpointConfig:
     # re-hashes them (catches any damage, costs one extra read of the checkpoint spread over
     # all ranks), "size" compares sizes (a truncated or missing file), "none" trusts a folder
     # that has its manifest.
-    verify: str = "full"
-
-    def __post_init__(self):
-        if self.verify not in VERIFY_MODES:
-            raise ConfigError(f"checkpoint.verify={self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
+    verify: str = "full"  # one of omni.runtime.checkpoint_manifest.VERIFY_MODES (checked in recipes/checks.py)
 
 
 @dataclass

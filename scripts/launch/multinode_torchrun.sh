@@ -15,7 +15,10 @@
 #   RUN_ID           (optional, default omni) rendezvous id: the same on every node of one job,
 #                    different for two jobs that share MASTER_ADDR:MASTER_PORT
 #   RDZV_BACKEND     (optional, default c10d) c10d | static
-#   OMNI             (optional, default omni) the omni executable, e.g. /path/to/.venv/bin/omni
+#   OMNI             (optional) the omni executable; default: the repository's .venv/bin/omni (the
+#                    README's install) if it exists, else `omni` on the PATH
+#   TORCHRUN         (optional) the torchrun executable; default: the torchrun beside OMNI
+#   DRY_RUN          (optional) 1: print the torchrun command instead of running it
 #
 # Arguments: the `omni train` overrides. Without any, the example layout below is used.
 #
@@ -30,7 +33,12 @@ MASTER_PORT="${MASTER_PORT:-29500}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
 RUN_ID="${RUN_ID:-omni}"
 RDZV_BACKEND="${RDZV_BACKEND:-c10d}"
-OMNI="${OMNI:-omni}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+if [ -z "${OMNI:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/omni" ]; then OMNI="$ROOT/.venv/bin/omni"; else OMNI=omni; fi
+fi
+# torchrun is installed with torch, in the same bin folder as omni (no activated venv needed).
+TORCHRUN="${TORCHRUN:-$(dirname "$(command -v "$OMNI" || echo "$OMNI")")/torchrun}"
 
 if [ "$#" -gt 0 ]; then
   OVERRIDES=("$@")
@@ -64,9 +72,14 @@ case " ${OVERRIDES[*]} " in
   *) OVERRIDES+=("parallel.gpus_per_node=${NPROC_PER_NODE}") ;;
 esac
 
-exec torchrun \
-  --nnodes "$NNODES" \
-  --nproc-per-node "$NPROC_PER_NODE" \
-  "${RDZV[@]}" \
-  --no-python "$OMNI" train \
-  "${OVERRIDES[@]}"
+CMD=("$TORCHRUN"
+  --nnodes "$NNODES"
+  --nproc-per-node "$NPROC_PER_NODE"
+  "${RDZV[@]}"
+  --no-python "$OMNI" train
+  "${OVERRIDES[@]}")
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  printf '%s\n' "${CMD[*]}"
+  exit 0
+fi
+exec "${CMD[@]}"

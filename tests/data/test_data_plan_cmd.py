@@ -98,3 +98,39 @@ def test_load_state_from_a_training_checkpoint(skewed_mixture, tmp_path):
     plan_main(overrides, dp=16, steps=1, as_json=True, load_state=str(ckpt), out=a)
     plan_main(overrides, dp=16, steps=1, as_json=True, load_state=str(state), out=b)
     assert json.loads(a.getvalue())["step"] == 2 and a.getvalue() == b.getvalue()
+
+
+def test_plan_with_a_pretrained_hf_llama(skewed_mixture, tmp_path):
+    """`model.pretrained=<a saved HF llama>` crashed ("Cannot copy out of meta tensor"): planning
+    builds the structure on the meta device, so it reads config.json and no weights."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from recipes.compose import compose_config
+    from recipes.data_plane import model_for_planning
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=288, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "llama")
+    overrides = [f"data.mixture={skewed_mixture}", "data.micro_batch_tokens=4096", "data.global_batch_size=64",
+                 f"model.pretrained={tmp_path / 'llama'}"]
+    out = io.StringIO()
+    assert plan_main(overrides, dp=4, steps=2, as_json=True, out=out) == 0
+    steps = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [s["step"] for s in steps] == [0, 1] and sum(len(r["samples"]) for r in steps[0]["ranks"]) == 64
+    # The plan's costs are those of the checkpoint's architecture, not the preset's.
+    model = model_for_planning(OmegaConf.to_object(compose_config(overrides)), 272)
+    c = model.llm.config
+    assert (c.hidden_size, c.num_layers, c.intermediate_size, c.vocab_size) == (64, 2, 160, 288)
+
+
+def test_plan_without_a_mixture_says_it_plans_the_demo(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_CACHE", str(tmp_path / "cache"))
+    assert main(["data", "plan", "data.demo_scale=0.02", "data.global_batch_size=8", "--dp", "2", "--steps", "1",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    notes = [l for l in captured.err.splitlines() if "no data.mixture given" in l]
+    assert len(notes) == 1, captured.err
+    assert "demo mixture" in notes[0] and str(tmp_path / "cache") in notes[0] and "data.mixture=" in notes[0]
+    assert json.loads(captured.out.splitlines()[0])["step"] == 0  # stdout stays JSON

@@ -48,3 +48,52 @@ def test_hf_tokenizer_from_local_dir(tmp_path):
     assert tok.encode("hello <image> world<audio>") == [1, img, 2, aud]
     assert tok.bos_id == 3 and tok.eos_id == 4 and tok.pad_id == 4  # no pad token: falls back to eos
     assert tok.decode([3, 1, img, 2, 4]) == "hello world"
+
+
+def _hf_dir(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4}
+    core = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>",
+                                                eos_token="</s>")
+    fast.save_pretrained(tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_only_configured_modalities_get_placeholders(tmp_path):
+    """A vision-only model got an `<audio>` token too, so its vocabulary was one larger than the
+    user's tokenizer (issue 17)."""
+    path = _hf_dir(tmp_path)
+    tok = load_tokenizer(path, modalities=["image"])
+    assert tok.vocab_size == 6 and list(tok.placeholder_ids) == ["image"]
+    img = tok.placeholder_ids["image"]
+    # <audio> is plain text for this model (here: unknown words), never a placeholder id.
+    assert tok.encode("hello <image> world<audio>") == [1, img, 2, 0, 0, 0]
+    assert load_tokenizer(path, modalities=[]).vocab_size == 5
+    byte = load_tokenizer("byte", modalities=["image"])
+    assert list(byte.placeholder_ids) == ["image"] and byte.vocab_size == 272  # ids reserved, table unchanged
+    assert byte.encode("<audio>") == list(b"<audio>")
+
+
+def _sample():
+    return "hello <image> world <audio> hello"
+
+
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+@pytest.mark.parametrize("modalities", [["image"], ["image", "audio"]])
+def test_saved_tokenizer_round_trips(tmp_path, kind, modalities):
+    from dataloading.tokenizer import save_tokenizer
+
+    spec = "byte" if kind == "byte" else _hf_dir(tmp_path)
+    tok = load_tokenizer(spec, modalities=modalities)
+    save_tokenizer(tok, tmp_path / "run" / "tokenizer")
+    again = load_tokenizer(tmp_path / "run" / "tokenizer")  # as a user would: no modalities given
+    assert type(again) is type(tok)
+    assert again.encode(_sample()) == tok.encode(_sample())
+    assert (again.vocab_size, again.placeholder_ids, again.bos_id, again.eos_id, again.pad_id) == \
+        (tok.vocab_size, tok.placeholder_ids, tok.bos_id, tok.eos_id, tok.pad_id)
+    assert again.decode(tok.encode(_sample())) == tok.decode(tok.encode(_sample()))

@@ -308,28 +308,32 @@ def test_build_model_bad_encoder_param_is_config_error():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_build_model_pretrained_grows_vocab_for_placeholders(tmp_path, tied):
-    """An HF tokenizer appends <image>/<audio> to the checkpoint's vocabulary: the embedding
-    (and an untied head) grow by those rows; a tokenizer much larger than the checkpoint is an error."""
+    """An HF tokenizer appends the configured modalities' placeholders (here <image> alone: one
+    vision slot) to the checkpoint's vocabulary: the embedding (and an untied head) grow by those
+    rows; a tokenizer larger than that is an error (a vision-only model once grew by two rows,
+    <audio> included)."""
     from omni.models import export_pretrained
 
     torch.manual_seed(0)
     ref = Decoder(DecoderConfig(**{**LLM, "tie_word_embeddings": tied}))
     export_pretrained(ref, str(tmp_path))
     slots = {"vision": EncoderSlot(name="siglip", params=dict(SIGLIP))}
-    model = build_model(ModelConfig(pretrained=str(tmp_path)), slots, vocab_needed=VOCAB + 2)
+    model = build_model(ModelConfig(pretrained=str(tmp_path)), slots, vocab_needed=VOCAB + 1)
     llm = model.llm
-    assert llm.config.vocab_size == VOCAB + 2 and llm.embed_tokens.weight.shape == (VOCAB + 2, 32)
+    assert llm.config.vocab_size == VOCAB + 1 and llm.embed_tokens.weight.shape == (VOCAB + 1, 32)
     torch.testing.assert_close(llm.embed_tokens.weight[:VOCAB], ref.embed_tokens.weight, rtol=0, atol=0)
     if not tied:
-        assert llm.lm_head.weight.shape == (VOCAB + 2, 32)
+        assert llm.lm_head.weight.shape == (VOCAB + 1, 32)
         torch.testing.assert_close(llm.lm_head.weight[:VOCAB], ref.lm_head.weight, rtol=0, atol=0)
     mb = _pack(_global_batch()[:2])
-    mb.input_ids[mb.media["image"].positions] = VOCAB + 1  # the new placeholder id
-    assert llm.lm_logits(torch.zeros(1, 32)).shape == (1, VOCAB + 2)
+    mb.input_ids[mb.media["image"].positions] = VOCAB  # the new placeholder id
+    assert llm.lm_logits(torch.zeros(1, 32)).shape == (1, VOCAB + 1)
     parts = model(mb)
     assert torch.isfinite(parts.ce_sum)
     parts.ce_sum.backward()
-    assert llm.embed_tokens.weight.grad.shape == (VOCAB + 2, 32)
+    assert llm.embed_tokens.weight.grad.shape == (VOCAB + 1, 32)
 
+    with pytest.raises(ConfigError, match=r"model\.pretrained=.*model\.vocab_size=64.*data\.tokenizer="):
+        build_model(ModelConfig(pretrained=str(tmp_path)), slots, vocab_needed=VOCAB + 2)
     with pytest.raises(ConfigError, match=r"model\.pretrained=.*model\.vocab_size=64.*data\.tokenizer="):
         build_model(ModelConfig(pretrained=str(tmp_path)), slots, vocab_needed=VOCAB + 40)

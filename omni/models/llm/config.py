@@ -77,19 +77,38 @@ class DecoderConfig:
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     def validate(self) -> None:
+        """The shape rules of the backbone; messages name the ``model.*`` keys."""
         if self.family not in FAMILIES:
-            raise ValueError(f"DecoderConfig.family={self.family!r} is not supported; use one of {FAMILIES}.")
+            raise ValueError(f"model.family={self.family!r} is not supported; use one of {FAMILIES}.")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                    "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1.")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            divisors = [h for h in range(1, self.hidden_size + 1) if self.hidden_size % h == 0]
+            near = min(divisors, key=lambda h: (abs(h - self.num_heads), -h))
+            raise ValueError(
+                f"model.num_heads={self.num_heads} does not divide model.hidden_size={self.hidden_size} (each head "
+                f"gets hidden_size / num_heads channels); use e.g. model.num_heads={near}, or set model.head_dim."
+            )
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"model.head_dim={self.head_dim} must be >= 1 (or null: hidden_size / num_heads).")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
-                f"DecoderConfig.num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}."
+                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads} (each KV "
+                f"head serves a whole group of query heads); choose num_kv_heads from the divisors of {self.num_heads}."
             )
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"model.rms_norm_eps={self.rms_norm_eps} must be > 0.")
         if self.rope_type() not in ROPE_TYPES:
             raise ValueError(
-                f"DecoderConfig.rope_scaling rope_type={self.rope_type()!r} is not supported; use one of {ROPE_TYPES}."
+                f"model.rope_scaling rope_type={self.rope_type()!r} is not supported; use one of {ROPE_TYPES}."
             )
+        if self.num_experts < 0:
+            raise ValueError(f"model.num_experts={self.num_experts} must be >= 0 (0: a dense MLP).")
         if self.num_experts > 0 and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
-                f"DecoderConfig.num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}."
+                f"model.num_experts_per_tok={self.num_experts_per_tok} must be in 1..model.num_experts={self.num_experts}."
             )
 
     # ------------------------------------------------------------------ HF config.json
