@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
 from recipes.compose import compose_config
@@ -25,7 +24,7 @@ def run(cfg: OmniConfig):
     from dataloading.constructor import EvalSet
     from dataloading.mixture import load_mixture
     from dataloading.tokenizer import load_tokenizer
-    from omni.models.build import build_model, media_processors
+    from omni.models.build import build_meta_model, media_processors
     from omni.runtime.trainer import Trainer
     from omni.runtime.parallelize import parallelize
     from parallel.layout import barrier, check_sequence, describe, init_layout, shutdown
@@ -37,12 +36,13 @@ def run(cfg: OmniConfig):
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         check_sequence(layout.sizes, cfg.data.micro_batch_tokens)
 
-        def full_model():
-            # Same seed on every rank: every rank builds the same weights, then keeps its part.
-            torch.manual_seed(cfg.trainer.seed)
-            return build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
+        def meta_model():
+            # On the meta device (no storage); the weights are a function of (seed, name, shape)
+            # or the checkpoint's, and each rank materialises only its part (parallelize).
+            return build_meta_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size,
+                                    seed=cfg.trainer.seed)
 
-        model = full_model()
+        model, weights = meta_model()
         processors = media_processors(model)
         mixture = mixture_path(cfg, layout.is_main, show, barrier)
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
@@ -51,7 +51,7 @@ def run(cfg: OmniConfig):
         n_params = sum(p.numel() for p in model.parameters())
         from recipes.data_plane import cost_model
 
-        pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model))
+        pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model), weights=weights)
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -71,7 +71,7 @@ def run(cfg: OmniConfig):
             cfg.checkpoint,
             tokenizer=tokenizer,
             eval_samples=eval_samples if (cfg.trainer.eval_at_end and eval_dir) else None,
-            full_model=full_model,
+            full_model=lambda: meta_model()[0],
             trace_step=cfg.multiplex.trace_step,
         )
         try:
