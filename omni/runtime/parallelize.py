@@ -140,9 +140,10 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
             raise ValueError("parallelize: weights= is for a model built on the meta device; this one has its own")
         weights = TensorSource.of(model)
         model.to("meta")
-    # Where the sharded state lives: the host under parallel.cpu_offload (FSDP moves each unit in).
-    home = torch.device("cpu") if pcfg.cpu_offload else layout.device
-    place = (lambda parts: materialize(parts, weights, home)) if weights is not None else (lambda parts: None)
+    # On the device even under parallel.cpu_offload: FSDP moves each unit's shards to pinned host
+    # memory as soon as the unit is allocated, and what FSDP does not manage (MoE layers,
+    # buffers) must be on the device.
+    place = (lambda parts: materialize(parts, weights, layout.device)) if weights is not None else (lambda parts: None)
     if has_media:  # the encoders leave the model: the multiplexing runtime runs them
         cost = cost or default_cost_model(model)
         tower = MediaTower.take_from(model)
