@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from recipes.compose import compose_config
@@ -42,6 +43,7 @@ def run(cfg: OmniConfig):
             return build_meta_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size,
                                     seed=cfg.trainer.seed)
 
+        torch.manual_seed(cfg.trainer.seed)  # the run's own randomness; the weights take the seed directly
         model, weights = meta_model()
         processors = media_processors(model)
         mixture = mixture_path(cfg, layout.is_main, show, barrier)
