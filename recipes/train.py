@@ -24,7 +24,7 @@ def run(cfg: OmniConfig):
     """Build everything from a composed config and train; returns the trainer's FitResult."""
     from dataloading.constructor import EvalSet
     from dataloading.mixture import load_mixture
-    from omni.models.build import build_model, media_processors
+    from omni.models.build import build_meta_model, media_processors
     from omni.runtime.trainer import Trainer
     from omni.runtime.parallelize import parallelize
     from parallel.layout import barrier, check_sequence, describe, init_layout, launched_world_size, shutdown
@@ -39,12 +39,14 @@ def run(cfg: OmniConfig):
         tokenizer = run_tokenizer(cfg)
         check_sequence(layout.sizes, cfg.data.micro_batch_tokens)
 
-        def full_model():
-            # Same seed on every rank: every rank builds the same weights, then keeps its part.
-            torch.manual_seed(cfg.trainer.seed)
-            return build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
+        def meta_model():
+            # On the meta device (no storage); the weights are a function of (seed, name, shape)
+            # or the checkpoint's, and each rank materialises only its part (parallelize).
+            return build_meta_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size,
+                                    seed=cfg.trainer.seed)
 
-        model = full_model()
+        torch.manual_seed(cfg.trainer.seed)  # the run's own randomness; the weights take the seed directly
+        model, weights = meta_model()
         processors = media_processors(model)
         mixture = mixture_path(cfg, layout.is_main, show, barrier)
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
@@ -53,7 +55,7 @@ def run(cfg: OmniConfig):
         n_params = sum(p.numel() for p in model.parameters())
         from recipes.data_plane import cost_model
 
-        pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model))
+        pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model), weights=weights)
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
             record_run(cfg, run_dir, tokenizer, model.llm.config, n_params, describe(layout.sizes), mixture)
@@ -70,7 +72,7 @@ def run(cfg: OmniConfig):
             cfg.checkpoint,
             tokenizer=tokenizer,
             eval_samples=eval_samples if (cfg.trainer.eval_at_end and eval_dir) else None,
-            full_model=full_model,
+            full_model=lambda: meta_model()[0],
             trace_step=cfg.multiplex.trace_step,
         )
         try:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -14,30 +14,44 @@ from omni.kernels import BACKENDS
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.encoders.registry import build_encoder
 from omni.models.llm import Decoder, DecoderConfig
+from omni.models.materialize import (SeededInit, Sources, TensorSource, WeightSource, default_device_is_meta,
+                                     materialize)
 from omni.models.multimodal import OmniModel
 from omni.models.projector import Projector
 
 
-def build_llm(cfg: ModelConfig) -> Decoder:
+def build_llm(cfg: ModelConfig) -> tuple[Decoder, Optional[WeightSource]]:
+    """The backbone on the meta device, and the checkpoint its weights come from (None: a
+    random initialisation)."""
     if cfg.pretrained:
-        from omni.models.hf_io import load_pretrained
+        from omni.models.hf_io import pretrained_on_meta
 
         try:
-            return load_pretrained(cfg.pretrained)
+            return pretrained_on_meta(cfg.pretrained)
         except ValueError as exc:  # unsupported model type, missing weights, shape mismatch
             raise ConfigError(f"model.pretrained={cfg.pretrained}: {exc}") from None
     decoder_fields = {f.name for f in fields(DecoderConfig)}
-    return Decoder(DecoderConfig(**{k: v for k, v in asdict(cfg).items() if k in decoder_fields}))
+    with torch.device("meta"):
+        return Decoder(DecoderConfig(**{k: v for k, v in asdict(cfg).items() if k in decoder_fields})), None
 
 
-def build_encoders(slots: Mapping[str, EncoderSlot]) -> dict[str, tuple[str, EncoderAnchor]]:
-    """modality -> (slot name, encoder). The slot name ("vision") is the user's label; the
-    plugin's modality ("image") is what the data plane and placeholders speak."""
-    by_modality: dict[str, tuple[str, EncoderAnchor]] = {}
+def build_encoders(slots: Mapping[str, EncoderSlot]) -> dict[str, tuple[str, EncoderAnchor, Optional[WeightSource]]]:
+    """modality -> (slot name, encoder on the meta device, the checkpoint's weights or None).
+    The slot name ("vision") is the user's label; the plugin's modality ("image") is what the
+    data plane and placeholders speak."""
+    by_modality: dict[str, tuple[str, EncoderAnchor, Optional[WeightSource]]] = {}
     for slot_name, slot in slots.items():
         plugin = slot._target_ or slot.name
         try:
-            enc = build_encoder(plugin, dict(slot.params), pretrained=slot.pretrained)
+            if slot.pretrained:  # encoders are small: read whole on the host, kept as the source
+                with torch.device("cpu"):
+                    enc = build_encoder(plugin, dict(slot.params), pretrained=slot.pretrained)
+                weights = TensorSource.of(enc)
+                enc.to("meta")
+            else:
+                with torch.device("meta"):
+                    enc = build_encoder(plugin, dict(slot.params))
+                weights = None
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"encoders.{slot_name}: {exc}") from None
         if enc.modality in by_modality:
@@ -45,12 +59,29 @@ def build_encoders(slots: Mapping[str, EncoderSlot]) -> dict[str, tuple[str, Enc
                 f"encoders.{slot_name} and encoders.{by_modality[enc.modality][0]} both encode "
                 f"'{enc.modality}'; remove one (e.g. ~encoders.{slot_name})"
             )
-        by_modality[enc.modality] = (slot_name, enc)
+        by_modality[enc.modality] = (slot_name, enc, weights)
     return by_modality
 
 
-def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed: int) -> OmniModel:
-    llm = build_llm(cfg)
+def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed: int,
+                seed: Optional[int] = None) -> OmniModel:
+    """The whole model, materialised on the host, with the weights every layout starts from
+    (``seed``; None: drawn from torch's global generator, so ``torch.manual_seed`` decides)."""
+    model, weights = build_meta_model(cfg, slots, vocab_needed, seed)
+    if not default_device_is_meta():  # under `with torch.device("meta")`: the structure only
+        materialize([model], weights, torch.device("cpu"))
+    return model
+
+
+def build_meta_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed: int,
+                     seed: Optional[int] = None) -> tuple[OmniModel, WeightSource]:
+    """The model on the meta device (no storage: any size builds anywhere) and where its
+    weights come from: the checkpoints, else an initialisation from ``seed`` that depends only
+    on (seed, tensor name, shape). ``omni.runtime.parallelize`` splits and shards the model on
+    meta and then materialises each rank's part from the source."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (), device="cpu"))
+    llm, llm_weights = build_llm(cfg)
     have = llm.config.vocab_size
     if have < vocab_needed and cfg.pretrained and vocab_needed - have <= len(slots):
         # The tokenizer appended the placeholders of the configured modalities (one per encoder
@@ -67,29 +98,31 @@ def build_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_needed
             f"set model.vocab_size={vocab_needed} or larger"
         )
     built = build_encoders(slots)
-    encoders = {m: enc for m, (_, enc) in built.items()}
-    projectors = {
-        m: Projector(enc.output_dim, llm.config.hidden_size, **_projector_kwargs(slots[name]))
-        for m, (name, enc) in built.items()
-    }
-    frozen = {m for m, (name, _) in built.items() if slots[name].freeze}
+    encoders = {m: enc for m, (_, enc, _) in built.items()}
+    with torch.device("meta"):
+        projectors = {
+            m: Projector(enc.output_dim, llm.config.hidden_size, **_projector_kwargs(slots[name]))
+            for m, (name, enc, _) in built.items()
+        }
+    frozen = {m for m, (name, _, _) in built.items() if slots[name].freeze}
     if cfg.attn_backend not in BACKENDS:
         raise ConfigError(f"model.attn_backend={cfg.attn_backend!r} is not one of {', '.join(BACKENDS)}")
     model = OmniModel(llm, encoders, projectors, frozen=frozen)
     model.set_attn_backend(cfg.attn_backend)
-    return model
+    prefixed = [("llm.", llm_weights)] if llm_weights is not None else []
+    prefixed += [(f"encoders.{m}.", w) for m, (_, _, w) in built.items() if w is not None]
+    return model, Sources(prefixed, SeededInit(seed))
 
 
-@torch.no_grad()
 def grow_vocab(llm: Decoder, vocab_size: int) -> None:
-    """Append embedding (and untied LM-head) rows up to ``vocab_size``; new rows start at the
-    mean of the existing ones, so the new tokens begin as an "average" token."""
-    extra = vocab_size - llm.config.vocab_size
+    """Give the embedding (and an untied LM head) of a decoder on the meta device ``vocab_size``
+    rows; the checkpoint source fills the new rows with the mean of the existing ones
+    (``hf_io.CheckpointSource``), so the new tokens begin as an "average" token."""
     for module in (llm.embed_tokens, llm.lm_head):
         if module is None:
             continue  # tied head: reads the embedding
         w = module.weight
-        module.weight = nn.Parameter(torch.cat([w, w.mean(0, keepdim=True).expand(extra, -1)]))
+        module.weight = nn.Parameter(torch.empty(vocab_size, *w.shape[1:], dtype=w.dtype, device="meta"))
     llm.embed_tokens.num_embeddings = vocab_size
     if llm.lm_head is not None:
         llm.lm_head.out_features = vocab_size

@@ -36,6 +36,7 @@ class CheckpointReader:
         self.path = os.fspath(path)
         self._files: Dict[str, str] = {}  # tensor name -> safetensors file
         self._bin: Optional[Dict[str, torch.Tensor]] = None
+        self._handles: Dict[str, Any] = {}  # safetensors file -> open handle (header parsed once)
         index = os.path.join(self.path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:
@@ -70,6 +71,27 @@ class CheckpointReader:
 
     def __contains__(self, key: str) -> bool:
         return key in (self._bin if self._bin is not None else self._files)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key``, read from the file header (no data)."""
+        if self._bin is not None:
+            return tuple(self._bin[key].shape)
+        return tuple(self._open(key).get_slice(key).get_shape())
+
+    def region(self, key: str, index: tuple) -> torch.Tensor:
+        """``tensor[index]`` (one slice per dimension) reading only that region from the file,
+        so a rank loads its own shard of a checkpoint, never the whole of it."""
+        if self._bin is not None:
+            return self._bin[key][index].clone()  # mmap-loaded: only the touched pages are read
+        return self._open(key).get_slice(key)[index]
+
+    def _open(self, key: str):
+        from safetensors import safe_open
+
+        file = self._files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file]
 
     def tensors(self, keys: Optional[Iterable[str]] = None) -> Dict[str, torch.Tensor]:
         """The named tensors (all when `keys` is None), reading each file once."""

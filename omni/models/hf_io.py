@@ -26,6 +26,7 @@ from typing import Dict, Optional
 import torch
 
 from .hf_checkpoint import CheckpointReader, read_hf_config
+from .materialize import SeededInit, Sources, WeightSource, full_index, materialize
 from .llm.config import DecoderConfig
 from .llm.decoder import Decoder
 
@@ -36,41 +37,173 @@ _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_p
 _PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 
 
+def hf_name_to_native(name: str, config: DecoderConfig):
+    """One HF tensor name -> ``(native name, None)``, ``(None, (layer, expert, projection))``
+    for a per-expert weight (stacked into ``w_gate_up`` / ``w_down``), or None for a tensor
+    that is not loaded (a tied model's head copy, the derived RoPE buffer)."""
+    if name == "lm_head.weight":
+        # Tied: the head is the embedding (some checkpoints still store a copy).
+        return None if config.tie_word_embeddings else (name, None)
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # older checkpoints store the derived RoPE buffer; we recompute it
+    if name.startswith("model."):
+        name = name[len("model."):]
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's legacy module name
+    m = _PER_EXPERT.match(name)
+    if m:
+        return None, (int(m.group(1)), int(m.group(2)), m.group(3))
+    name = re.sub(r"\.mlp\.gate\.weight$", ".mlp.router.weight", name)
+    name = re.sub(r"\.mlp\.experts\.gate_up_proj$", ".mlp.experts.w_gate_up", name)
+    name = re.sub(r"\.mlp\.experts\.down_proj$", ".mlp.experts.w_down", name)
+    return name, None
+
+
+def _expert_names(config: DecoderConfig) -> tuple[str, str, str]:
+    return _EXPERT_NAMES.get(config.family, _EXPERT_NAMES["qwen2_moe"])
+
+
+def _missing_expert(layer: int, key, config: DecoderConfig) -> ValueError:
+    gate_n, up_n, down_n = _expert_names(config)
+    return ValueError(
+        f"checkpoint layer {layer} lacks expert weight {key} (expected {config.num_experts} experts with "
+        f"{gate_n}/{up_n}/{down_n}); the checkpoint does not match config.json."
+    )
+
+
 def hf_state_dict_to_native(sd: Tensors, config: DecoderConfig) -> Tensors:
     """HF ``*ForCausalLM`` tensor names -> ``Decoder.state_dict()`` names (either expert layout)."""
     out: Tensors = {}
     experts: Dict[int, Dict[int, Dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    for name, t in sd.items():
-        if name == "lm_head.weight":
-            if not config.tie_word_embeddings:
-                out[name] = t
-            continue  # tied: the head is the embedding (some checkpoints still store a copy)
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # older checkpoints store the derived RoPE buffer; we recompute it
-        if name.startswith("model."):
-            name = name[len("model."):]
-        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's legacy module name
-        m = _PER_EXPERT.match(name)
-        if m:
-            experts[int(m.group(1))][int(m.group(2))][m.group(3)] = t
+    for hf_name, t in sd.items():
+        mapped = hf_name_to_native(hf_name, config)
+        if mapped is None:
             continue
-        name = re.sub(r"\.mlp\.gate\.weight$", ".mlp.router.weight", name)
-        name = re.sub(r"\.mlp\.experts\.gate_up_proj$", ".mlp.experts.w_gate_up", name)
-        name = re.sub(r"\.mlp\.experts\.down_proj$", ".mlp.experts.w_down", name)
-        out[name] = t
+        name, expert = mapped
+        if expert is None:
+            out[name] = t
+        else:
+            experts[expert[0]][expert[1]][expert[2]] = t
     if experts:
-        gate_n, up_n, down_n = _EXPERT_NAMES.get(config.family, _EXPERT_NAMES["qwen2_moe"])
+        gate_n, up_n, down_n = _expert_names(config)
         for layer, per in experts.items():
             try:
                 ws = [per[e] for e in range(config.num_experts)]
                 out[f"layers.{layer}.mlp.experts.w_gate_up"] = torch.stack([torch.cat([w[gate_n], w[up_n]]) for w in ws])
                 out[f"layers.{layer}.mlp.experts.w_down"] = torch.stack([w[down_n] for w in ws])
             except KeyError as e:
-                raise ValueError(
-                    f"checkpoint layer {layer} lacks expert weight {e} (expected {config.num_experts} experts with "
-                    f"{gate_n}/{up_n}/{down_n}); the checkpoint does not match config.json."
-                ) from None
+                raise _missing_expert(layer, e, config) from None
     return out
+
+
+class CheckpointSource(WeightSource):
+    """The decoder's tensors read from a HF checkpoint directory region by region
+    (``materialize`` asks each rank for its own shard only). Names are ``Decoder`` names.
+    An embedding (or untied head) with more rows than the checkpoint (the tokenizer appended
+    the media placeholders, ``build.grow_vocab``) gets the mean of the checkpoint's rows there."""
+
+    def __init__(self, path: str, config: DecoderConfig):
+        self.path, self.config = os.fspath(path), config
+        self.reader = CheckpointReader(path)
+        self.plain: Dict[str, str] = {}  # native name -> HF key
+        self.experts: Dict[int, Dict[int, Dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+        for key in self.reader.keys():
+            mapped = hf_name_to_native(key, config)
+            if mapped is None:
+                continue
+            name, expert = mapped
+            if expert is None:
+                self.plain[name] = key
+            else:
+                self.experts[expert[0]][expert[1]][expert[2]] = key
+        self._means: Dict[str, torch.Tensor] = {}
+
+    def names(self) -> set:
+        out = set(self.plain)
+        for layer in self.experts:
+            out |= {f"layers.{layer}.mlp.experts.w_gate_up", f"layers.{layer}.mlp.experts.w_down"}
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.plain or self._expert_layer(name) is not None
+
+    def _expert_layer(self, name: str) -> Optional[int]:
+        m = re.match(r"^layers\.(\d+)\.mlp\.experts\.(w_gate_up|w_down)$", name)
+        return int(m.group(1)) if m and name not in self.plain and int(m.group(1)) in self.experts else None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.plain:
+            return self.reader.shape(self.plain[name])
+        layer = self._expert_layer(name)
+        gate_n, up_n, down_n = _expert_names(self.config)
+        per = self.experts[layer]
+        try:
+            if name.endswith("w_gate_up"):
+                g, u = self.reader.shape(per[0][gate_n]), self.reader.shape(per[0][up_n])
+                return (self.config.num_experts, g[0] + u[0], g[1])
+            return (self.config.num_experts, *self.reader.shape(per[0][down_n]))
+        except KeyError as e:
+            raise _missing_expert(layer, e, self.config) from None
+
+    def check(self, expected: Dict[str, torch.Size]) -> None:
+        """The checkpoint holds exactly the tensors ``expected`` (name -> shape), before any
+        weight is read."""
+        have = self.names()
+        missing = sorted(set(expected) - have)
+        unexpected = sorted(have - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {self.path!r} does not match its config.json: missing {missing[:3]}, unexpected "
+                f"{unexpected[:3]} ({len(missing)} / {len(unexpected)} in all)."
+            )
+        for layer, per in self.experts.items():
+            gate_n, up_n, down_n = _expert_names(self.config)
+            for e in range(self.config.num_experts):
+                for proj in (gate_n, up_n, down_n):
+                    if proj not in per.get(e, {}):
+                        raise _missing_expert(layer, f"'{proj}' of expert {e}", self.config)
+        for name, shape in expected.items():
+            if tuple(shape) != self.shape(name):
+                raise ValueError(f"checkpoint {self.path!r}: {name} has shape {self.shape(name)}, "
+                                 f"config.json implies {tuple(shape)}.")
+
+    def read(self, name, model, shape, index):
+        if name in self.plain:
+            return self._plain(name, index)
+        return self._stacked(name, index)
+
+    def _plain(self, name: str, index: tuple) -> torch.Tensor:
+        key = self.plain[name]
+        rows = self.reader.shape(key)[0]
+        lo, hi = index[0].start, index[0].stop
+        if hi <= rows:
+            return self.reader.region(key, index)
+        # Rows past the checkpoint's vocabulary: the mean of its rows (one tensor read whole, once).
+        if name not in self._means:
+            self._means[name] = self.reader.region(key, full_index(self.reader.shape(key))).float().mean(0)
+        parts = [self.reader.region(key, (slice(lo, rows), *index[1:])).float()] if lo < rows else []
+        mean = self._means[name][index[1:]]
+        parts.append(mean.expand(hi - max(lo, rows), *mean.shape))
+        return torch.cat(parts)
+
+    def _stacked(self, name: str, index: tuple) -> torch.Tensor:
+        """Experts stacked from per-expert tensors: only the experts and rows of ``index``."""
+        layer = self._expert_layer(name)
+        gate_n, up_n, down_n = _expert_names(self.config)
+        per = self.experts[layer]
+        rows_index, cols = index[1], index[2]
+        out = []
+        for e in range(index[0].start, index[0].stop):
+            if name.endswith("w_down"):
+                out.append(self.reader.region(per[e][down_n], (rows_index, cols)))
+                continue
+            inter = self.reader.shape(per[e][gate_n])[0]
+            pieces = []
+            for key, base in ((per[e][gate_n], 0), (per[e][up_n], inter)):
+                lo, hi = max(rows_index.start, base) - base, min(rows_index.stop, base + inter) - base
+                if lo < hi:
+                    pieces.append(self.reader.region(key, (slice(lo, hi), cols)))
+            out.append(torch.cat(pieces))
+        return torch.stack(out)
 
 
 def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, fused_experts: bool = False) -> Tensors:
@@ -120,28 +253,24 @@ def _read_config(path: str) -> DecoderConfig:
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Decoder:
-    """Build a ``Decoder`` from a local HF checkpoint directory, weights cast to ``dtype``."""
-    config = _read_config(path)
-    hf_sd = CheckpointReader(path).tensors()
-    sd = {k: v.to(dtype) for k, v in hf_state_dict_to_native(hf_sd, config).items()}
+    """Build a ``Decoder`` from a local HF checkpoint directory, weights cast to ``dtype``
+    (whole, on the host; the training start-up reads per shard, see ``omni.models.build``)."""
+    model, source = pretrained_on_meta(path)
+    for p in model.parameters():  # parameters only: the rotary buffer stays fp32
+        p.data = torch.empty_like(p, dtype=dtype)
+    materialize([model], Sources([("", source)], SeededInit(0)), torch.device("cpu"))
+    return model
 
-    # Build on the meta device: no random init for weights that are overwritten anyway.
+
+def pretrained_on_meta(path: str) -> tuple[Decoder, CheckpointSource]:
+    """The checkpoint's ``Decoder`` on the meta device and the source of its weights, checked
+    against each other (names and shapes) before anything is read."""
+    config = _read_config(path)
     with torch.device("meta"):
         model = Decoder(config)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path!r} does not match its config.json: missing {missing[:3]}, unexpected "
-            f"{unexpected[:3]} ({len(missing)} / {len(unexpected)} in all)."
-        )
-    for k, v in expected.items():
-        if v.shape != sd[k].shape:
-            raise ValueError(f"checkpoint {path!r}: {k} has shape {tuple(sd[k].shape)}, config.json implies {tuple(v.shape)}.")
-    model.load_state_dict(sd, assign=True)
-    model.rotary.reset_parameters(device=torch.device("cpu"))
-    return model
+    source = CheckpointSource(path, config)
+    source.check({k: v.shape for k, v in model.state_dict().items()})
+    return model, source
 
 
 def export_pretrained(model: Decoder, path: str, max_shard_bytes: Optional[int] = None) -> None:

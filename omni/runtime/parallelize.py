@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dataloading.cost import CostModel
 from omni.models.cost import default_cost_model
+from omni.models.materialize import SeededInit, TensorSource, WeightSource, fill_meta, is_meta, materialize
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
@@ -32,7 +33,8 @@ from omni.runtime.multiplex import Multiplexer, encoder_ranks
 from omni.runtime.timeline import Timeline
 from parallel.config import ParallelConfig
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
-from parallel.layout import Layout, LayoutError, check_model_fits, encoder_mesh, pipeline_gradient_group
+from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh, host_group,
+                             pipeline_gradient_group)
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
 
@@ -126,9 +128,12 @@ def activation_dtype(layout: Layout) -> torch.dtype:
 
 
 def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | None = None,
-                cost: CostModel | None = None) -> ParallelModel:
-    """Apply ``layout`` to ``model`` (built identically on every rank) in place / by copies.
-    A model with encoders gets the multiplexing runtime (``multiplex``: its config, default
+                cost: CostModel | None = None, weights: WeightSource | None = None) -> ParallelModel:
+    """Apply ``layout`` to ``model``. A model on the meta device (``build.build_meta_model``) is
+    split and sharded there, then each rank materialises only its own part from ``weights``
+    (left on meta when ``weights`` is None: for counting and planning). A materialised model
+    (the same on every rank) goes the same way, its own tensors being the source. A model
+    with encoders gets the multiplexing runtime (``multiplex``: its config, default
     colocated; ``cost``: the shared cost model, default from the model's FLOPs)."""
     pcfg, sizes = layout.config, layout.sizes
     multiplex = multiplex or MultiplexConfig()
@@ -136,7 +141,15 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     if has_media and multiplex.encoder_weights not in WEIGHT_MODES:
         raise LayoutError(f"multiplex.encoder_weights={multiplex.encoder_weights!r} is not one of "
                           f"{', '.join(WEIGHT_MODES)}")
-    model.to(layout.device)
+    if not is_meta(model):
+        if weights is not None:
+            raise ValueError("parallelize: weights= is for a model built on the meta device; this one has its own")
+        weights = TensorSource.of(model)
+        model.to("meta")
+    # On the device even under parallel.cpu_offload: FSDP moves each unit's shards to pinned host
+    # memory as soon as the unit is allocated, and what FSDP does not manage (MoE layers,
+    # buffers) must be on the device.
+    place = (lambda parts: materialize(parts, weights, layout.device)) if weights is not None else (lambda parts: None)
     if has_media:  # the encoders leave the model: the multiplexing runtime runs them
         cost = cost or default_cost_model(model)
         tower = MediaTower.take_from(model)
@@ -150,6 +163,7 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     layers = split_layers(c.num_layers, num_stages)
     chunks = []
     for sid in ids:
+        # On meta a copy has no storage: each virtual stage's chunk is a skeleton until placed.
         chunk = model if len(ids) == 1 else copy.deepcopy(model)
         if num_stages > 1:
             chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1)
@@ -158,6 +172,7 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     pm = ParallelModel(chunks, ids, num_stages, timeline=timeline)
     for chunk in chunks:
         _apply_one(chunk, layout, pm)
+    place(chunks)
     if num_stages > 1:
         group, dtype = layout.mesh["pp"].get_group(), activation_dtype(layout)
         if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # Omni's executor, with cuts for encoder work
@@ -176,12 +191,12 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
             pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
                             if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
     if has_media:
-        _multiplex(pm, tower, layout, multiplex, cost, timeline, c.hidden_size)
+        _multiplex(pm, tower, layout, multiplex, cost, timeline, c.hidden_size, place)
     return pm
 
 
 def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: MultiplexConfig, cost: CostModel,
-               timeline, hidden_size: int) -> None:
+               timeline, hidden_size: int, place: Callable[[list], None]) -> None:
     """The multiplexing runtime, fed by the first stage's chunk, and the encoder weights on
     every rank that encodes: replicated, with gradients summed over those ranks (a rank
     without media adds zeros: no dilution), or FSDP-sharded over them (FSDP reduces)."""
@@ -196,6 +211,7 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
             params = tower.shard(mesh, precision, reshard_after_forward=_reshard_after_forward(layout),
                                  prefetch=layout.config.fsdp_prefetch)
             pm.averaged.append((params, mesh.size()))
+        place([tower])  # only the ranks that encode hold encoder weights
     mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline)
     pm.multiplexer = mux
     if isinstance(pm.runner, PipelineExecutor):
@@ -269,24 +285,60 @@ def _experts_as_dtensors(moe: MoE, layout: Layout) -> None:
 
 
 def gather_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], OmniModel]) -> OmniModel | None:
-    """An unsharded copy of the trained model on rank 0 (None elsewhere): every rank gathers
-    its stage's full weights (a collective), one rank per stage sends them to rank 0. Meant for
-    evaluating small models; a large one would be evaluated under its own layout."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """An unsharded copy of the trained model in rank 0's host memory (None elsewhere), for
+    evaluation on the host: no GPU ever holds more than one full parameter.
 
-    options = StateDictOptions(full_state_dict=True)
+    Each stage gathers its full tensors one at a time (a collective over the parameter's own
+    mesh, on the device) and its first rank moves them to host memory; those ranks then send
+    them, tensor by tensor, to rank 0 over a gloo group (never an object collective over
+    NCCL). Rank 0 fills ``build()``'s skeleton (meta device) with them. The cost is one full
+    copy of the model in rank 0's host memory; a model too large for that would be evaluated
+    under its own layout."""
+    group = host_group(layout)  # None: the default group already is gloo
+    sender = _first_of_stage(layout, layout.rank)
     state: dict = {}
     for part in pm.parts:
-        state.update({k: v.detach().cpu() for k, v in get_model_state_dict(part, options=options).items()})
-    c = layout.coords
-    sender = c["dp_replicate"] == c["dp_shard"] == c["cp"] == c["tp"] == 0
-    parts = [None] * layout.world_size if layout.is_main else None
-    dist.gather_object(state if sender else {}, parts, dst=0)
+        for name, t in part.state_dict().items():
+            if isinstance(t, DTensor):
+                if t.device != layout.device:  # parallel.cpu_offload: gather on the device
+                    t = t.to(layout.device)
+                t = t.full_tensor()
+            if sender:
+                state[name] = t.detach().to("cpu", copy=True)
+            del t
+    senders = [r for r in range(layout.world_size) if _first_of_stage(layout, r)]
     if not layout.is_main:
+        if sender:
+            _send_tensors(state, dst=0, group=group)
         return None
-    merged = {}
-    for part in parts:
-        merged.update(part)
+    merged = dict(state)
+    for src in senders:
+        if src != layout.rank:
+            merged.update(_recv_tensors(src, group))
     model = build()
-    model.load_state_dict(merged)
+    model.load_state_dict(merged, strict=True, assign=True)
+    fill_meta(model, SeededInit(0))  # derived buffers (rotary frequencies) are not in the state
     return model
+
+
+def _first_of_stage(layout: Layout, rank: int) -> bool:
+    c = layout.sizes.coords(rank)
+    return c["dp_replicate"] == c["dp_shard"] == c["cp"] == c["tp"] == 0
+
+
+def _send_tensors(state: dict, dst: int, group) -> None:
+    meta = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
+    dist.send_object_list([meta], dst=dst, group=group)
+    for t in state.values():
+        dist.send(t.contiguous(), dst=dst, group=group)
+
+
+def _recv_tensors(src: int, group) -> dict:
+    box = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    out = {}
+    for name, shape, dtype in box[0]:
+        t = torch.empty(shape, dtype=dtype)
+        dist.recv(t, src=src, group=group)
+        out[name] = t
+    return out

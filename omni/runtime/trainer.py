@@ -84,8 +84,9 @@ class Trainer:
         trace_step: int = 0,
     ):
         """``model``: a ParallelModel from ``omni.runtime.parallelize`` (a bare OmniModel is
-        wrapped as the one-process layout). ``full_model`` builds an unsharded model, into which
-        the final evaluation gathers the weights when the layout splits them."""
+        wrapped as the one-process layout). ``full_model`` builds the unsharded model's skeleton
+        (meta device), which the final evaluation fills with the gathered weights when the
+        layout splits them."""
         self.cfg = trainer_cfg
         self.layout = layout
         self.device = layout.device
@@ -429,18 +430,20 @@ class Trainer:
 
     def _final_eval(self, step: int) -> float | None:
         """Greedy generation needs the whole model: under a split layout the weights are
-        gathered into an unsharded copy on rank 0, which evaluates alone (others get None)."""
+        gathered into an unsharded copy in rank 0's host memory (``gather_full_model``), which
+        evaluates there alone (others get None); no GPU holds the whole model."""
+        device = self.device
         if self.layout.world_size > 1:
             if self.full_model is None:
                 return None
             model = gather_full_model(self.pm, self.layout, self.full_model)
             if model is None:
                 return None
-            whole = contextlib.nullcontext(model.to(self.device))
+            whole, device = contextlib.nullcontext(model), torch.device("cpu")
         else:
             whole = self.pm.inline_encoders()
         with whole as model:
-            result = evaluate(model, self.eval_samples(), self.tokenizer, self.device,
+            result = evaluate(model, self.eval_samples(), self.tokenizer, device,
                               max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.eval_batch_size,
                               limit=self.cfg.eval_samples)
         self.metrics.write(

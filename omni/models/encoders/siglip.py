@@ -283,6 +283,16 @@ class SiglipEncoder(EncoderAnchor):
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
         return {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}
 
+    def init_rule(self, owner: nn.Module, path: str, attr: str):
+        """The position table starts as the 2D sin-cos table (see ``_Embeddings``); the rest
+        takes torch's defaults (``omni.models.materialize``)."""
+        if path == "embeddings.position_embedding" and attr == "weight":
+            from omni.models.materialize import Computed
+
+            c = self.config
+            return Computed(lambda: sincos_2d(c.image_size // c.patch_size, c.hidden_size))
+        return None
+
     def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
             return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]

@@ -287,6 +287,16 @@ class WhisperEncoder(EncoderAnchor):
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.encoder_layers))
         self.layer_norm = nn.LayerNorm(d)
 
+    def init_rule(self, owner: nn.Module, path: str, attr: str):
+        """The fixed sinusoidal position table; the rest takes torch's defaults
+        (``omni.models.materialize``)."""
+        if path == "embed_positions" and attr == "weight":
+            from omni.models.materialize import Computed
+
+            c = self.config
+            return Computed(lambda: sinusoids(c.max_source_positions, c.d_model))
+        return None
+
     @classmethod
     def processor(cls, config: WhisperEncoderConfig) -> WhisperProcessor:
         return WhisperProcessor(cls.build_config(config))

@@ -90,6 +90,23 @@ class Decoder(nn.Module):
                 m.w_down.normal_(0.0, std)
         self.rotary.reset_parameters()
 
+    def init_rule(self, owner: nn.Module, path: str, attr: str):
+        """How ``owner.attr`` starts when the model is materialised from a seed
+        (``omni.models.materialize``): the same distributions as ``init_weights``."""
+        from ..materialize import Computed, Fill, Normal
+        from .rope import rope_parameters
+
+        std = self.config.initializer_range
+        if isinstance(owner, nn.Linear):
+            return Normal(std) if attr == "weight" else Fill(0.0)
+        if isinstance(owner, (nn.Embedding, Router, Experts)):
+            return Normal(std)
+        if isinstance(owner, RMSNorm):
+            return Fill(1.0)
+        if isinstance(owner, RotaryEmbedding) and attr == "inv_freq":
+            return Computed(lambda: rope_parameters(self.config, device=torch.device("cpu"))[0])
+        return None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
