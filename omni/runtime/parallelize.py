@@ -107,13 +107,16 @@ class ParallelModel:
             if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
                 p.grad = g.redistribute(g.device_mesh, p.placements)
         for params, group in self.replica_syncs:
-            if dist.get_world_size(group) == 1:
-                continue
+            alone = dist.get_world_size(group) == 1
             for p in params:
+                # An unused replica (an encoder on a text-only step) gets zeros, as the single
+                # process's zero touch gives it: AdamW then decays it the same way, also where
+                # this rank holds the only copy.
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(g, group=group)
+                if not alone:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    dist.all_reduce(g, group=group)
 
 
 def activation_dtype(layout: Layout) -> torch.dtype:

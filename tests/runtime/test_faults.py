@@ -67,7 +67,7 @@ def _all_ids(samples: dict) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(demo_root, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("faults") / "reference"
-    out, _ = _launch(run_dir, demo_root)
+    out = _launch(run_dir, demo_root)
     assert out.returncode == 0, out.stderr[-3000:]
     losses, samples = _losses(run_dir), _samples(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1)) and sorted(samples) == list(range(1, STEPS + 1))
@@ -85,7 +85,7 @@ def test_rank_killed_mid_step_restarts_from_last_checkpoint_exactly(reference, d
     _, ref_losses, ref_samples = reference
     run_dir = tmp_path / "run"
     # Asynchronous saves here: the step-4 checkpoint may still be in flight when rank 1 dies.
-    out, _ = _launch(run_dir, demo_root, fault="kill_mid_step:1:5", restarts=1, **{"checkpoint.async_save": True})
+    out = _launch(run_dir, demo_root, fault="kill_mid_step:1:5", restarts=1, **{"checkpoint.async_save": True})
     assert out.returncode == 0, out.stderr[-3000:]
     resumed = _resumed_from(out)
     assert len(resumed) == 1 and resumed[0] in (2, 4), out.stdout
@@ -100,7 +100,7 @@ def test_rank_killed_mid_save_resumes_from_the_previous_checkpoint(reference, de
     _, ref_losses, ref_samples = reference
     run_dir = tmp_path / "run"
     # Rank 0 dies with every shard of step 4 written, before the manifest: step 4 never appears.
-    out, _ = _launch(run_dir, demo_root, fault="kill_mid_save:0:4", restarts=1)
+    out = _launch(run_dir, demo_root, fault="kill_mid_save:0:4", restarts=1)
     assert out.returncode == 0, out.stderr[-3000:]
     assert _resumed_from(out) == [2], out.stdout
     assert _losses(run_dir) == ref_losses
