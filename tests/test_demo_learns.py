@@ -1,4 +1,4 @@
-"""The README's demo, as it runs by default: the loss falls, held-out accuracy reaches 0.95, and no
+"""The README's demo, as it runs by default: the loss falls, held-out accuracy reaches 0.9, and no
 loss spike is reported."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_default_demo_learns(tmp_path, monkeypatch):
     assert sum(losses[-50:]) / 50 < 0.25 * sum(losses[:50]) / 50
     final = records[-1]
     assert final["event"] == "eval" and final["num_samples"] == 64
-    assert final["accuracy"] >= 0.95, final
+    assert final["accuracy"] >= 0.9, final
     assert result.eval_accuracy == final["accuracy"]
     # A healthy run raises no loss-spike warning (the detector is calibrated on this demo).
     flagged = run_dir / "flagged_steps.jsonl"
