@@ -31,18 +31,7 @@ def test_load_tokenizer_byte_and_missing_dir(tmp_path):
 
 
 def test_hf_tokenizer_from_local_dir(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import models, pre_tokenizers
-
-    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "<s>": 3, "</s>": 4}
-    core = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="<s>",
-                                                eos_token="</s>")
-    fast.save_pretrained(tmp_path)
-
-    tok = load_tokenizer(tmp_path)
+    tok = load_tokenizer(_hf_dir(tmp_path))
     img, aud = tok.placeholder_ids["image"], tok.placeholder_ids["audio"]
     assert len({img, aud}) == 2 and min(img, aud) >= 5 and tok.vocab_size == 7
     assert tok.encode("hello <image> world<audio>") == [1, img, 2, aud]
