@@ -14,7 +14,6 @@ import math
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
@@ -46,37 +45,16 @@ def local_grad_square_sum(params: Iterable[torch.nn.Parameter], stage_world: int
     return total
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], stage_world: int, skip: Iterable = (),
-                     device: torch.device | None = None) -> float:
-    total = local_grad_square_sum(params, stage_world, skip, device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return math.sqrt(float(total))
-
-
 @torch.no_grad()
 def scale_to_max_norm_(params: Iterable[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    """``clip_grads``'s scaling with the norm still on the device (no host read): gradients are
-    multiplied by ``max_norm / (norm + 1e-6)`` where ``norm > max_norm`` and by exactly 1 elsewhere
-    (a non-finite norm included, as ``clip_grads`` leaves those alone)."""
+    """Clipping with the norm still on the device (no host read): gradients are multiplied by
+    ``max_norm / (norm + 1e-6)`` where ``norm > max_norm`` and by exactly 1 elsewhere (a
+    non-finite norm included: the numeric guards skip that step)."""
     if not math.isfinite(max_norm):
         return
     coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
     for p in params:
         if p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            g.mul_(coef.to(g.device))  # fp32 gradients: the fp32 rounding of coef, as clip_grads
+            g.mul_(coef.to(g.device))  # fp32 gradients: one fp32 rounding of coef
 
-
-@torch.no_grad()
-def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, stage_world: int, skip: Iterable = (),
-               device: torch.device | None = None) -> float:
-    """Scale every gradient so the global norm is at most ``max_norm``; returns the norm before."""
-    params = list(params)
-    norm = global_grad_norm(params, stage_world, skip, device)
-    if math.isfinite(max_norm) and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
-    return norm
