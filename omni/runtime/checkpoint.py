@@ -106,6 +106,12 @@ class Checkpointer:
         self.root = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
         self.rank = rank
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # One process: DCP without its planning collectives. Through a one-rank gloo group they
+        # copy the gathered plans on gloo's own thread; an OpenMP team started there stays, the
+        # process then holds more OpenMP threads than cores, and libgomp stops spinning at its
+        # barriers for good: every later training step took about twice as long (0.25 s ->
+        # 0.47 s per demo step after the first save, scripts/bench/checkpoint_slowdown.py).
+        self._no_dist = self.world == 1
         self.layout = dict(layout or {})
         self.last_block_s = 0.0  # how long the latest save held the training loop
         self._pending: Future | None = None
@@ -186,7 +192,7 @@ class Checkpointer:
                 "model": self.model_fingerprint(optim.parts)}
         state = _merged_state(optim)
         if self._writer is None:
-            dcp.save(state, checkpoint_id=str(path))  # returns once every rank's shards are written
+            dcp.save(state, checkpoint_id=str(path), no_dist=self._no_dist)  # returns once every rank's shards are written
             self._seal_and_publish(path, final, meta)
             barrier()  # rank 0's rename is done before anyone looks for the folder
         else:
@@ -252,7 +258,7 @@ class Checkpointer:
     def load(self, path: Path, optim: PartOptimizers) -> Restored:
         self._refuse_other_model(path, self.model_fingerprint(optim.parts))  # before DCP reads anything
         state = _merged_state(optim)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), no_dist=self._no_dist)
         for part, opt in zip(optim.parts, optim.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
