@@ -8,8 +8,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Two cores on the CI machine: more intra-op threads only adds contention.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+def _intra_op_threads() -> int:
+    """The cores each test process may use: all of them (at most two: the CI machine has two,
+    more only adds contention for these small tensors), shared out over pytest-xdist workers
+    (``-n``). Two workers with two OpenMP threads each would spin against each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+torch.set_num_threads(_intra_op_threads())
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long end-to-end tests (``slow``) first, the longest of them (``slow(first=True)``)
+    before the rest: a worker that starts one late runs on alone after the others have run out
+    of work (longest first is how a fixed set of jobs is best shared out)."""
+    def rank(item) -> int:
+        slow = item.get_closest_marker("slow")
+        return 2 if slow is None else 0 if slow.kwargs.get("first") else 1
+
+    items.sort(key=rank)
 
 
 @pytest.fixture

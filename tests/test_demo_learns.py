@@ -7,7 +7,7 @@ import pytest
 from recipe_helpers import read_metrics, train
 
 
-@pytest.mark.slow
+@pytest.mark.slow(first=True)  # by far the longest test: started first under pytest-xdist
 def test_default_demo_learns(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_CACHE", str(tmp_path / "cache"))  # generated on first use, as for a user
     run_dir = tmp_path / "run"

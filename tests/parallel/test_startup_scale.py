@@ -92,11 +92,20 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _reset_peak() -> None:
+    """Restart the kernel's peak-RSS count (VmHWM) here, so that the peak read afterwards is the
+    start-up's own and not a transient peak of the interpreter's or torch's set-up before it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # KiB
 
 
 def _materialise_1b(rank, world, cfg, out_dir):
+    _reset_peak()
     before = _rss_bytes()  # after torch, the process group and the config: the start-up's own cost
     layout, pm, total = _start(cfg)
     peak = _peak_bytes()
