@@ -18,6 +18,9 @@ def _intra_op_threads() -> int:
 
 
 torch.set_num_threads(_intra_op_threads())
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # The processes the tests start (omni train, torchrun ranks) share the cores the same way.
+    os.environ.setdefault("OMP_NUM_THREADS", str(_intra_op_threads()))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,7 +14,7 @@ def test_default_demo_learns(tmp_path, monkeypatch):
     result = train([f"trainer.run_dir={run_dir}", "trainer.progress=false"])
     records = read_metrics(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == 800
+    assert len(losses) == 600
     assert sum(losses[-50:]) / 50 < 0.25 * sum(losses[:50]) / 50
     final = records[-1]
     assert final["event"] == "eval" and final["num_samples"] == 64

@@ -24,6 +24,7 @@ tensors and plain Python values and load with ``weights_only=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -31,6 +32,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +97,14 @@ class Restored:
     loader_state: dict
     path: Path
     trainer: dict  # the trainer's own counters (skipped steps, ...)
+
+
+@contextlib.contextmanager
+def _single_process_quietly():
+    """DCP warns on every ``no_dist`` call that it assumes one process: here that is the point."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class Checkpointer:
@@ -192,7 +202,8 @@ class Checkpointer:
                 "model": self.model_fingerprint(optim.parts)}
         state = _merged_state(optim)
         if self._writer is None:
-            dcp.save(state, checkpoint_id=str(path), no_dist=self._no_dist)  # returns once every rank's shards are written
+            with _single_process_quietly():
+                dcp.save(state, checkpoint_id=str(path), no_dist=self._no_dist)  # returns once every rank's shards are written
             self._seal_and_publish(path, final, meta)
             barrier()  # rank 0's rename is done before anyone looks for the folder
         else:
@@ -258,7 +269,8 @@ class Checkpointer:
     def load(self, path: Path, optim: PartOptimizers) -> Restored:
         self._refuse_other_model(path, self.model_fingerprint(optim.parts))  # before DCP reads anything
         state = _merged_state(optim)
-        dcp.load(state, checkpoint_id=str(path), no_dist=self._no_dist)
+        with _single_process_quietly():
+            dcp.load(state, checkpoint_id=str(path), no_dist=self._no_dist)
         for part, opt in zip(optim.parts, optim.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))

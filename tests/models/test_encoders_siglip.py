@@ -155,3 +155,20 @@ def test_from_pretrained_errors(tmp_path, vision_ckpt):
         SiglipEncoder.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="unknown config key 'max_patchez'.*valid keys"):
         SiglipEncoder.from_pretrained(vision_ckpt[0], max_patchez=3)
+
+
+def test_from_scratch_position_table_varies_in_every_channel():
+    """Where a patch sits must be readable from every frequency of the initial 2D sin-cos table
+    (the demo's 8x8 grid): with MAE's temperature of 10000 most of them barely change across it
+    (the slowest sine spans 7e-4 there)."""
+    from omni.models.encoders.siglip import sincos_2d
+
+    side, dim = 8, 96
+    quarter = dim // 4
+    table = sincos_2d(side, dim).reshape(side, side, dim)
+    by_y, by_x = table[:, 0, : dim // 2], table[0, :, dim // 2:]  # y channels down a column, x along a row
+    for name, part in (("y", by_y), ("x", by_x)):
+        sines = part[:, :quarter]  # [sin(f_i * c) for each frequency f_i], then the cosines
+        spread = sines.max(0).values - sines.min(0).values
+        assert bool((spread > 0.4).all()), (name, spread)
+    assert torch.equal(table[:, 3, : dim // 2], by_y) and torch.equal(table[5, :, dim // 2:], by_x)
