@@ -37,7 +37,6 @@ def _routable_ipv4() -> str | None:
     return None
 
 
-@pytest.mark.xdist_group("ray")  # under pytest-xdist, on the worker of the other Ray tests
 def test_local_ray_listens_on_loopback_only():
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants

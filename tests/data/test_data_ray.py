@@ -17,9 +17,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-# Under pytest-xdist every test that starts a Ray runs on the same worker, one Ray at a time.
-pytestmark = pytest.mark.xdist_group("ray")
-
 import torch  # noqa: E402
 
 from dataloading.errors import DataError  # noqa: E402
