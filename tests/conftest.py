@@ -8,19 +8,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-
-def _intra_op_threads() -> int:
-    """The cores each test process may use: all of them (at most two: the CI machine has two,
-    more only adds contention for these small tensors), shared out over pytest-xdist workers
-    (``-n``). Two workers with two OpenMP threads each would spin against each other."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, min(2, (os.cpu_count() or 1) // workers))
-
-
-torch.set_num_threads(_intra_op_threads())
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    # The processes the tests start (omni train, torchrun ranks) share the cores the same way.
-    os.environ.setdefault("OMP_NUM_THREADS", str(_intra_op_threads()))
+# Two cores on the CI machine: more intra-op threads only adds contention.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
