@@ -102,10 +102,21 @@ class MultiplexConfig:
     # "auto": a quarter of the accelerator memory still free once the model is placed (the
     # smallest over ranks); no limit on the CPU. "none": no limit.
     encoder_memory_mib: str = "auto"
-    # Encoder and projector weights on the encoder ranks: "replicated" (gradients all-reduced)
-    # or "sharded" (FSDP2 over all encoder ranks: weights, gradients and optimizer state split,
-    # each encoder layer gathered when it runs).
+    # Encoder and projector weights on the encoder ranks: "replicated" (gradients all-reduced),
+    # "sharded" (FSDP2 over all encoder ranks: weights, gradients and optimizer state split,
+    # each encoder layer gathered when it runs) or "hybrid" (FSDP2 inside each shard group of
+    # encoder_shard_group ranks, replicated across groups: HSDP).
     encoder_weights: str = "replicated"
+    # encoder_weights=hybrid: ranks per FSDP shard group (the weights are sharded inside a group,
+    # replicated across groups, gradients reduce-scattered inside then all-reduced across).
+    # 0: a node (parallel.gpus_per_node).
+    encoder_shard_group: int = 0
+    # How encoder inputs and output rows move between the ranks that trade them: "all_to_all"
+    # (one collective over every encoder rank per insertion point) or "p2p" (point-to-point
+    # sends between the pairs that trade rows only).
+    exchange: str = "all_to_all"
+    # Cut groups encoded ahead of the one the pipeline needs, where memory allows (0: off).
+    lookahead: int = 0
     # Encoder chunks run together at one insertion point (colocated, stage0): at cut k (k a
     # multiple of it) the forwards of chunks k .. k + chunks_per_cut - 1, and the backwards that
     # became ready since the last such cut. Each insertion point is a collective over the
