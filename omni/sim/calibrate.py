@@ -112,7 +112,7 @@ def calibrate_from_trace(cfg: SimConfig, path: str) -> CalibrationFit:
     for e in events:
         rank, name, kind = int(e["pid"]), e["name"], e.get("cat")
         c = sizes.coords(rank)
-        g = c["dp_replicate"] * sizes.dp_shard + c["dp_shard"]
+        g = sizes.dp_group(rank)
         measured = float(e["dur"]) * 1e-6
         predicted = None
         m = _LLM.match(name)

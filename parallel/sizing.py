@@ -1,0 +1,198 @@
+"""Layout sizing with plain numbers: the degree of every parallel dimension, which rank sits
+where, and the checks a layout must pass for a launch and a model. Nothing here needs a process
+group, so the simulator (``omni.sim``) and the config checks use it without importing
+``torch.distributed``; ``parallel.layout`` builds the groups on top of it.
+
+The world is a 5D grid ``pp x dp_replicate x dp_shard x cp x tp``, TP innermost and PP
+outermost (see ``parallel.layout`` for why).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from itertools import product
+
+from parallel.config import ParallelConfig
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_cp_outer", "ep", "tp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CP_IMPLS = ("ring", "ulysses")
+CHECKPOINT_MODES = ("none", "selective", "full")
+PRECISIONS = ("auto", "bf16", "fp32")
+# parallel.reshard_after_forward; a YAML or command-line true/false arrives as a bool, read as "true"/"false".
+RESHARD_CHOICES = ("auto", "true", "false")
+
+
+class LayoutError(ValueError):
+    """A parallel configuration that cannot run on this launch or this model."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The degree of every dimension (plain numbers: no process group needed)."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each reads different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> its index along every dimension (TP fastest-varying)."""
+        out = {}
+        for name in reversed(DIMS):
+            size = getattr(self, name)
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in DIMS}
+
+    def dp_group(self, rank: int) -> int:
+        """The data-parallel index of ``rank``: which DP group's samples it reads (the one home of
+        this rule: the data plane, the multiplexer and the simulator all ask here)."""
+        c = self.coords(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def rank_of(self, **coords: int) -> int:
+        rank = 0
+        for name in DIMS:
+            rank = rank * getattr(self, name) + coords.get(name, 0)
+        return rank
+
+
+def resolve_sizes(cfg: ParallelConfig, world: int) -> Sizes:
+    """The sizes for ``world`` ranks, with every launch-level mistake reported by name."""
+    fixed = {"dp_replicate": cfg.dp_replicate, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep}
+    for name, value in fixed.items():
+        if value < 1:
+            raise LayoutError(f"parallel.{name}={value} must be >= 1")
+    others = cfg.dp_replicate * cfg.tp * cfg.pp * cfg.cp
+    if cfg.dp_shard == -1:
+        if world % others:
+            raise LayoutError(
+                f"dp_replicate x tp x pp x cp = {cfg.dp_replicate} x {cfg.tp} x {cfg.pp} x {cfg.cp} = {others} "
+                f"does not divide the {world} launched ranks; launch a multiple of {others} ranks or change the sizes"
+            )
+        dp_shard = world // others
+    elif cfg.dp_shard < 1:
+        raise LayoutError(f"parallel.dp_shard={cfg.dp_shard} must be >= 1, or -1 to use the remaining ranks")
+    else:
+        dp_shard = cfg.dp_shard
+    sizes = Sizes(pp=cfg.pp, dp_replicate=cfg.dp_replicate, dp_shard=dp_shard, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+    if sizes.world != world:
+        raise LayoutError(
+            f"pp x dp_replicate x dp_shard x cp x tp = {cfg.pp} x {cfg.dp_replicate} x {dp_shard} x {cfg.cp} x "
+            f"{cfg.tp} = {sizes.world}, but {world} ranks were launched; make the product equal the world size "
+            f"(or set parallel.dp_shard=-1)"
+        )
+    if (dp_shard * cfg.cp) % cfg.ep:
+        raise LayoutError(
+            f"parallel.ep={cfg.ep} must divide dp_shard x cp = {dp_shard} x {cfg.cp}: expert parallelism borrows "
+            f"those ranks; choose ep from the divisors of {dp_shard * cfg.cp}"
+        )
+    check_options(cfg)
+    _check_nodes(sizes, cfg.gpus_per_node, world)
+    return sizes
+
+
+def check_options(cfg: ParallelConfig) -> None:
+    """The rules on the options (not the sizes) of ``cfg``: they need no launch to check."""
+    for key, value, allowed in (("pp_schedule", cfg.pp_schedule, PP_SCHEDULES), ("cp_impl", cfg.cp_impl, CP_IMPLS),
+                                ("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES),
+                                ("mixed_precision", cfg.mixed_precision, PRECISIONS)):
+        if value not in allowed:
+            raise LayoutError(f"parallel.{key}={value} is not one of {', '.join(allowed)}")
+    if cfg.pp_virtual_stages < 1:
+        raise LayoutError(f"parallel.pp_virtual_stages={cfg.pp_virtual_stages} must be >= 1")
+    if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble") and cfg.pp > 1 and cfg.pp_virtual_stages < 2:
+        raise LayoutError(
+            f"parallel.pp_schedule={cfg.pp_schedule} runs several model chunks per pipeline rank; set "
+            f"parallel.pp_virtual_stages=2 (or more), or use pp_schedule=1f1b"
+        )
+    if cfg.pp_schedule in ("gpipe", "1f1b") and cfg.pp_virtual_stages > 1:
+        raise LayoutError(
+            f"parallel.pp_schedule={cfg.pp_schedule} runs one model chunk per rank but pp_virtual_stages="
+            f"{cfg.pp_virtual_stages}; use pp_schedule=interleaved_1f1b or zero_bubble, or pp_virtual_stages=1"
+        )
+    if cfg.fsdp_blocks_per_unit < 1 or cfg.fsdp_prefetch < 0:
+        raise LayoutError("parallel.fsdp_blocks_per_unit must be >= 1 and parallel.fsdp_prefetch >= 0")
+    if str(cfg.reshard_after_forward).lower() not in RESHARD_CHOICES:
+        raise LayoutError(f"parallel.reshard_after_forward={cfg.reshard_after_forward} is not one of "
+                          f"{', '.join(RESHARD_CHOICES)}")
+    if cfg.timeout_s <= 0:
+        raise LayoutError(f"parallel.timeout_s={cfg.timeout_s} must be > 0 (seconds a collective may wait)")
+
+
+def _check_nodes(sizes: Sizes, gpus_per_node: int, world: int) -> None:
+    """TP talks twice per layer: it must stay inside a node. CP x TP across nodes only warns."""
+    if gpus_per_node < 1:
+        raise LayoutError(f"parallel.gpus_per_node={gpus_per_node} must be >= 1")
+    if world <= gpus_per_node:
+        return
+    if gpus_per_node % sizes.tp:
+        raise LayoutError(
+            f"parallel.tp={sizes.tp} does not fit in a node of {gpus_per_node} ranks (parallel.gpus_per_node): "
+            f"tensor parallelism across nodes is too slow; choose tp from the divisors of {gpus_per_node}"
+        )
+    if gpus_per_node % (sizes.tp * sizes.cp):
+        print(f"omni: warning: tp x cp = {sizes.tp * sizes.cp} spans nodes of {gpus_per_node} ranks; "
+              f"context-parallel traffic will cross the network", file=sys.stderr, flush=True)
+
+
+def check_model_fits(sizes: Sizes, *, num_heads: int, num_kv_heads: int, num_layers: int, num_experts: int = 0,
+                     virtual_stages: int = 1, cp_impl: str = "ring") -> None:
+    """Model-dependent checks, with plain numbers (this package knows no model)."""
+    if num_heads % sizes.tp or num_kv_heads % sizes.tp:
+        raise LayoutError(
+            f"parallel.tp={sizes.tp} must divide the attention heads ({num_heads}) and the KV heads "
+            f"({num_kv_heads}); choose tp from the common divisors"
+        )
+    stages = sizes.pp * virtual_stages
+    if stages > 1 and num_layers % stages:
+        raise LayoutError(
+            f"{num_layers} layers cannot be split evenly into pp x pp_virtual_stages = {sizes.pp} x {virtual_stages} "
+            f"= {stages} pipeline stages; choose sizes whose product divides {num_layers}"
+        )
+    if sizes.ep > 1:
+        if num_experts == 0:
+            raise LayoutError(f"parallel.ep={sizes.ep} needs a mixture-of-experts model (this one is dense); "
+                              f"use model=tiny_moe or parallel.ep=1")
+        if num_experts % sizes.ep:
+            raise LayoutError(f"parallel.ep={sizes.ep} must divide the {num_experts} experts; choose ep from "
+                              f"the divisors of {num_experts}")
+    if cp_impl == "ulysses" and sizes.cp > 1 and num_heads % (sizes.cp * sizes.tp):
+        raise LayoutError(f"parallel.cp_impl=ulysses splits the {num_heads // sizes.tp} heads of a TP rank over "
+                          f"cp={sizes.cp} ranks; use cp_impl=ring or a cp that divides them")
+
+
+def check_sequence(sizes: Sizes, tokens: int, key: str = "data.micro_batch_tokens") -> None:
+    """A row is cut into 2*cp zig-zag chunks and, under TP, into tp sequence shards."""
+    unit = 2 * sizes.cp * sizes.tp if sizes.cp > 1 else sizes.tp
+    if tokens % unit:
+        raise LayoutError(
+            f"{key}={tokens} is not divisible by {'2 x cp x tp' if sizes.cp > 1 else 'tp'} = {unit}; context "
+            f"parallelism cuts each row into 2*cp chunks (and TP into tp shards): use a multiple of {unit}"
+        )
+
+
+def describe(sizes: Sizes) -> str:
+    """e.g. "pp=2 x dp_shard=2 x tp=2 (ep=1)" — the sizes above 1, outermost first."""
+    parts = [f"{d}={getattr(sizes, d)}" for d in DIMS if getattr(sizes, d) > 1]
+    text = " x ".join(parts) or "single process"
+    return text + (f" (ep={sizes.ep})" if sizes.ep > 1 else "")
+
+
+def all_coords(sizes: Sizes):
+    """Every rank's coordinates, in rank order (for tests and docs)."""
+    return [dict(zip(DIMS, c)) for c in product(*(range(getattr(sizes, d)) for d in DIMS))]
