@@ -28,9 +28,14 @@ class ClusterConfig:
     hbm_gib: float = 80.0
     hbm_gbps: float = 3350.0
     nvlink_gbps: float = 450.0  # inside a node
-    nvlink_latency_us: float = 5.0
-    net_gbps: float = 50.0  # between nodes (one 400 Gb/s NIC per GPU)
-    net_latency_us: float = 15.0
+    nvlink_latency_us: float = 5.0  # per ring step over NVLink
+    # Between nodes: NICs per node and each NIC's bandwidth. DGX/HGX H100: eight 400 Gb/s NICs,
+    # one per GPU. A GPU's share of its node's NICs is net_gbps * nics_per_node / gpus_per_node
+    # (rail-optimised: a GPU sends over the NIC next to it, and the NICs of a node serve every
+    # group at once); a collective whose group has m GPUs in a node leaves it over m such shares.
+    nics_per_node: int = 8
+    net_gbps: float = 50.0  # one NIC, GB/s one way
+    net_latency_us: float = 15.0  # per ring step that crosses nodes
     # Fractions of the peaks real kernels reach; `omni simulate --calibrate TRACE` fits them.
     gemm_efficiency: float = 0.8
     attention_efficiency: float = 0.6
