@@ -13,7 +13,9 @@ from omni.models.config import EncoderSlot, ModelConfig
 from omni.runtime.config import MultiplexConfig
 from parallel.config import ParallelConfig
 
-PLACEMENTS = ("colocated", "stage0", "encoder_first", "disaggregated")
+# megatron: Megatron-LM's own layout (encoders inside stage 0, in-order packing);
+# megatron_balanced: the same with Omni's packing (data.balance). See omni/sim/megatron.py.
+PLACEMENTS = ("colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_balanced")
 
 
 @dataclass

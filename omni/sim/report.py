@@ -22,14 +22,17 @@ def placement_table(result: dict[str, Any]) -> str:
              f"{result['layout']['micro_batches']} micro-batches per DP rank",
              "(simulated: roofline op times with the cluster's efficiency factors; see docs/simulate.md)", ""]
     places = result["placements"]
-    base = places["stage0"]["step_time_s"] if "stage0" in places else 0.0
-    head = (f"{'placement':<14}{'step s':>9}{'vs stage0':>10}{'tokens/s':>11}{'MFU':>7}{'bubble':>8}{'comm':>7}"
+    # Speed-ups over Megatron-LM's own layout when it is simulated (the baseline the paper
+    # compares against), else over stage0.
+    base_name = "megatron" if "megatron" in places else "stage0"
+    base = places[base_name]["step_time_s"] if base_name in places else 0.0
+    head = (f"{'placement':<18}{'step s':>9}{'vs ' + base_name:>12}{'tokens/s':>11}{'MFU':>7}{'bubble':>8}{'comm':>7}"
             f"{'busy min/max s':>16}{'mem GiB':>9}{'fits':>6}")
     lines += [head, "-" * len(head)]
     for name, p in places.items():
         ratio = base / p["step_time_s"] if p["step_time_s"] > 0 and base else float("nan")
         busy = p["busy_s"]
-        lines.append(f"{name:<14}{p['step_time_s']:>9.3f}{ratio:>9.2f}x{p['tokens_per_s']:>11.0f}{100 * p['mfu']:>6.1f}%"
+        lines.append(f"{name:<18}{p['step_time_s']:>9.3f}{ratio:>11.2f}x{p['tokens_per_s']:>11.0f}{100 * p['mfu']:>6.1f}%"
                      f"{100 * p['bubble_fraction']:>7.1f}%{100 * p['comm_share']:>6.1f}%{busy['min']:>8.2f}/{busy['max']:<7.2f}"
                      f"{p['memory_gib']['total']:>9.1f}{'yes' if p['fits'] else 'NO':>6}")
     worst = [(n, p) for n, p in places.items() if not p["fits"]]
@@ -39,6 +42,11 @@ def placement_table(result: dict[str, Any]) -> str:
                      f"(params {m['params']:.1f}, grads {m['grads']:.1f}, optimizer {m['optimizer']:.1f}, gathered "
                      f"{m['gathered']:.1f}, activations {m['activations']:.1f}, transient {m['transient']:.1f}) on "
                      f"{p['ranks_over_memory']} GPU group(s)")
+    mbs = result["layout"].get("micro_batches")
+    for name in ("megatron", "megatron_balanced"):
+        if name in places and places[name]["layout"]["micro_batches"] != mbs:
+            lines.append(f"  {name}: {places[name]['layout']['micro_batches']} micro-batches per DP rank "
+                         f"({'in-order packing' if name == 'megatron' else 'data.balance'})")
     if "disaggregated" in places:
         lines.append(f"  disaggregated: {places['disaggregated']['layout']['encoder_gpus']} GPUs run only the "
                      f"encoders; the LLM runs {describe_layout(places['disaggregated']['layout'])}")

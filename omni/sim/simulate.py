@@ -9,7 +9,8 @@ whether it fits.
 The disaggregated baseline gives ``sim.encoder_gpus`` GPUs (default: an eighth, in whole LLM
 model-parallel groups) to the encoders alone; the LLM keeps its layout on the rest, with fewer
 DP ranks. Its encoders work one step ahead of the LLM, perfectly overlapped (a best case for
-the baseline): a step takes as long as the slower side.
+the baseline): a step takes as long as the slower side. The Megatron-LM baselines (``megatron``,
+``megatron_balanced``) are described in ``omni.sim.megatron``.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from omni.errors import ConfigError
 from omni.runtime.multiplex import encoder_ranks, memory_budget_setting
+from omni.sim import megatron
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import PLACEMENTS, SimConfig
@@ -50,10 +52,11 @@ def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> d
         parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if pool else cfg.parallel
         sizes = llm_sizes(parallel, cfg.cluster.num_gpus - pool, spec, cfg.data.micro_batch_tokens,
                           cfg.cluster.gpus_per_node)
-        check_encoder_sp(cfg, sizes, placement, pool)
+        if not megatron.is_megatron(placement):  # Megatron runs no encoder SP
+            check_encoder_sp(cfg, sizes, placement, pool)
     out: dict[str, Any] = {"model": describe_model(spec), "cluster": dataclasses.asdict(cfg.cluster),
                            "placements": {}}
-    cache: dict[int, list[StepWork]] = {}
+    cache: dict[tuple[int, str], list[StepWork]] = {}
     for placement in cfg.sim.placements:
         if progress:
             progress(placement)
@@ -116,16 +119,17 @@ def disaggregated_split(cfg: SimConfig) -> int:
 
 
 def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
-                       cache: dict[int, list[StepWork]] | None = None) -> dict[str, Any]:
+                       cache: dict[tuple[int, str], list[StepWork]] | None = None) -> dict[str, Any]:
     cluster = cfg.cluster
     world = cluster.num_gpus
     encoder_pool = disaggregated_split(cfg) if placement == "disaggregated" else 0
     parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if encoder_pool else cfg.parallel
     sizes = llm_sizes(parallel, world - encoder_pool, spec, cfg.data.micro_batch_tokens, cluster.gpus_per_node)
     cache = {} if cache is None else cache
-    if sizes.dp not in cache:
-        cache[sizes.dp] = draw_steps(cfg.data, spec, sizes.dp)
-    steps = cache[sizes.dp]
+    data = megatron.data_config(cfg, placement)
+    if (sizes.dp, data.balance) not in cache:
+        cache[(sizes.dp, data.balance)] = draw_steps(data, spec, sizes.dp)
+    steps = cache[(sizes.dp, data.balance)]
     runs = [_one_step(cfg, spec, m, sizes, placement, step, encoder_pool) for step in steps]
     return _summarise(cfg, spec, sizes, placement, steps, runs, encoder_pool)
 
@@ -157,6 +161,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     n = microbatch_count(max(len(g) for g in groups), pp)
     for g in groups:
         g += [MicroBatchWork() for _ in range(n - len(g))]
+    first_encoder = megatron.first_stage_encoder(cfg, spec, m, sizes, placement, groups)  # None unless megatron
     stage_layers = split_layers(spec.num_layers, pp * v)
     last_stage = pp * v - 1
     common = _round_up(max(max(mb.tokens for g in groups for mb in g), 1), 8 * tp) if pp > 1 else 0
@@ -192,6 +197,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 act[(gi, st, i)] = mem.llm_activation_bytes(spec, stage_layers[st], length / cp, tp=tp, ep=ep,
                                                             recompute=par.activation_checkpoint, element_bytes=BF16,
                                                             first=st == 0, last=st == last_stage)
+    if first_encoder:
+        first_encoder.add_to_first_stage(work, act)
     p2p = m.p2p(common / (tp * cp) * spec.hidden * BF16, sizes.world // pp >= cluster.gpus_per_node) if pp > 1 else 0.0
 
     # Encoder chunks: who encodes, planned by the runtime's planner.
@@ -228,12 +235,18 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             comm = 0.0 if reduce_per_mb else sync.grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
             if members and (gi, s) in encoder_cells:
                 comm += sync.encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node)
+            optimizer_params = local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)
+            if first_encoder and s == 0:
+                comm += first_encoder.sync_s(gi, work)
+                optimizer_params += first_encoder.optimizer_params
             tail_comm[(gi, s)] = comm
-            tail[(gi, s)] = m.memory(28.0 * (local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)))
+            tail[(gi, s)] = m.memory(28.0 * optimizer_params)
     timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
                              p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
                              llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
                              chunks_per_cut=int(cfg.multiplex.chunks_per_cut))
+    if first_encoder:
+        first_encoder.book(timeline)
     memory = []
     for tl in timeline.cells:
         stages = [tl.stage + k * pp for k in range(v)]
@@ -248,6 +261,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 b = _add(b, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, len(members)),
                                                       optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
                                                       gather_whole=not _reshard(par, pp)))
+        if first_encoder and tl.stage == 0:
+            b = _add(b, first_encoder.static)
         # The worst moment: a block's backward on top of the live activations (on the last
         # stage the loss's logits instead, whichever is larger), or the optimizer step.
         tokens = (common or cfg.data.micro_batch_tokens) / cp

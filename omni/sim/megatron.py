@@ -1,0 +1,198 @@
+"""The Megatron-LM baseline of ``omni simulate`` (placements ``megatron`` and ``megatron_balanced``).
+
+Megatron-LM trains a vision-language model (its LLaVA model, ``examples/multimodal``) with the
+vision encoder and projector built only on the first pipeline stage ("when we use pipelining,
+the encoder will live on only the first stage", ``LLaVAModel``'s ``add_encoder``), as part of
+that stage's embedding:
+
+- in the first stage's forward of every micro-batch the ViT encodes that micro-batch's own
+  images, and its backward runs inside the same stage's backward of the micro-batch: no other
+  stage and no other DP group helps, so stage 0 carries the whole encoder load and the pipeline
+  is unbalanced (the event-driven engine finds the cost of that by itself: the encoder time is
+  added to the stage-0 ``StageWork`` of each micro-batch);
+- the ViT is tensor-parallel over the stage's TP group (the LLM's tp): its GEMMs and attention
+  heads split over tp, with the TP collectives of every layer exposed (Megatron's example runs
+  the ViT without tp_comm_overlap) — two all-reduces per layer each way, which the ring model
+  prices as the two all-gathers and two reduce-scatters of sequence parallelism. CP ranks each
+  encode the whole micro-batch (the ViT is built with context_parallel_size=1);
+- its weights are replicated over data parallelism under Megatron's distributed optimizer: a
+  full fp32 gradient buffer, the gradients reduce-scattered over the DP group (overlapping the
+  last backward, as for the LLM), the fp32 master weights and moments sharded over DP, the
+  updated bf16 weights all-gathered after the step (behind the next step's first forward);
+- the data are packed in order (``data.balance=none``: every DP rank reads its own slice, as
+  Megatron's loaders do); ``megatron_balanced`` is the same system fed by Omni's planner
+  (``data.balance``, balanced by default) — the two differ only in the packing.
+
+The LLM side is the simulator's own (the same ``stage_work``, schedule and gradient sync as the
+other placements), so with no images ``megatron`` takes the LLM-only step of ``stage0``.
+
+Two simplifications, both in Megatron's favour: Megatron's ViT runs without sequence
+parallelism, so its norms and residual adds (and the activations they keep) are replicated over
+TP, where this model splits every roofline term and every activation over tp; and the encoder is
+not recomputed (``--recompute-vision`` is off by default), as the other placements assume.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from omni.sim import memory as mem
+from omni.sim import sync
+from omni.sim.config import SimConfig, SimDataConfig
+from omni.sim.data import MicroBatchWork
+from omni.sim.engine import StepTimeline
+from omni.sim.spec import ModelSpec
+from omni.sim.timing import BF16, Machine, StageWork, encoder_work
+from parallel.layout import Sizes
+
+PLACEMENTS = ("megatron", "megatron_balanced")
+IN_ORDER = "none"  # dataloading.balance: the plain order, micro-batches filled in order
+
+
+def is_megatron(placement: str) -> bool:
+    return placement in PLACEMENTS
+
+
+def data_config(cfg: SimConfig, placement: str) -> SimDataConfig:
+    """The data a placement draws: ``megatron`` packs in order, ``megatron_balanced`` (and every
+    other placement) as ``data.balance`` says."""
+    if placement == "megatron":
+        return dataclasses.replace(cfg.data, balance=IN_ORDER)
+    return cfg.data
+
+
+@dataclass(frozen=True)
+class EncoderPass:
+    """One pass (forward or backward) of a micro-batch's images on one GPU of stage 0."""
+
+    compute_s: float
+    comm_s: float  # the TP collectives, exposed
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def tp_rank_encoder_compute(m: Machine, spec: ModelSpec, media: list[tuple[str, int]], tp: int,
+                            gpus_per_node: int) -> tuple[float, float]:
+    """(forward, backward) compute of one TP rank encoding ``media`` (whole items) with the
+    encoder TP-split over ``tp`` GPUs.
+
+    TP divides every roofline term of ``timing.encoder_work`` by tp (GEMM FLOPs and weight
+    bytes, attention heads, elementwise traffic) but not the fixed cost of each kernel launch:
+    so it is ``encoder_work`` on a machine whose per-op overhead is tp times larger, divided by
+    tp. (A ``tp`` argument of ``encoder_work`` would say this directly.)"""
+    launch_tp = Machine(dataclasses.replace(m.cluster, op_overhead_us=m.cluster.op_overhead_us * tp))
+    w = encoder_work(launch_tp, spec, [(mod, n, 1) for mod, n in media], gpus_per_node)
+    return w.forward_s / tp, w.backward_s / tp
+
+
+def tp_layer_comm(m: Machine, act_bytes: float, tp: int, crosses_nodes: bool) -> float:
+    """One transformer layer's TP collectives, one pass: two all-gathers and two
+    reduce-scatters of the layer's activations (``act_bytes``, whole), as in
+    ``timing.stage_work`` for the LLM."""
+    return 2 * m.ring("all_gather", act_bytes, tp, crosses_nodes) + 2 * m.ring("reduce_scatter", act_bytes, tp,
+                                                                                crosses_nodes)
+
+
+def micro_batch_passes(m: Machine, spec: ModelSpec, mb: MicroBatchWork, tp: int,
+                       gpus_per_node: int) -> tuple[EncoderPass, EncoderPass]:
+    """Forward and backward of one micro-batch's images on one GPU of stage 0's TP group."""
+    fwd_compute, bwd_compute = tp_rank_encoder_compute(m, spec, mb.media, tp, gpus_per_node)
+    fwd_comm = bwd_comm = 0.0
+    for modality in sorted({mod for mod, _ in mb.media}):
+        e = spec.encoders[modality]
+        tokens = sum(n for mod, n in mb.media if mod == modality)  # one batched call per encoder
+        comm = e.num_layers * tp_layer_comm(m, BF16 * tokens * e.hidden, tp, tp > gpus_per_node)
+        fwd_comm += comm
+        bwd_comm += comm if e.trainable else 0.0  # a frozen encoder runs no backward
+    return EncoderPass(fwd_compute, fwd_comm), EncoderPass(bwd_compute, bwd_comm)
+
+
+def encoder_static_memory(cfg: SimConfig, spec: ModelSpec, tp: int, dp: int) -> mem.MemoryBreakdown:
+    """The encoders' weights, gradients and optimizer state on one GPU of stage 0: TP splits
+    them all; the distributed optimizer shards the fp32 master weights and the moments over
+    the ``dp`` ranks, keeps the bf16 weights whole and a full fp32 gradient buffer."""
+    out = mem.MemoryBreakdown()
+    for modality in spec.encoders:
+        sharded = mem.encoder_static_memory(spec, modality, shard=dp, gather_whole=True,
+                                            optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param)
+        whole = mem.encoder_static_memory(spec, modality, shard=1)
+        b = dataclasses.replace(sharded, grads=whole.grads)
+        out = mem.MemoryBreakdown(**{f.name: getattr(out, f.name) + getattr(b, f.name) / tp
+                                     for f in dataclasses.fields(mem.MemoryBreakdown)})
+    return out
+
+
+@dataclass
+class FirstStageEncoder:
+    """The encoder work and state Megatron puts on the first pipeline stage, per DP group and
+    micro-batch; ``omni.sim.simulate`` folds it into the stage-0 work, memory and tail."""
+
+    forward: dict[tuple[int, int], EncoderPass] = field(default_factory=dict)  # (group, micro-batch)
+    backward: dict[tuple[int, int], EncoderPass] = field(default_factory=dict)
+    activation: dict[tuple[int, int], float] = field(default_factory=dict)  # bytes kept until backward
+    static: mem.MemoryBreakdown = field(default_factory=mem.MemoryBreakdown)
+    optimizer_params: float = 0.0  # encoder parameters this GPU's optimizer updates
+    # Per DP group: the exposed part of the gradient reduce-scatter over the DP group. The
+    # encoder's gradients are the stage's last (its backward ends the micro-batch's), so only
+    # the last micro-batch's encoder backward hides them.
+    grad_reduce_s: dict[int, float] = field(default_factory=dict)
+    param_gather_s: float = 0.0  # all-gather of the updated weights over the DP group, whole
+
+    def add_to_first_stage(self, work: dict[tuple[int, int, int], StageWork],
+                           act: dict[tuple[int, int, int], float]) -> None:
+        """Each micro-batch's encoder forward and backward join stage 0's, as in Megatron's
+        first-stage embedding; its activations join the stage's."""
+        for (g, i), f in self.forward.items():
+            b = self.backward[(g, i)]
+            w = work[(g, 0, i)]
+            work[(g, 0, i)] = StageWork(w.forward_s + f.total_s, w.backward_s + b.total_s,
+                                        w.forward_compute_s + f.compute_s, w.tokens,
+                                        w.backward_compute_s + b.compute_s)
+            act[(g, 0, i)] += self.activation[(g, i)]
+
+    def sync_s(self, group: int, work: dict[tuple[int, int, int], StageWork]) -> float:
+        """Exposed encoder weight sync of a DP group's stage 0: the gradient reduce-scatter
+        (``grad_reduce_s``, behind the last micro-batch's encoder backward), and the updated
+        weights' all-gather behind the next step's first stage-0 forward."""
+        gather = max(0.0, self.param_gather_s - work[(group, 0, 0)].forward_s)
+        return self.grad_reduce_s.get(group, 0.0) + gather
+
+    def book(self, timeline: StepTimeline) -> None:
+        """The engine booked the encoder compute as stage-0 LLM time: move it to ``encoder_s``."""
+        for tl in timeline.cells:
+            if tl.stage != 0:
+                continue
+            enc = sum(f.compute_s + self.backward[k].compute_s for k, f in self.forward.items() if k[0] == tl.group)
+            tl.llm_s -= enc
+            tl.encoder_s += enc
+
+
+def first_stage_encoder(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str,
+                        groups: list[list[MicroBatchWork]]) -> FirstStageEncoder | None:
+    """What the encoders add to stage 0 under a Megatron placement (None under the others):
+    ``groups[g][i]``, DP group g's micro-batch i (padded to the step's count)."""
+    if not is_megatron(placement):
+        return None
+    tp, gpn = sizes.tp, cfg.cluster.gpus_per_node
+    dp = sizes.dp * sizes.cp  # Megatron's data-parallel group for dense weights spans CP too
+    out = FirstStageEncoder()
+    for g, mbs in enumerate(groups):
+        for i, mb in enumerate(mbs):
+            if not mb.media:
+                continue
+            out.forward[(g, i)], out.backward[(g, i)] = micro_batch_passes(m, spec, mb, tp, gpn)
+            out.activation[(g, i)] = sum(mem.encoder_activation_bytes(spec, mod, n, sp=tp) for mod, n in mb.media)
+    if not spec.encoders:
+        return out
+    out.static = encoder_static_memory(cfg, spec, tp, dp)
+    trained = sum(e.params for e in spec.encoders.values() if e.trainable) / tp
+    out.optimizer_params = trained / dp
+    layers = sum(e.num_layers for e in spec.encoders.values())
+    cross = tp * dp > gpn  # TP innermost, then CP and DP: a DP group spans tp x cp x dp ranks
+    for g, mbs in enumerate(groups):
+        last = out.backward.get((g, len(mbs) - 1))
+        out.grad_reduce_s[g] = sync.grad_sync(m, trained, dp, 1, cross, layers, last.total_s if last else 0.0)
+    out.param_gather_s = m.ring("all_gather", BF16 * trained, dp, cross)
+    return out
