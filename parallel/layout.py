@@ -280,17 +280,26 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
                   expert_mesh=expert_mesh, groups=groups, timeout=timeout)
 
 
-def encoder_mesh(layout: Layout, first_stage_only: bool) -> DeviceMesh:
+def encoder_mesh(layout: Layout, first_stage_only: bool, shard_group: int | None = None) -> DeviceMesh:
     """A 1D mesh (dim "encoder") over the ranks that run encoders: every rank, or with
     ``first_stage_only`` the first pipeline stage's (those ranks get it, the others a mesh
-    over their own stage, unused). It creates process groups: every rank calls it, in the
-    same order."""
+    over their own stage, unused). With ``shard_group``: a 2D mesh (dims "encoder_replicate",
+    "encoder_shard") over the same ranks, for HSDP: groups of ``shard_group`` consecutive
+    encoder ranks (a node, where the group is one) along "encoder_shard", the groups along
+    "encoder_replicate". It creates process groups: every rank calls it, in the same order."""
     dev = layout.device.type
-    if not first_stage_only or layout.sizes.pp == 1:
-        return init_device_mesh(dev, (layout.world_size,), mesh_dim_names=("encoder",),
-                                backend_override=_mesh_options(1, layout.timeout))
-    return init_device_mesh(dev, (layout.sizes.pp, layout.stage_world), mesh_dim_names=("pp", "encoder"),
-                            backend_override=_mesh_options(2, layout.timeout))["encoder"]
+    whole = not first_stage_only or layout.sizes.pp == 1
+    ranks = layout.world_size if whole else layout.stage_world
+    if shard_group is None:
+        shape, names = (ranks,), ("encoder",)
+    else:  # a divisor of ``ranks`` (omni.runtime.media_tower.encoder_shard_group checks it)
+        shape, names = (ranks // shard_group, shard_group), ("encoder_replicate", "encoder_shard")
+    if whole:
+        return init_device_mesh(dev, shape, mesh_dim_names=names,
+                                backend_override=_mesh_options(len(shape), layout.timeout))
+    mesh = init_device_mesh(dev, (layout.sizes.pp, *shape), mesh_dim_names=("pp", *names),
+                            backend_override=_mesh_options(1 + len(shape), layout.timeout))
+    return mesh[names[0]] if len(names) == 1 else mesh[names]
 
 
 def pipeline_gradient_group(layout: Layout) -> dist.ProcessGroup:

@@ -181,12 +181,16 @@ def _encoders(cfg: OmniConfig) -> None:
 
 
 def _multiplex(cfg: OmniConfig) -> None:
-    from omni.runtime.media_tower import WEIGHT_MODES
+    from omni.runtime.media_tower import WEIGHT_MODES, check_shard_group_setting
     from omni.runtime.multiplex import PLACEMENTS, memory_budget_setting
 
     x = cfg.multiplex
     one_of("multiplex.placement", x.placement, PLACEMENTS)
     one_of("multiplex.encoder_weights", x.encoder_weights, WEIGHT_MODES)
+    try:
+        check_shard_group_setting(x.encoder_weights, x.encoder_shard_group)
+    except ValueError as exc:  # the runtime's LayoutError, a config mistake here
+        raise ConfigError(str(exc)) from None
     _positive("multiplex.encoder_sp", x.encoder_sp)
     _positive("multiplex.chunks_per_cut", x.chunks_per_cut)
     _at_least("multiplex.trace_step", x.trace_step, 0)
@@ -214,3 +218,18 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
                      num_experts=arch.num_experts, virtual_stages=p.pp_virtual_stages if sizes.pp > 1 else 1,
                      cp_impl=p.cp_impl)
     check_sequence(sizes, cfg.data.micro_batch_tokens)
+    if cfg.encoders:
+        _encoder_shard_group(cfg, sizes)
+
+
+def _encoder_shard_group(cfg: OmniConfig, sizes) -> None:
+    """Hybrid encoder weights: the shard group must divide the ranks that encode."""
+    from omni.runtime.media_tower import encoder_shard_group
+    from omni.runtime.multiplex import encoder_ranks
+
+    x = cfg.multiplex
+    try:
+        encoder_shard_group(x.encoder_weights, x.encoder_shard_group, cfg.parallel.gpus_per_node,
+                            len(encoder_ranks(sizes, x.placement)))
+    except ValueError as exc:  # the runtime's LayoutError, a config mistake here
+        raise ConfigError(str(exc)) from None

@@ -19,6 +19,16 @@ FSDP's collectives span all encoder ranks, so every one of them calls ``encode``
 modality present anywhere in a chunk, with no items if it has none — the multiplexing
 runtime guarantees it — and parameters a rank did not use get zero gradients in the
 reduce-scatter instead of leaving it mismatched.
+
+``hybrid`` is FSDP2's HSDP over a 2-D mesh (replicate, shard): the weights are sharded inside
+each shard group (``multiplex.encoder_shard_group`` consecutive encoder ranks, default a node)
+and replicated across the groups. Its gradients are reduce-scattered inside the group after
+every chunk's backward (so between backwards a rank holds only its fp32 shard of them, never
+the full-size gradient; ``parallel.fsdp_reduce_every_microbatch=false``: once per step, as
+``sharded``), and all-reduced across the groups once, in the step's last backward: the
+traffic that crosses groups (the network) stays one shard-sized all-reduce per step. Every
+rank of every group takes the same decisions from the same global step plan, so the
+collectives match along both mesh dimensions.
 """
 from __future__ import annotations
 
@@ -27,12 +37,57 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
 
 from omni.models.encoders.base import HostSizes
 from parallel.fsdp import shard_model
+from parallel.layout import LayoutError
 
-WEIGHT_MODES = ("replicated", "sharded")
+WEIGHT_MODES = ("replicated", "sharded", "hybrid")
+
+
+def check_shard_group_setting(weights: str, setting: int) -> None:
+    """``multiplex.encoder_shard_group`` on its own (no launch needed): >= 0, and set only for
+    hybrid weights (elsewhere it would be silently ignored)."""
+    if setting < 0:
+        raise LayoutError(f"multiplex.encoder_shard_group={setting} must be >= 0 (0: one node, "
+                          f"parallel.gpus_per_node)")
+    if setting and weights != "hybrid":
+        raise LayoutError(f"multiplex.encoder_shard_group={setting} only applies to multiplex.encoder_weights=hybrid "
+                          f"(here {weights}); set encoder_weights=hybrid or encoder_shard_group=0")
+
+
+def encoder_shard_group(weights: str, setting: int, gpus_per_node: int, members: int) -> int:
+    """Ranks per FSDP shard group of the encoder weights among the ``members`` encoder ranks
+    (consecutive ranks form a group; ``members`` divided by it is the number of replicas):
+    1 for replicated weights, every member for sharded ones, for hybrid
+    ``multiplex.encoder_shard_group`` (0: a node, ``parallel.gpus_per_node``, or all members
+    where they fit in one)."""
+    check_shard_group_setting(weights, setting)
+    if weights != "hybrid":
+        return members if weights == "sharded" else 1
+    size = setting or min(gpus_per_node, members)
+    if members % size:
+        key = f"multiplex.encoder_shard_group={setting}" if setting else \
+            f"parallel.gpus_per_node={gpus_per_node} (the default multiplex.encoder_shard_group)"
+        raise LayoutError(f"{key} does not divide the {members} encoder ranks of multiplex.encoder_weights=hybrid; "
+                          f"set multiplex.encoder_shard_group to a divisor of {members}")
+    return size
+
+
+def encoder_gradient_reduction(weights: str, last_of_step: bool, reduce_every_chunk: bool,
+                               reshard_after_forward: bool) -> tuple[bool, bool]:
+    """Sharded or hybrid encoder weights, before one chunk's backward through a modality:
+    (reduce-scatter its gradients in this backward, all-reduce them across the shard groups in
+    it). ``sharded``: both in the step's last backward, or in every one if the weights are
+    resharded after each forward and ``reduce_every_chunk`` (``parallel.fsdp_reduce_every_
+    microbatch``). ``hybrid``: the reduce-scatter (inside a group) in every backward if
+    ``reduce_every_chunk``, the all-reduce (across groups) in the last only; each shard then
+    accumulates the group's sum until the step's last backward adds the other groups'."""
+    if weights == "hybrid":
+        return last_of_step or reduce_every_chunk, last_of_step
+    reduce = last_of_step or (reduce_every_chunk and reshard_after_forward)
+    return reduce, reduce
 
 
 class MediaTower(nn.Module):
@@ -66,11 +121,14 @@ class MediaTower(nn.Module):
         return self.projectors[modality](rows)
 
     def shard(self, mesh: DeviceMesh, precision: MixedPrecisionPolicy, reshard_after_forward: bool = True,
-              prefetch: int = 1) -> list[nn.Parameter]:
-        """FSDP2 over ``mesh`` (the encoder ranks). Returns the sharded parameters, whose
-        gradients FSDP averages over the mesh (the caller turns them back into sums)."""
+              prefetch: int = 1, weights: str = "sharded") -> list[nn.Parameter]:
+        """FSDP2 over ``mesh`` (the encoder ranks; for ``weights="hybrid"`` a 2-D (replicate,
+        shard) mesh, or a 1-D one where there is a single shard group). Returns the sharded
+        parameters, whose gradients FSDP averages over the whole mesh (the caller turns them
+        back into sums)."""
         sharded = []
         self.reshard_after_forward = reshard_after_forward
+        self.weights = weights
         for m, enc in self.encoders.items():
             layers = enc.layer_modules() if getattr(enc, "supports_sequence_parallel", False) else []
             for root, units in ((enc, [[layer] for layer in layers]), (self.projectors[m], [])):
@@ -88,10 +146,24 @@ class MediaTower(nn.Module):
         backward if ``reduce_every_chunk`` (``parallel.fsdp_reduce_every_microbatch``), else
         accumulated until the step's last. Weights kept gathered after the forward stay
         gathered, with their gradients, until the step's last backward: one gather and one
-        reduce-scatter per step and modality, as much traffic as the replicated all-reduce."""
+        reduce-scatter per step and modality, as much traffic as the replicated all-reduce.
+        Hybrid weights reduce-scatter inside their group as ``encoder_gradient_reduction``
+        says, whether or not they stay gathered."""
         if not self.sharded:
             return
+        reduce, all_reduce = encoder_gradient_reduction(self.weights, last_of_step, reduce_every_chunk,
+                                                        self.reshard_after_forward)
         for module in (self.encoders[modality], self.projectors[modality]):
-            module.set_requires_gradient_sync(last_of_step or (reduce_every_chunk and self.reshard_after_forward))
+            module.set_requires_gradient_sync(reduce)  # sets both levels of HSDP's reduction ...
+            module.set_requires_all_reduce(all_reduce)  # ... then the cross-group one on its own
             if not self.reshard_after_forward:
                 module.set_reshard_after_backward(last_of_step)
+        encoder = self.encoders[modality]
+        if last_of_step and not self.reshard_after_forward and not any(p.requires_grad for p in encoder.parameters()):
+            # A frozen encoder has no backward, so FSDP never runs the post-backward that would
+            # release its weights kept gathered: release them here, after the step's last
+            # forward through it (no later chunk of the step has this modality). Local: no
+            # collective.
+            for unit in encoder.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()

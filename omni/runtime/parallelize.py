@@ -28,7 +28,7 @@ from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
 from omni.runtime.config import MultiplexConfig
-from omni.runtime.media_tower import WEIGHT_MODES, MediaTower
+from omni.runtime.media_tower import WEIGHT_MODES, MediaTower, encoder_shard_group
 from omni.runtime.multiplex import Multiplexer, encoder_ranks
 from omni.runtime.timeline import Timeline
 from parallel.config import ParallelConfig
@@ -202,17 +202,25 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
                timeline, hidden_size: int, place: Callable[[list], None]) -> None:
     """The multiplexing runtime, fed by the first stage's chunk, and the encoder weights on
     every rank that encodes: replicated, with gradients summed over those ranks (a rank
-    without media adds zeros: no dilution), or FSDP-sharded over them (FSDP reduces)."""
-    active = layout.rank in encoder_ranks(layout.sizes, cfg.placement)
-    sharded = cfg.encoder_weights == "sharded"
+    without media adds zeros: no dilution), FSDP-sharded over them (FSDP reduces), or hybrid:
+    sharded inside shard groups and replicated across them (FSDP2's HSDP on a 2-D mesh)."""
+    members = encoder_ranks(layout.sizes, cfg.placement)
+    active = layout.rank in members
+    sharded = cfg.encoder_weights in ("sharded", "hybrid")
+    shard = encoder_shard_group(cfg.encoder_weights, cfg.encoder_shard_group, layout.config.gpus_per_node,
+                                len(members))
+    # A single shard group is plain FSDP (a 1-D mesh: no all-reduce over a group of one).
+    two_d = cfg.encoder_weights == "hybrid" and shard < len(members)
     # Every rank builds the mesh (it creates process groups), encoder rank or not.
-    mesh = encoder_mesh(layout, first_stage_only=cfg.placement == "stage0") if sharded else None
+    mesh = encoder_mesh(layout, first_stage_only=cfg.placement == "stage0",
+                        shard_group=shard if two_d else None) if sharded else None
     if active:
         pm.media = tower
         if sharded:
             precision = precision_policy(layout.config.mixed_precision, layout.device)
             params = tower.shard(mesh, precision, reshard_after_forward=_reshard_after_forward(layout),
-                                 prefetch=layout.config.fsdp_prefetch)
+                                 prefetch=layout.config.fsdp_prefetch, weights=cfg.encoder_weights)
+            # FSDP averages over both dimensions of a 2-D mesh (reduce-scatter, then all-reduce).
             pm.averaged.append((params, mesh.size()))
         place([tower])  # only the ranks that encode hold encoder weights
     mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline)

@@ -206,10 +206,12 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
 
 
 def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple = (), data: dict | None = None,
-               multiplex: dict | None = None, probe=None, frozen: tuple = (), precision: str = "fp32") -> dict:
+               multiplex: dict | None = None, probe=None, frozen: tuple = (), precision: str = "fp32",
+               instrument=None) -> dict:
     """Train STEPS steps under ``sizes`` on this rank; returns losses, grad norms and the full
     first-step gradients of the parameters this rank holds. ``multiplex``: MultiplexConfig
-    fields; ``probe(pm, result)``: called after every step (to record runtime figures)."""
+    fields; ``probe(pm, result)``: called after every step (to record runtime figures);
+    ``instrument(pm, result)``: called once before the first step (to record inside steps)."""
     from torch.distributed.tensor import DTensor
 
     from omni.runtime.config import MultiplexConfig
@@ -243,6 +245,8 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     dp, cp = layout.dp_size, layout.sizes.cp
     losses, norms = [], []
     result: dict = {}
+    if instrument is not None:
+        instrument(pm, result)
     for step, mbs in enumerate(global_batches(96, media, **(data or {}))):
         mine = mbs[layout.dp_rank::dp]
         if cp > 1:
@@ -256,7 +260,7 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
             **result}
 
 
-def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None) -> None:
+def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None, instrument=None) -> None:
     """Run ``(name, sizes, model kwargs, data kwargs, multiplex kwargs)`` layouts one after
     another on this rank and pickle the results to ``out_dir/rank<r>.pkl``. An exception ends
     this rank (its peers would wait in a collective): run_ranks then stops the others and
@@ -266,7 +270,8 @@ def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None) -> Non
     results = []
     for name, sizes, model, data, mux in layouts:
         try:
-            results.append((name, run_layout(rank, sizes, data=data, multiplex=mux, probe=probe, **model), None))
+            results.append((name, run_layout(rank, sizes, data=data, multiplex=mux, probe=probe,
+                                             instrument=instrument, **model), None))
         except Exception as e:
             raise RuntimeError(f"layout [{name}] failed on rank {rank}") from e
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:

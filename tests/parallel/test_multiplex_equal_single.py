@@ -1,10 +1,11 @@
 """Encoder-LLM multiplexing trains like the single-process run with inline encoders: under
 every placement (colocated joint pipeline, stage0, encoder_first), with long-short sequence
-parallelism really splitting items, with CP, with two encoders, with encoder weights replicated
-or FSDP-sharded over the encoder ranks; the losses, gradient norms and
-the first step's gradients of every parameter (encoders and projectors included) agree to 1e-5
-(fp32). Also: text-only steps, and steps where only one data group holds media, under every
-placement (no hang, no skew).
+parallelism really splitting items, with CP, with two encoders, with encoder weights replicated,
+FSDP-sharded over the encoder ranks, or hybrid (HSDP: sharded inside shard groups, replicated
+across them); the losses, gradient norms and the first step's gradients of every parameter
+(encoders and projectors included) agree to 1e-5 (fp32). Also: text-only steps, and steps where
+only one data group holds media, under every placement (no hang, no skew); and under hybrid
+weights a rank holds only gradient shards between encoder backwards.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pickle
 import pytest
 
 from dist_helpers import run_ranks
-from layout_harness import BF16_TOL, compare, covered, reference, run_named_layouts
+from layout_harness import BF16_TOL, MICRO_PER_STEP, compare, covered, reference, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
@@ -23,6 +24,7 @@ SHORT = {"steps": 3}  # 8 ranks on 2 cores: 3 steps keep the suite within its bu
 # Image items of >= 6x1 patches, audio of >= 12 tokens: the long ones of LONG, and some short ones.
 SPLIT = {"encoder_sp": 2, "long_threshold": "5"}
 SHARDED = {"encoder_weights": "sharded"}  # encoder and projector weights FSDP-sharded over the encoder ranks
+HYBRID = {"encoder_weights": "hybrid"}  # sharded inside shard groups (default: a node), replicated across them
 PP_TP_DP = dict(pp=2, tp=2, dp_shard=2, pp_schedule="1f1b")
 PP2 = dict(dp_shard=1, pp=2, pp_schedule="1f1b")
 PP2_DP2 = dict(dp_shard=2, pp=2, pp_schedule="1f1b")
@@ -80,6 +82,41 @@ LAYOUTS = {
 }
 
 
+# Hybrid encoder weights on at least two shard groups each: (R replicas x S ranks per group).
+HYBRID_LAYOUTS = {
+    2: [
+        # groups of one rank (parallel.gpus_per_node=1 as the default group): pure replication,
+        # through HSDP's all-reduce; two encoders, no PP (resharded after each forward)
+        ("dp_shard=2 colocated, vision + audio, hybrid 2 x 1 (nodes of 1)", dict(dp_shard=2, gpus_per_node=1), BOTH,
+         SHORT, HYBRID),
+        # PP: weights stay gathered for the step, gradients still reduce-scattered every backward
+        ("pp=2 1f1b colocated, hybrid 2 x 1", PP2, IMAGE, SHORT, {**HYBRID, "encoder_shard_group": 1}),
+        # ... and with one reduction per step (full-size gradients accumulated until the last)
+        ("pp=2 1f1b colocated, hybrid 2 x 1, one reduce per step", {**PP2, "fsdp_reduce_every_microbatch": False},
+         IMAGE, SHORT, {**HYBRID, "encoder_shard_group": 1}),
+        ("cp=2 ring stage0, hybrid 2 x 1", dict(dp_shard=1, cp=2), IMAGE, SHORT,
+         {"placement": "stage0", **HYBRID, "encoder_shard_group": 1}),
+    ],
+    4: [
+        ("dp_shard=4 colocated sp=2 long items, vision + audio, hybrid 2 x 2 (nodes of 2)",
+         dict(dp_shard=4, gpus_per_node=2), BOTH, LONG, {**SPLIT, **HYBRID}),
+        ("pp=2 x dp_shard=2 colocated, vision + audio, hybrid 2 x 2", PP2_DP2, BOTH, SHORT,
+         {**HYBRID, "encoder_shard_group": 2}),
+        # stage0: the groups live inside the first stage's two ranks
+        ("pp=2 x dp_shard=2 stage0, frozen vision + trainable audio, hybrid 2 x 1", PP2_DP2, FROZEN_VISION, SHORT,
+         {"placement": "stage0", **HYBRID, "encoder_shard_group": 1}),
+    ],
+    8: [
+        ("pp=2 x tp=2 x dp_shard=2 colocated, hybrid 2 x 4 (nodes of 4)", {**PP_TP_DP, "gpus_per_node": 4}, IMAGE,
+         SHORT, HYBRID),
+        ("pp=2 x tp=2 x dp_shard=2 stage0, vision + audio, hybrid 2 x 2", PP_TP_DP, BOTH, SHORT,
+         {"placement": "stage0", **HYBRID, "encoder_shard_group": 2}),
+        ("tp=2 x dp_shard=4 colocated, hybrid 4 x 2", dict(tp=2, dp_shard=4), IMAGE, SHORT,
+         {**HYBRID, "encoder_shard_group": 2}),
+    ],
+}
+
+
 def _memory(pm, result):
     """After each step: how much encoder activation memory was alive at once; and how the
     encoder weights are held (the fraction of their elements this rank stores)."""
@@ -94,15 +131,103 @@ def _memory(pm, result):
         result["encoder_sharded"] = all(isinstance(p, DTensor) for p in params)
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
         result["encoder_local_fraction"] = local / sum(p.numel() for p in params)
+        result["encoder_mesh_shape"] = tuple(params[0].device_mesh.shape) if result["encoder_sharded"] else None
+
+
+def _watch_encoder_gradients(pm, result):
+    """Sharded or hybrid encoder weights: before each encoder chunk's backward, how many
+    encoder gradient elements this rank still holds from the step's earlier backwards, full-size
+    (FSDP's unsharded gradients, accumulated without a reduce-scatter) and sharded (reduce-
+    scattered shards, FSDP's partial HSDP sums included). Reads FSDP2's per-group state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tower = pm.media
+    if tower is None or not tower.sharded:
+        return
+    groups = list({id(g): g for m in tower.modules() if isinstance(m, FSDPModule)
+                   for g in m._get_fsdp_state()._fsdp_param_groups}.values())
+    shard_ranks = next(p for p in tower.parameters()).device_mesh.shape[-1]
+    trainable = tower.trainable()
+    result["encoder_grad_full"] = sum(p.numel() for p in trainable)
+    # A rank's shard of a parameter: ceil(rows / S) rows (FSDP pads the first dimension).
+    result["encoder_grad_shard_bound"] = sum(-(-p.shape[0] // shard_ranks) * (p.numel() // p.shape[0])
+                                             for p in trainable)
+    held = result.setdefault("encoder_grads_held", [])
+    real = tower.before_backward
+
+    def before_backward(modality, last_of_step, reduce_every_chunk):
+        full = shard = 0
+        for g in groups:
+            if g._partial_reduce_output is not None:
+                shard += g._partial_reduce_output.numel()
+            for fp in g.fsdp_params:
+                if fp.unsharded_accumulated_grad is not None:
+                    full += fp.unsharded_accumulated_grad.numel()
+                if hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
+                    full += fp._unsharded_param.grad.numel()
+                if fp.sharded_param.grad is not None:
+                    shard += fp.sharded_param.grad.to_local().numel()
+        held.append((full, shard))
+        real(modality, last_of_step, reduce_every_chunk)
+
+    tower.before_backward = before_backward
 
 
 def _worker(rank, world, layouts, out_dir):
-    run_named_layouts(rank, layouts, out_dir, probe=_memory)
+    run_named_layouts(rank, layouts, out_dir, probe=_memory, instrument=_watch_encoder_gradients)
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_multiplexing_equals_single_process(world, tmp_path):
-    layouts = LAYOUTS[world]
+    _check_equal(world, LAYOUTS[world], tmp_path)
+    if world == 2:
+        _check_memory_bound(tmp_path)
+
+
+@pytest.mark.parametrize("world", sorted(HYBRID_LAYOUTS))
+def test_hybrid_encoder_weights_equal_single_process(world, tmp_path):
+    """HSDP encoder weights (``multiplex.encoder_weights=hybrid``) train like the single
+    process, sharded over each group and replicated over >= 2 groups; between encoder
+    backwards a rank holds only gradient shards (reduce-scattered after every backward),
+    unless parallel.fsdp_reduce_every_microbatch=false asks for one reduction per step."""
+    layouts = HYBRID_LAYOUTS[world]
+    _check_equal(world, layouts, tmp_path)
+    problems = []
+    for rank in range(world):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
+            results = pickle.load(f)
+        for (name, sizes, _, data, _), (_, result, _) in zip(layouts, results):
+            dp = sizes.get("dp_shard", 1) * sizes.get("dp_replicate", 1)
+            chunks = -(-data.get("micro", MICRO_PER_STEP) // dp)  # encoder chunks per step
+            problems += [f"[{name}] rank {rank}: {line}" for line in _gradients_held(result, sizes, chunks)]
+    assert not problems, "\n".join(problems[:40])
+
+
+def _gradients_held(result, sizes, chunks: int) -> list[str]:
+    """Per backward reduce-scatter: never a full-size gradient between two encoder backwards,
+    at most one shard of each (and, with several chunks per step, some shard held); one
+    reduction per step: full-size gradients are held."""
+    held = result.get("encoder_grads_held")
+    if held is None:  # a later stage under stage0 holds no encoders
+        return []
+    if not held:
+        return ["no encoder backward was watched"]
+    if sizes.get("fsdp_reduce_every_microbatch", True):
+        bad = []
+        if any(full for full, _ in held):
+            bad.append(f"full-size encoder gradients held between backwards: {held}")
+        if any(shard > result["encoder_grad_shard_bound"] for _, shard in held):
+            bad.append(f"more than one shard of the encoder gradients held (bound "
+                       f"{result['encoder_grad_shard_bound']}): {held}")
+        if chunks > 1 and not any(shard for _, shard in held):
+            bad.append("no gradient shard held at any backward: the check saw nothing")
+        return bad
+    if not any(full for full, _ in held):
+        return [f"one reduce per step, yet no full-size gradient was held between backwards: {held}"]
+    return []
+
+
+def _check_equal(world, layouts, tmp_path):
     refs = {}
     for _, _, model, data, _ in layouts:
         key = (tuple(sorted(model.items())), tuple(sorted(data.items())))
@@ -128,26 +253,33 @@ def test_multiplexing_equals_single_process(world, tmp_path):
         ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
         problems += [f"[{name}]: {line}" for line in covered(by_layout[name], ref)]
     assert not problems, "\n".join(problems[:40])
-    if world == 2:
-        _check_memory_bound(tmp_path)
 
 
 def _weights_held(result, mux, sizes) -> list[str]:
     """Sharded encoder weights are DTensors split over every encoder rank (the first stage's
-    under stage0); replicated ones are whole on every encoder rank."""
+    under stage0); hybrid ones over the ranks of a shard group (multiplex.encoder_shard_group,
+    else a node of parallel.gpus_per_node), on a (groups, group size) mesh; replicated ones are
+    whole on every encoder rank."""
     if "encoder_sharded" not in result:  # a later stage under stage0 holds no encoders
         return [] if mux.get("placement") == "stage0" else ["no encoder weights on an encoder rank"]
-    if mux.get("encoder_weights") != "sharded":
+    weights = mux.get("encoder_weights", "replicated")
+    if weights == "replicated":
         return [] if not result["encoder_sharded"] else ["replicated encoder weights are DTensors"]
     ranks = 1
     for d in ("pp", "dp_shard", "cp", "tp"):
         ranks *= sizes.get(d, 1)
     if mux.get("placement") == "stage0":
         ranks //= sizes.get("pp", 1)
+    shape = (ranks,)
+    if weights == "hybrid":
+        group = mux.get("encoder_shard_group") or min(sizes.get("gpus_per_node", 8), ranks)
+        shape = (ranks // group, group) if group < ranks else (ranks,)
     frac = result["encoder_local_fraction"]
-    if not result["encoder_sharded"] or not frac <= 1.0 / ranks + 0.05:
-        return [f"encoder weights not sharded over {ranks} ranks (sharded: {result['encoder_sharded']}, "
+    if not result["encoder_sharded"] or not frac <= 1.0 / shape[-1] + 0.05:
+        return [f"encoder weights not sharded over {shape[-1]} ranks (sharded: {result['encoder_sharded']}, "
                 f"{frac:.2f} of the elements held here)"]
+    if result["encoder_mesh_shape"] != shape:
+        return [f"encoder weights on a mesh of shape {result['encoder_mesh_shape']}, not {shape}"]
     return []
 
 
@@ -171,3 +303,43 @@ def _check_memory_bound(tmp_path):
     interleaved = runs["pp=2 interleaved_1f1b colocated, 8 micro-batches"]["encoder_memory"]
     assert all(chunks <= 4 for chunks, _, _, _ in interleaved), interleaved
     assert any(media > 4 for _, _, _, media in interleaved), "no step has more than 4 media chunks"
+
+
+def test_hybrid_shard_group_rules():
+    """The shard group of hybrid encoder weights: a node by default (all encoder ranks where
+    they fit in one), or multiplex.encoder_shard_group; it must divide the encoder ranks, and
+    the key means nothing for other modes. check_config refuses mistakes in one line, with
+    the launch (stage0: the first stage's ranks only) or without it."""
+    from omegaconf import OmegaConf
+
+    from omni.errors import ConfigError
+    from omni.runtime.media_tower import encoder_shard_group
+    from parallel.layout import LayoutError
+    from recipes.checks import check_config
+    from recipes.compose import compose_config
+
+    assert encoder_shard_group("hybrid", 0, 4, 8) == 4
+    assert encoder_shard_group("hybrid", 0, 8, 4) == 4
+    assert encoder_shard_group("hybrid", 2, 8, 8) == 2
+    assert encoder_shard_group("sharded", 0, 4, 8) == 8
+    assert encoder_shard_group("replicated", 0, 4, 8) == 1
+    with pytest.raises(LayoutError, match="parallel.gpus_per_node=3 .* divisor of 8"):
+        encoder_shard_group("hybrid", 0, 3, 8)
+
+    def config(*overrides):
+        return OmegaConf.to_object(compose_config(["multiplex.encoder_weights=hybrid", *overrides]))
+
+    check_config(config("multiplex.encoder_shard_group=2"), world_size=8)
+    check_config(config("multiplex.encoder_shard_group=4", "multiplex.placement=stage0", "parallel.pp=2"),
+                 world_size=8)
+    for overrides, world, needle in [
+            (["multiplex.encoder_shard_group=3"], 8, "multiplex.encoder_shard_group=3 does not divide the 8"),
+            (["parallel.gpus_per_node=3"], 8, "parallel.gpus_per_node=3 .* does not divide the 8"),
+            (["multiplex.encoder_shard_group=8", "multiplex.placement=stage0", "parallel.pp=2"], 8,
+             "does not divide the 4 encoder ranks")]:
+        with pytest.raises(ConfigError, match=needle):
+            check_config(config(*overrides), world_size=world)
+    with pytest.raises(ConfigError, match="multiplex.encoder_shard_group=-1 must be >= 0"):
+        config("multiplex.encoder_shard_group=-1")
+    with pytest.raises(ConfigError, match="only applies to multiplex.encoder_weights=hybrid"):
+        compose_config(["multiplex.encoder_weights=sharded", "multiplex.encoder_shard_group=2"])
