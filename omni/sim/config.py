@@ -7,7 +7,7 @@ the simulator likes is a layout ``omni train`` accepts unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.runtime.config import MultiplexConfig
@@ -64,14 +64,33 @@ class SimDataConfig:
     # Samples per optimizer step and the packing budget, as in training's `data` group.
     global_batch_size: int = 256
     micro_batch_tokens: int = 16384
-    # LLM tokens per sample (text + image tokens): log-normal around the mean (sigma 0: fixed).
+    # LLM tokens of a text-only sample: log-normal around the mean (sigma 0: fixed). The same
+    # sigma spreads the text around a media sample's items.
     sample_tokens: int = 2048
     sample_tokens_sigma: float = 0.5
-    # Share of the LLM tokens that come from images: 0.9 is a 9:1 image:text mix.
+    # Share of the step's LLM tokens that come from encoders (media), in expectation over the
+    # batch: 0.9 is a 9:1 media:text mix. Set by the share of text-only samples (and, beyond what
+    # an all-media batch carries, by shortening the text around the media); 0: no media.
     image_ratio: float = 0.5
-    # Encoder tokens per image (= LLM tokens, one per patch), log-uniform in [min, max].
+    # Dynamic workload: [[fraction_of_run, ratio], ...], linearly interpolated; the simulated
+    # steps sit at fractions (i + 0.5) / steps of the run, each drawn at its own ratio (then
+    # image_ratio is not used). None: every step at image_ratio.
+    image_ratio_schedule: Optional[List[Any]] = None  # pairs; checked by omni.sim.data.check_schedule
+    # What a media sample holds, kind -> weight (renormalised over the kinds whose encoder the
+    # model has; 0 leaves a kind out): image (one image), multi_image (images_per_sample images),
+    # video (one clip of video_frames frames, each an image item: the ViT encodes frames) and
+    # audio (one clip; needs an audio encoder).
+    media_mix: Dict[str, float] = field(default_factory=lambda: {
+        "image": 0.5, "multi_image": 0.25, "video": 0.15, "audio": 0.1})
+    # Encoder tokens per image (image, multi_image), log-uniform in [min, max] (dynamic resolution).
     image_tokens_min: int = 256
     image_tokens_max: int = 2048
+    images_per_sample: List[int] = field(default_factory=lambda: [2, 6])  # multi_image, uniform [lo, hi]
+    video_frames: List[int] = field(default_factory=lambda: [8, 32])  # frames per clip, uniform [lo, hi]
+    frame_tokens: List[int] = field(default_factory=lambda: [144, 256])  # per frame, log-uniform, one size a clip
+    audio_tokens: List[int] = field(default_factory=lambda: [250, 1500])  # per clip, log-uniform
+    # Mean text tokens around a media sample's items (prompt, caption, answer), log-normal.
+    media_text_tokens: int = 256
     # How the planner arranges a step over DP ranks and micro-batches (data.balance in training).
     balance: str = "balanced"
     # source=mixture: as training's data.over_budget (error, truncate, split, skip).
@@ -81,6 +100,10 @@ class SimDataConfig:
     steps: int = 3
     first_step: int = 0
     seed: int = 0
+    # source=mixture: the run's length in planner steps; the simulated steps are spread over
+    # first_step .. first_step + run_steps (the mixture's curriculum applies at each). 0: the
+    # steps first_step .. first_step + steps - 1.
+    run_steps: int = 0
 
 
 @dataclass
