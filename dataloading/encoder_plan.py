@@ -8,7 +8,10 @@ so every rank computes the same plan and the exchanges need no negotiation:
 
 - **Long-short split**: an item whose encoder token count exceeds the long threshold is split
   over an SP block (``sp`` consecutive ranks, Ulysses attention); the rest are *short* and
-  encoded whole on one rank.
+  encoded whole on one rank. With ``long_threshold=auto`` an item is split only where that
+  pays: it alone exceeds the balanced share per rank, and splitting takes more off its rank
+  than the fixed cost the SP pass adds (``split_fixed_cost``), or it does not fit the memory
+  budget whole.
 - **Balancing**: long items first, then short ones, heaviest first (by the shared cost model),
   each onto the least-loaded eligible rank (a block's load counts 1/sp of the item on each
   member). Ties prefer a rank that already holds the item's features (no transfer), then the
@@ -21,6 +24,11 @@ so every rank computes the same plan and the exchanges need no negotiation:
 Buffers are laid out canonically: what rank p sends to rank q is ordered by (modality, group,
 item, row), and q reads its receive buffer in source-rank order, so both sides agree without
 exchanging indices.
+
+``plan_cut`` plans several chunks (the ``multiplex.chunks_per_cut`` chunks of one insertion
+point) as one: their items are balanced together and routed in one feature exchange per
+modality, one encoder call per modality and one output exchange, so the fixed cost of a call
+is paid once per cut rather than once per chunk.
 
 The plan's inputs come from ``describe_media``: each rank's host-side view of its micro-batch
 (items, sizes, and which output rows land where under its CP and TP shares), read before the
@@ -171,10 +179,11 @@ def assign_items(
     item_bytes: Callable[[str, int], float | None] | None = None,
     memory_limit: float | None = None,
     base_loads: Sequence[float] | None = None,
+    split_fixed_cost: float = 0.0,
 ) -> Assignment:
     """The long-short split and the balancing of ``plan_chunk`` (its docstring has the
     arguments). ``base_loads``: cost each rank already carries (e.g. earlier chunks of the step)
-    that the balancing evens out too; None: zeros."""
+    that the balancing evens out too; None: zeros. ``split_fixed_cost``: see ``splits``."""
     if sp < 1 or world % sp:
         raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
     group_arr = np.asarray(group_of, dtype=np.int64)
@@ -191,7 +200,8 @@ def assign_items(
         if sp == 1 or it.modality not in sp_modalities or it.tokens < sp:
             return False
         if long_threshold is None:
-            return costs[it.key] > share or (bool(memory) and memory[it.key] > memory_limit)
+            return (bool(memory) and memory[it.key] > memory_limit) or \
+                splits(costs[it.key], share, sp, split_fixed_cost)
         return it.tokens > long_threshold
 
     base = np.zeros(world) if base_loads is None else np.asarray(base_loads, dtype=np.float64)
@@ -228,6 +238,21 @@ def assign_items(
     return Assignment(placed, long_of_block, block_of, loads, loads - base, memory, sp)
 
 
+def splits(cost: float, share: float, sp: int, fixed_cost: float = 0.0) -> bool:
+    """``long_threshold=auto``'s cost rule: does splitting an item of ``cost`` over an SP block
+    of ``sp`` ranks shorten the encoder call, whose balanced share per rank is ``share``?
+
+    Whole, the item keeps its rank busy for ``cost``, the call's critical path when it exceeds
+    the share. Split, each member of the block carries ``cost / sp`` plus ``fixed_cost``: what
+    the SP pass costs whatever the item's size (the Ulysses all-to-alls of every layer, each a
+    fixed latency, in the cost model's units). So it pays when ``cost > share`` and
+    ``cost * (1 - 1/sp) > fixed_cost``. The share is the whole call's: under
+    ``multiplex.chunks_per_cut`` > 1 the cut group's items, so an item that would stand out in
+    one chunk but not among its cut's is encoded whole. ``fixed_cost`` 0: the SP pass is free
+    (the rule before the fixed cost was counted)."""
+    return cost > share and cost * (1.0 - 1.0 / sp) > fixed_cost
+
+
 def plan_chunk(
     items: Sequence[ItemMeta],
     needs: Mapping[int, Mapping[str, np.ndarray]],
@@ -241,6 +266,7 @@ def plan_chunk(
     item_bytes: Callable[[str, int], float | None] | None = None,
     memory_limit: float | None = None,
     base_loads: Sequence[float] | None = None,
+    split_fixed_cost: float = 0.0,
 ) -> ChunkPlan:
     """Plan one encoder chunk over ranks ``0..world-1`` (indices into the exchange group).
 
@@ -251,10 +277,11 @@ def plan_chunk(
     ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an item
     whose cost alone exceeds the chunk's balanced share per rank, or whose activations
     ``item_bytes(modality, tokens)`` exceed ``memory_limit`` bytes). Only ``sp_modalities``
-    can be split. ``base_loads``: see ``assign_items``.
+    can be split. ``base_loads``: see ``assign_items``. ``split_fixed_cost``: the SP pass's
+    fixed cost in the cost model's units (``splits``).
     """
     a = assign_items(items, group_of, world, cost, sp, long_threshold, sp_modalities, eligible, item_bytes,
-                     memory_limit, base_loads)
+                     memory_limit, base_loads, split_fixed_cost)
     plans = [RankPlan() for _ in range(world)]
     holders: dict[int, list[int]] = {}
     for r, g in enumerate(group_of):
@@ -345,6 +372,73 @@ def plan_chunk(
     over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > memory_limit) \
         if memory else 0
     return ChunkPlan(plans, len(block_of), a.balance, over)
+
+
+@dataclass
+class CutPlan:
+    """Several encoder chunks planned as one (``plan_cut``): one call's plan over their items.
+
+    Inside ``plan`` an item is named by (modality, group, cut index): a group's items of one
+    modality numbered on through the chunks (chunk 0's first, then chunk 1's, ...), and their
+    output rows likewise, so the group's items of the cut read as one long micro-batch.
+    ``origin`` maps a cut index back to the chunk and the item's index in it."""
+
+    plan: ChunkPlan
+    origin: dict[tuple[str, int, int], tuple[int, int]]  # (modality, group, cut index) -> (chunk, index)
+    # need_index[r][c][modality]: into rank r's receive buffer of the cut, the rows rank r asked
+    # for in chunk c (in its order); what ``RankPlan.need_index`` is for a single chunk.
+    need_index: list[list[dict[str, np.ndarray]]]
+    items: list[ItemMeta]  # the cut's items, renumbered
+
+
+def plan_cut(
+    items_by_chunk: Sequence[Sequence[ItemMeta]],
+    needs_by_chunk: Sequence[Mapping[int, Mapping[str, np.ndarray]]],
+    group_of: Sequence[int],
+    world: int,
+    cost: CostModel,
+    **kwargs,
+) -> CutPlan:
+    """Plan the chunks of one insertion point together: ``items_by_chunk[c]`` and
+    ``needs_by_chunk[c]`` are what ``plan_chunk`` takes for chunk c (item indices and rows
+    relative to chunk c's micro-batches); ``kwargs`` are ``plan_chunk``'s. The items are
+    balanced as one set (and the auto long threshold compares them with the cut's share per
+    rank), and every rank gets one receive buffer for the cut, ``need_index`` saying where in it
+    each chunk's rows are. One chunk: the plan is ``plan_chunk``'s, indices unchanged."""
+    merged: list[ItemMeta] = []
+    origin: dict[tuple[str, int, int], tuple[int, int]] = {}
+    before: dict[tuple[str, int], tuple[int, int]] = {}  # (modality, group) -> (items, rows) of earlier chunks
+    row_base: list[dict[tuple[str, int], int]] = []
+    for c, items in enumerate(items_by_chunk):
+        row_base.append({k: rows for k, (_, rows) in before.items()})
+        seen = dict(before)
+        for it in items:
+            n_items, n_rows = before.get((it.modality, it.group), (0, 0))
+            renamed = ItemMeta(it.group, it.modality, n_items + it.index, it.tokens, it.units)
+            merged.append(renamed)
+            origin[renamed.key] = (c, it.index)
+            k, r = seen.get((it.modality, it.group), (0, 0))
+            seen[(it.modality, it.group)] = (k + 1, r + it.tokens)
+        before = seen
+    needs: dict[int, dict[str, list[np.ndarray]]] = {}
+    lengths: dict[int, dict[str, list[int]]] = {}
+    for c, per_rank in enumerate(needs_by_chunk):
+        for q, per_modality in per_rank.items():
+            for m, rows in per_modality.items():
+                rows = np.asarray(rows, dtype=np.int64)
+                needs.setdefault(q, {}).setdefault(m, []).append(rows + row_base[c].get((m, group_of[q]), 0))
+                lengths.setdefault(q, {}).setdefault(m, [0] * len(needs_by_chunk))[c] = rows.size
+    flat = {q: {m: np.concatenate(parts) for m, parts in per.items()} for q, per in needs.items()}
+    plan = plan_chunk(merged, flat, group_of, world, cost, **kwargs)
+    need_index = [[{} for _ in needs_by_chunk] for _ in range(world)]
+    for q, per in lengths.items():
+        for m, counts in per.items():
+            at = 0
+            for c, n in enumerate(counts):
+                if c < len(needs_by_chunk) and m in needs_by_chunk[c].get(q, {}):
+                    need_index[q][c][m] = plan.ranks[q].need_index[m][at:at + n]
+                at += n
+    return CutPlan(plan, origin, need_index, merged)
 
 
 def _bytes(item_bytes, it: ItemMeta) -> float:

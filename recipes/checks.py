@@ -182,7 +182,7 @@ def _encoders(cfg: OmniConfig) -> None:
 
 def _multiplex(cfg: OmniConfig) -> None:
     from omni.runtime.media_tower import WEIGHT_MODES, check_shard_group_setting
-    from omni.runtime.multiplex import PLACEMENTS, memory_budget_setting
+    from omni.runtime.multiplex import EXCHANGE_MODES, PLACEMENTS, memory_budget_setting
 
     x = cfg.multiplex
     one_of("multiplex.placement", x.placement, PLACEMENTS)
@@ -198,6 +198,9 @@ def _multiplex(cfg: OmniConfig) -> None:
     _need(threshold == "auto" or (threshold.isdigit() and int(threshold) > 0), "multiplex.long_threshold",
           x.long_threshold, "must be auto or a positive number of encoder tokens")
     memory_budget_setting(x.encoder_memory_mib)
+    one_of("multiplex.exchange", x.exchange, EXCHANGE_MODES)
+    _need(isinstance(x.lookahead, int) and not isinstance(x.lookahead, bool) and x.lookahead >= 0,
+          "multiplex.lookahead", x.lookahead, "must be a whole number of cut groups >= 0", "0 turns it off")
 
 
 def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:

@@ -1,28 +1,36 @@
 """Encoder-LLM multiplexing: encoders on every rank, inserted into the LLM pipeline on demand.
 
 Each step, the media of micro-batch j of *every* data-parallel group form encoder chunk j.
-Chunk j is encoded by all encoder ranks together (``dataloading.encoder_plan``: short items
-whole and balanced by cost, long items split over an SP block with Ulysses attention), and
-its outputs travel by one variable-split all-to-all straight to the LLM ranks that embed them
-(first pipeline stage, the CP chunk and the TP/SP shard holding each placeholder).
+The ``multiplex.chunks_per_cut`` chunks of one insertion point (a *cut group*) are encoded by
+all encoder ranks together in one call (``dataloading.encoder_plan.plan_cut``: short items
+whole and balanced by cost, long items split over an SP block with Ulysses attention): one
+feature exchange and one encoder pass per modality, and one exchange of the outputs straight
+to the LLM ranks that embed them (first pipeline stage, the CP chunk and the TP/SP shard
+holding each placeholder). The exchanges are a variable-split all-to-all over the encoder
+ranks, or point-to-point sends between the pairs that trade rows (``multiplex.exchange``,
+``parallel.reshard``).
 
 The encoder graph is kept apart from the LLM's: the received rows are a leaf that the first
 stage writes into its input embeddings; when the LLM's backward has filled that leaf's
 gradient, the inverse all-to-all takes it back to the encoder ranks, which run the encoder
-backward. So the forward of chunk j (F j) and its backward (B j) are actions of their own,
-and ``placement`` decides where they go:
+backward. So the forward of a cut group (F j for its chunks j) and its backward (B j) are
+actions of their own, and ``placement`` decides where they go:
 
 - ``colocated`` (the joint pipeline): at cut k of the pipeline executor (stage 0 about to run
   micro-batch k; a consistent cut on every rank, see ``parallel.pipeline_executor``) every
   rank runs the actions up to F k — the chunk stage 0 needs next, spread over all ranks at the
   moment it is needed. B j runs at the first cut after stage 0's backward of j (1F1B: cut
   j + pp; GPipe, and interleaved 1F1B with few micro-batches: after the pipeline), so the
-  encoder activations alive at once are bounded by the micro-batches in flight.
+  encoder activations alive at once are bounded by the micro-batches in flight. A cut
+  group's backward is one pass through one graph, so it waits for its last chunk's
+  gradient.
 - ``stage0`` (Megatron-style baseline): the same on the first stage's ranks only; each data
   group's items stay on its own first-stage ranks.
-- ``encoder_first``: every F before the LLM pipeline, every B after it.
+- ``encoder_first``: every F before the LLM pipeline, every B after it: one insertion point,
+  so the whole step's chunks are one call.
 
-Every rank runs the same action list in the same order, so the collectives always match.
+Every rank runs the same action list in the same order, so the collectives always match
+(under ``exchange=p2p`` every rank posts the sends and receives of the same global plan).
 """
 from __future__ import annotations
 
@@ -36,29 +44,44 @@ from torch import nn
 
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
-from dataloading.encoder_plan import ChunkPlan, ItemMeta, MediaManifest, describe_media, plan_chunk
+from dataloading.encoder_plan import CutPlan, ItemMeta, MediaManifest, describe_media, plan_cut
 from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.runtime.media_tower import MediaTower
 from parallel.layout import Layout, LayoutError, Sizes, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
-from parallel.reshard import exchange_rows
+from parallel.reshard import EXCHANGE_MODES, exchange_rows
 
 PLACEMENTS = ("colocated", "stage0", "encoder_first")
 INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
 
 
 @dataclass
-class _Chunk:
-    plan: ChunkPlan
-    # Device index tensors of this rank's part, built once per step (one host-to-device copy).
-    send_idx: torch.Tensor | None = None  # table rows to send, in send order
-    need_idx: dict = field(default_factory=dict)  # modality -> receive-buffer row per placeholder
-    positions: dict = field(default_factory=dict)  # modality -> local placeholder positions
+class _Cut:
+    """One cut group's encoder call: chunks ``first .. first + len(chunks) - 1``."""
+
+    index: int  # the step's cut groups, in order
+    chunks: list[int]
+    plan: CutPlan
+    has_media: bool  # any item in any of its chunks, on any rank
+    media_chunks: int  # of its chunks, those with media anywhere
+    send_idx: torch.Tensor | None = None  # device: table rows to send, in send order
     table: torch.Tensor | None = None  # this rank's encoder outputs (with the encoder graph)
     recv: torch.Tensor | None = None  # rows received for this rank's placeholders (the LLM's leaf)
-    saved_bytes: int = 0  # activation bytes the encoder graph of this chunk keeps
+    saved_bytes: int = 0  # activation bytes the encoder graph of this call keeps
+    forward_done: bool = False
+    backward_done: bool = False
+
+
+@dataclass
+class _Chunk:
+    """Micro-batch j's view of its cut group's call: where its rows are in the cut's receive
+    buffer. Device index tensors, built once per step (one host-to-device copy)."""
+
+    cut: _Cut
+    need_idx: dict = field(default_factory=dict)  # modality -> receive-buffer row per placeholder
+    positions: dict = field(default_factory=dict)  # modality -> local placeholder positions
 
 
 @dataclass
@@ -79,6 +102,8 @@ class Multiplexer:
         map to. Built on every rank, in the same order (it creates process groups)."""
         if cfg.placement not in PLACEMENTS:
             raise LayoutError(f"multiplex.placement={cfg.placement!r} is not one of {', '.join(PLACEMENTS)}")
+        if cfg.exchange not in EXCHANGE_MODES:
+            raise LayoutError(f"multiplex.exchange={cfg.exchange!r} is not one of {', '.join(EXCHANGE_MODES)}")
         sizes, pcfg = layout.sizes, layout.config
         if cfg.placement != "encoder_first" and sizes.pp > 1 and pcfg.pp_schedule not in INSERTING_SCHEDULES:
             raise LayoutError(
@@ -116,6 +141,14 @@ class Multiplexer:
         threshold = str(cfg.long_threshold).lower()
         self.long_threshold = None if threshold == "auto" else int(threshold)
         self.memory_limit = _memory_budget(cfg.encoder_memory_mib, layout)
+        # The fixed cost of an SP pass in the cost model's units (``encoder_plan.splits``); no
+        # measured value exists yet, so long_threshold=auto counts none (as before).
+        self.split_fixed_cost = 0.0
+        self.exchange = cfg.exchange
+        if self.exchange == "p2p" and self.active and len(self.members) > 1:
+            # NCCL: a batch of point-to-point ops that is the first collective on its group needs
+            # every rank of the group in it; one small all-reduce here sets the group up.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
         element = 2 if layout.device.type == "cuda" else 4  # bf16 activations on the GPU
         self._item_bytes = (lambda m, tokens: encoders[m].activation_bytes(tokens, element)) if encoders else None
         # n -> for each chunk j, the cut at which its backward can run (stage 0 then has j's
@@ -128,10 +161,11 @@ class Multiplexer:
         self.consumer = layout.pp_rank == 0
         self.announcer = layout.rank == layout.peer_source
         self._chunks: dict[int, _Chunk] = {}
+        self._cuts: list[_Cut] = []
         self._actions: list[tuple[str, int]] = []
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
-        self._last_backward: dict[str, int] = {}  # modality -> its last chunk of the step
+        self._last_backward: dict[str, int] = {}  # modality -> its last cut group of the step
         self.media: StepMedia | None = None
         self.stats = _StepStats()
         self._trainable = tower is not None and bool(tower.trainable())
@@ -175,7 +209,7 @@ class Multiplexer:
                 dist.all_gather_object(everyone, mine, group=self.host_group)
         n = max(e["n"] for e in everyone)
         self.media = self._collect(everyone, n)
-        self._chunks = {}
+        self._chunks, self._cuts = {}, []
         self.stats = _StepStats()
         if self.active:
             self._plan(everyone, n, manifests)
@@ -194,29 +228,43 @@ class Multiplexer:
                 eligible.setdefault(g, []).append(i)
         indices = _IndexUpload(self.device)
         self._last_backward = {}
-        # Each chunk is balanced on top of the step's earlier ones, so that the same ranks do not
-        # take the first items of every chunk (their encoder activations would pile up until
-        # the chunks' backwards).
+        # Each cut group is balanced on top of the step's earlier ones, so that the same ranks do
+        # not take the first items of every call (their encoder activations would pile up until
+        # the backwards).
         carried = np.zeros(len(self.members))
-        for j in range(n):
-            plan = plan_chunk(self.media.items[j], needs_by_chunk[j], self.group_of, len(self.members), self.cost,
-                              sp=self.sp, long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
-                              eligible=eligible, item_bytes=self._item_bytes, memory_limit=self.memory_limit,
-                              base_loads=carried)
+        size = self._cut_size(n)
+        for c, first in enumerate(range(0, n, size)):
+            js = list(range(first, min(first + size, n)))
+            cut_plan = plan_cut([self.media.items[j] for j in js], [needs_by_chunk[j] for j in js], self.group_of,
+                                len(self.members), self.cost, sp=self.sp, long_threshold=self.long_threshold,
+                                sp_modalities=self.sp_modalities, eligible=eligible, item_bytes=self._item_bytes,
+                                memory_limit=self.memory_limit, base_loads=carried,
+                                split_fixed_cost=self.split_fixed_cost)
+            plan = cut_plan.plan
             carried = carried + np.asarray([rp.load for rp in plan.ranks])
-            chunk = self._chunks[j] = _Chunk(plan)
+            cut = _Cut(c, js, cut_plan, has_media=any(self.media.items[j] for j in js),
+                       media_chunks=sum(1 for j in js if self.media.items[j]))
+            self._cuts.append(cut)
             rp = plan.ranks[self.index]
-            indices.add(chunk, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
-            if self.consumer and j < len(manifests):
-                for m, pos in manifests[j].positions.items():
-                    indices.add(chunk.need_idx, m, rp.need_index[m])
-                    indices.add(chunk.positions, m, pos)
+            indices.add(cut, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
+            for pos_in_cut, j in enumerate(js):
+                chunk = self._chunks[j] = _Chunk(cut)
+                if self.consumer and j < len(manifests):
+                    for m, pos in manifests[j].positions.items():
+                        indices.add(chunk.need_idx, m, cut_plan.need_index[self.index][pos_in_cut][m])
+                        indices.add(chunk.positions, m, pos)
             self.stats.long_items += plan.long_items
             self.stats.over_memory += plan.over_memory
             self.stats.balance = max(self.stats.balance, plan.max_over_mean)
-            for it in self.media.items[j]:
-                self._last_backward[it.modality] = j
+            for it in cut_plan.items:
+                self._last_backward[it.modality] = c
         indices.upload()
+
+    def _cut_size(self, n: int) -> int:
+        """Chunks per encoder call: multiplex.chunks_per_cut where the calls are inserted into
+        the pipeline; encoder_first has one insertion point, before it, so one call for the
+        whole step (its activations live until after the pipeline either way)."""
+        return max(n, 1) if self.cfg.placement == "encoder_first" else self.chunks_per_cut
 
     def _collect(self, everyone: list, n: int) -> StepMedia:
         media = StepMedia(n, [[] for _ in range(n)])
@@ -267,44 +315,51 @@ class Multiplexer:
                 return
 
     def _run(self, action: tuple[str, int]) -> None:
+        """F j / B j run chunk j's cut group's call, once: the action list keeps a group's
+        forwards together, and its backwards together (``encoder_actions``)."""
         kind, j = action
-        if kind == "F":
-            self._forward(j)
-        else:
-            self._backward(j)
+        cut = self._chunks[j].cut
+        if kind == "F" and not cut.forward_done:
+            cut.forward_done = True
+            self._forward(cut)
+        elif kind == "B" and not cut.backward_done:
+            cut.backward_done = True
+            self._backward(cut)
 
     # -- the consumer side -------------------------------------------------------------------
     def embeddings(self, j: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """modality -> (rows [n, H], local positions [n]) for micro-batch j on this rank."""
+        chunk = self._ran(j)
+        return {m: (chunk.cut.recv.index_select(0, idx), chunk.positions[m]) for m, idx in chunk.need_idx.items()}
+
+    def _ran(self, j: int) -> _Chunk:
         chunk = self._chunks.get(j)
-        if chunk is None or chunk.recv is None:
+        if chunk is None or chunk.cut.recv is None:
             raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
                                f"placement {self.cfg.placement})")
-        return {m: (chunk.recv.index_select(0, idx), chunk.positions[m]) for m, idx in chunk.need_idx.items()}
+        return chunk
 
     def write_embeddings(self, j: int, embeds: torch.Tensor) -> torch.Tensor:
         """``embeds`` [T, H] (this rank's row or TP shard of micro-batch j) with the received
         encoder rows written at their placeholders: one fused gather-and-scatter per modality
         (``omni.kernels.reshard.scatter_rows``; its PyTorch reference off the GPU)."""
-        chunk = self._chunks.get(j)
-        if chunk is None or chunk.recv is None:
-            raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
-                               f"placement {self.cfg.placement})")
+        chunk = self._ran(j)
         for m, idx in chunk.need_idx.items():
-            embeds = scatter_rows(embeds, chunk.recv, idx, chunk.positions[m])
+            embeds = scatter_rows(embeds, chunk.cut.recv, idx, chunk.positions[m])
         return embeds
 
-    # -- one chunk forward / backward ---------------------------------------------------------
-    def _forward(self, j: int) -> None:
-        chunk = self._chunks[j]
-        rp = chunk.plan.ranks[self.index]
-        if not self.media.items[j]:
-            chunk.recv = torch.zeros(0, self.hidden_size, device=self.device)
+    # -- one cut group's forward / backward ----------------------------------------------------
+    def _forward(self, cut: _Cut) -> None:
+        if not cut.has_media:
+            cut.recv = torch.zeros(0, self.hidden_size, device=self.device)
             return
-        feats = self._exchange_features(j, rp)
-        with self._span("encoder", f"F{j}"), _CountSaved() as saved:
-            # Every encoder rank encodes every modality of the chunk, with no items if it has
-            # none: sharded weights are gathered by all of them together.
+        rp = cut.plan.plan.ranks[self.index]
+        name = _call_name(cut)
+        feats = self._exchange_features(cut, rp, name)
+        with self._span("encoder", f"F{name}"), _CountSaved() as saved:
+            # Every encoder rank encodes every modality of the cut, with no items if it has
+            # none: sharded weights are gathered by all of them together. One call per
+            # modality for all the cut's chunks.
             parts = []
             for m in sorted(rp.short):
                 dim, dtype = self.media.feat[m]
@@ -313,72 +368,88 @@ class Multiplexer:
                     torch.zeros(0, dim, dtype=getattr(torch, dtype), device=self.device)
                 long = rp.long[m]
                 xl = torch.cat([feats[(m, g, i)] for g, i in long]) if long else None
-                parts.append(self.tower.encode(m, x, self._sizes(j, m, short), xl,
-                                               self._sizes(j, m, long) if long else None, self.sp_group))
+                parts.append(self.tower.encode(m, x, self._sizes(cut, m, short), xl,
+                                               self._sizes(cut, m, long) if long else None, self.sp_group))
             table = torch.cat(parts)
-        chunk.saved_bytes = saved.bytes
-        chunk.table = table
-        with self._span("comm", f"F{j} outputs"):
-            recv = exchange_rows(table.detach().index_select(0, chunk.send_idx), [len(s) for s in rp.out_send],
-                                 rp.out_recv_counts, self.group)
+        cut.saved_bytes = saved.bytes
+        cut.table = table
+        with self._span("comm", f"F{name} outputs"):
+            recv = exchange_rows(table.detach().index_select(0, cut.send_idx), [len(s) for s in rp.out_send],
+                                 rp.out_recv_counts, self.group, self.exchange)
         # The received rows come from other ranks' tables: they need a gradient whenever any
         # encoder or projector trains, whether or not this rank encoded anything.
-        chunk.recv = recv.requires_grad_(self._trainable)
+        cut.recv = recv.requires_grad_(self._trainable)
         s = self.stats
-        s.live_bytes += chunk.saved_bytes
-        s.max_chunk_bytes = max(s.max_chunk_bytes, chunk.saved_bytes)
+        s.live_bytes += cut.saved_bytes
+        s.max_chunk_bytes = max(s.max_chunk_bytes, cut.saved_bytes)
         s.peak_live_bytes = max(s.peak_live_bytes, s.live_bytes)
-        s.live_chunks += 1
-        s.media_chunks += 1
+        s.live_chunks += cut.media_chunks
+        s.media_chunks += cut.media_chunks
         s.peak_live_chunks = max(s.peak_live_chunks, s.live_chunks)
 
-    def _backward(self, j: int) -> None:
-        chunk = self._chunks[j]
-        if chunk.table is None:  # no media in this chunk anywhere
+    def _backward(self, cut: _Cut) -> None:
+        if cut.table is None:  # no media in this cut anywhere
             return
-        rp = chunk.plan.ranks[self.index]
-        grad = chunk.recv.grad if chunk.recv.grad is not None else torch.zeros_like(chunk.recv)
-        with self._span("comm", f"B{j} gradients"):
-            back = exchange_rows(grad, rp.out_recv_counts, [len(s) for s in rp.out_send], self.group)
-        if chunk.table.requires_grad:
+        rp = cut.plan.plan.ranks[self.index]
+        name = _call_name(cut)
+        # Every chunk of the cut has added its rows' gradients (the action list runs a cut's
+        # backward only once the last of them is complete).
+        grad = cut.recv.grad if cut.recv.grad is not None else torch.zeros_like(cut.recv)
+        with self._span("comm", f"B{name} gradients"):
+            back = exchange_rows(grad, rp.out_recv_counts, [len(s) for s in rp.out_send], self.group, self.exchange)
+        if cut.table.requires_grad:
             for m in rp.short:
-                self.tower.before_backward(m, j == self._last_backward[m], self.reduce_every_chunk)
-            g_table = torch.zeros_like(chunk.table).index_add_(0, chunk.send_idx, back.to(chunk.table.dtype))
-            with self._span("encoder", f"B{j}"):
-                chunk.table.backward(g_table)
-        chunk.table = chunk.recv = None
-        self.stats.live_bytes -= chunk.saved_bytes
-        self.stats.live_chunks -= 1
+                self.tower.before_backward(m, cut.index == self._last_backward[m], self.reduce_every_chunk)
+            g_table = torch.zeros_like(cut.table).index_add_(0, cut.send_idx, back.to(cut.table.dtype))
+            with self._span("encoder", f"B{name}"):
+                cut.table.backward(g_table)
+        cut.table = cut.recv = None
+        self.stats.live_bytes -= cut.saved_bytes
+        self.stats.live_chunks -= cut.media_chunks
 
-    def _exchange_features(self, j: int, rp) -> dict[tuple, torch.Tensor]:
-        """Every item this rank encodes, as its feature rows (received from a holder, or local)."""
-        local = self._local[j].mb.media if j < len(self._local) else {}
-        mine = self.group_of[self.index]
+    def _exchange_features(self, cut: _Cut, rp, name: str) -> dict[tuple, torch.Tensor]:
+        """Every item this rank encodes in the cut's call, as its feature rows (received from a
+        holder, or local), by its key in the cut's plan (modality, group, cut index)."""
+        origin = cut.plan.origin
+        units = {it.key: it.units for it in cut.plan.items}
+        starts: dict[tuple[int, str], np.ndarray] = {}  # (chunk, modality) -> this rank's feature offsets
+
+        def local_rows(m: str, g: int, i: int) -> torch.Tensor:
+            c, index = origin[(m, g, i)]
+            j = cut.chunks[c]
+            media = self._local[j].mb.media[m]
+            if (j, m) not in starts:
+                n_local = len(media.num_tokens)
+                # a holder sends only its own group's items: cut indices i - index + k of group g
+                starts[(j, m)] = np.concatenate([[0], np.cumsum([units[(m, g, i - index + k)]
+                                                                 for k in range(n_local)])])
+            st = starts[(j, m)]
+            return media.features[int(st[index]):int(st[index + 1])]
+
         out = {}
         for m in sorted(rp.feat_send):
             dim, dtype = self.media.feat[m]
-            units = {(it.group, it.index): it.units for it in self.media.items[j] if it.modality == m}
             pieces, send_counts = [], []
-            if m in local:
-                starts = np.concatenate([[0], np.cumsum([units[(mine, i)] for i in range(len(local[m].num_tokens))])])
             for dst_items in rp.feat_send[m]:
-                for g, i in dst_items:
-                    pieces.append(local[m].features[int(starts[i]):int(starts[i + 1])])
-                send_counts.append(sum(units[k] for k in dst_items))
+                pieces += [local_rows(m, g, i) for g, i in dst_items]
+                send_counts.append(sum(units[(m, g, i)] for g, i in dst_items))
             send = torch.cat(pieces) if pieces else torch.zeros(0, dim, dtype=getattr(torch, dtype), device=self.device)
-            recv_counts = [sum(units[k] for k in src_items) for src_items in rp.feat_recv[m]]
-            with self._span("comm", f"F{j} {m} inputs"):
-                recv = exchange_rows(send, send_counts, recv_counts, self.group)
+            recv_counts = [sum(units[(m, g, i)] for g, i in src_items) for src_items in rp.feat_recv[m]]
+            with self._span("comm", f"F{name} {m} inputs"):
+                recv = exchange_rows(send, send_counts, recv_counts, self.group, self.exchange)
             at = 0
             for src_items in rp.feat_recv[m]:
-                for k in src_items:
-                    out[(m, *k)] = recv[at:at + units[k]]
-                    at += units[k]
+                for g, i in src_items:
+                    out[(m, g, i)] = recv[at:at + units[(m, g, i)]]
+                    at += units[(m, g, i)]
         return out
 
-    def _sizes(self, j: int, m: str, items: list[tuple[int, int]]) -> torch.Tensor:
+    def _sizes(self, cut: _Cut, m: str, items: list[tuple[int, int]]) -> torch.Tensor:
         """Host tensor: encoders read item sizes as numbers (a device copy would be read back)."""
-        rows = [self.media.sizes[(j, m, g, i)] for g, i in items]
+        rows = []
+        for g, i in items:
+            c, index = cut.plan.origin[(m, g, i)]
+            rows.append(self.media.sizes[(cut.chunks[c], m, g, index)])
         width = len(rows[0]) if rows else next((len(v) for (jj, mm, _, _), v in self.media.sizes.items()
                                                 if mm == m), 1)
         return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
@@ -394,16 +465,27 @@ class Multiplexer:
                 "encoder_over_memory_items": float(s.over_memory)}
 
 
+def _call_name(cut: _Cut) -> str:
+    """Timeline name of a cut group's call: its chunk, or its first and last chunks."""
+    return str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
+
+
 def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1) -> list[tuple[str, int]]:
     """The encoder chunks' forwards and backwards of a step, in the order every encoder rank
-    runs them. ("F", k) for k in a group of ``group`` chunks at the group's first cut; ("B", j)
-    at the first group cut at or after ``backward_cuts[j]`` (where stage 0 has finished micro-
-    batch j's backward; None: after the pipeline); encoder_first: every forward before the
-    pipeline, every backward after it. The simulator (``omni.sim``) replays the same list."""
+    runs them. ("F", k) for k in a group of ``group`` chunks at the group's first cut (the
+    runtime encodes the group in one call); ("B", j) for the whole group, together, at the first
+    group cut at or after the last ``backward_cuts[j]`` of the group (where stage 0 has finished
+    micro-batch j's backward; None: after the pipeline): one call's graph has one backward,
+    which needs every chunk's gradient. encoder_first: every forward before the pipeline, every
+    backward after it. The simulator (``omni.sim``) replays the same list."""
     if placement == "encoder_first":
         ready: list[int | None] = [None] * n
     else:
-        ready = [None if r is None else -(-r // group) * group for r in backward_cuts]
+        ready = []
+        for k in range(0, n, group):
+            cuts = backward_cuts[k:k + group]
+            last = None if any(r is None for r in cuts) else max(cuts)
+            ready += [None if last is None else -(-last // group) * group] * len(cuts)
     acts = []
     for k in range(0, n, group):
         acts += [("B", j) for j in range(n) if ready[j] == k]

@@ -16,7 +16,7 @@ import torch
 from dist_helpers import run_ranks
 
 
-def _worker(rank, world, sizes, out_dir):
+def _worker(rank, world, sizes, out_dir, mux_options=None):
     from dataloading.context_parallel import slice_for_cp
     from layout_harness import build, global_batches
     from omni.runtime.config import MultiplexConfig
@@ -27,7 +27,7 @@ def _worker(rank, world, sizes, out_dir):
     layout = init_layout(ParallelConfig(**sizes), device="cpu")
     model = build(False, 4, ("image", "audio"))
     reference = build(False, 4, ("image", "audio"))  # the same weights, inline
-    pm = parallelize(model, layout, MultiplexConfig(encoder_sp=2, long_threshold="5"))
+    pm = parallelize(model, layout, MultiplexConfig(encoder_sp=2, long_threshold="5", **(mux_options or {})))
     mux, chunk = pm.multiplexer, pm.chunks[0]
     mbs = global_batches(96, ("image", "audio"), long_items=True)[0]
     mine = mbs[layout.dp_rank::layout.dp_size]
@@ -70,9 +70,19 @@ def _worker(rank, world, sizes, out_dir):
 
 @pytest.mark.parametrize("sizes", [dict(dp_shard=1, cp=2, tp=2), dict(dp_shard=2, tp=2)], ids=["cp2xtp2", "dp2xtp2"])
 def test_embeddings_land_where_they_belong_and_gradients_return(sizes, tmp_path):
+    _check_round_trip(sizes, tmp_path)
+
+
+def test_grouped_calls_and_p2p_land_and_return(tmp_path):
+    """Two chunks per encoder call (one receive buffer for both micro-batches, one backward for
+    both) with point-to-point exchanges between the trading pairs only."""
+    _check_round_trip(dict(dp_shard=2, tp=2), tmp_path, {"chunks_per_cut": 2, "exchange": "p2p"})
+
+
+def _check_round_trip(sizes, tmp_path, mux_options=None):
     from layout_harness import build, global_batches
 
-    run_ranks(_worker, 4, sizes, str(tmp_path), timeout_s=180)
+    run_ranks(_worker, 4, sizes, str(tmp_path), mux_options, timeout_s=180)
     results = [pickle.load(open(tmp_path / f"rank{r}.pkl", "rb")) for r in range(4)]
     problems = [line for r in results for line in r["problems"]]
     assert not problems, "\n".join(problems[:20])

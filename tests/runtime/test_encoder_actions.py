@@ -45,3 +45,23 @@ def test_every_chunk_once_forward_in_time_backward_when_ready(schedule, pp, v, n
 def test_encoder_first_keeps_everything_outside_the_pipeline():
     acts = encoder_actions("encoder_first", 4, [1, 2, 3, 4], 2)
     assert acts == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0), ("B", 1), ("B", 2), ("B", 3)]
+
+
+@pytest.mark.parametrize("schedule,pp,v,n", [("1f1b", 2, 1, 6), ("1f1b", 4, 1, 8), ("interleaved_1f1b", 2, 2, 8),
+                                             (None, 1, 1, 5)])
+@pytest.mark.parametrize("group", [2, 3])
+def test_a_cut_groups_backward_is_one_call_after_its_last_chunk(schedule, pp, v, n, group):
+    """A cut group is encoded in one call, whose graph has one backward: its B actions sit
+    together, at the first group cut at or after the latest of its chunks' backward cuts."""
+    if schedule is None:
+        ready = [j + 1 for j in range(n)]
+    else:
+        ready = encoder_backward_cuts(place_cuts(rank_programs(schedule, pp, v, n), pp, v, n)[0], n)
+    acts = encoder_actions("colocated", n, ready, group)
+    at = _segments(acts, n, group)
+    for k in range(0, n, group):
+        js = list(range(k, min(k + group, n)))
+        where = [acts.index(("B", j)) for j in js]
+        assert where == list(range(where[0], where[0] + len(js)))  # adjacent, in chunk order
+        latest = n if any(ready[j] is None for j in js) else max(ready[j] for j in js)
+        assert len({at[("B", j)] for j in js}) == 1 and at[("B", js[0])] >= latest
