@@ -92,6 +92,36 @@ class MediaTower(nn.Module):
         if not self.sharded:
             return
         for module in (self.encoders[modality], self.projectors[modality]):
-            module.set_requires_gradient_sync(last_of_step or (reduce_every_chunk and self.reshard_after_forward))
+            module.set_requires_gradient_sync(
+                tower_syncs_gradients(last_of_step, self.reshard_after_forward, reduce_every_chunk))
             if not self.reshard_after_forward:
-                module.set_reshard_after_backward(last_of_step)
+                module.set_reshard_after_backward(
+                    tower_reshards_after_backward(last_of_step, self.reshard_after_forward))
+
+
+# -- the sharded tower's rules, as pure functions (MediaTower.before_backward follows them; the
+# simulator, omni.sim, calls them to charge the same collectives and memory) -------------------
+
+
+def tower_syncs_gradients(last_of_step: bool, reshard_after_forward: bool, reduce_every_chunk: bool) -> bool:
+    """Whether a sharded modality reduce-scatters its gradients in this backward: in the
+    step's last one, and in every one when the weights reshard after forward and
+    ``parallel.fsdp_reduce_every_microbatch`` asks for it. Weights kept gathered keep their
+    gradients with them until the last backward."""
+    return last_of_step or (reduce_every_chunk and reshard_after_forward)
+
+
+def tower_reshards_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
+    """Whether a sharded modality's weights are freed after this backward: weights kept
+    gathered after forward stay gathered until the step's last backward (one gather per step
+    and modality); weights resharded after forward are freed after every backward too (FSDP2's
+    default, which before_backward leaves alone)."""
+    return last_of_step or reshard_after_forward
+
+
+def tower_grads_unsharded(reshard_after_forward: bool, reduce_every_chunk: bool) -> bool:
+    """Whether a sharded modality's gradients stay unsharded between its backwards of a step:
+    when a backward does not reduce-scatter, FSDP2 keeps the whole gradient, upcast to its
+    reduce dtype (fp32 under bf16 mixed precision), and adds each later backward's into it,
+    until the reduce-scatter of the step's last backward."""
+    return not tower_syncs_gradients(False, reshard_after_forward, reduce_every_chunk)
