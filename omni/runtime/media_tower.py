@@ -157,7 +157,7 @@ class MediaTower(nn.Module):
             module.set_requires_gradient_sync(reduce)  # sets both levels of HSDP's reduction ...
             module.set_requires_all_reduce(all_reduce)  # ... then the cross-group one on its own
             if not self.reshard_after_forward:
-                module.set_reshard_after_backward(last_of_step)
+                module.set_reshard_after_backward(tower_reshards_after_backward(last_of_step, self.reshard_after_forward))
         encoder = self.encoders[modality]
         if last_of_step and not self.reshard_after_forward and not any(p.requires_grad for p in encoder.parameters()):
             # A frozen encoder has no backward, so FSDP never runs the post-backward that would
@@ -167,3 +167,31 @@ class MediaTower(nn.Module):
             for unit in encoder.modules():
                 if isinstance(unit, FSDPModule):
                     unit.reshard()
+
+
+
+# -- the sharded tower's rules, as pure functions (MediaTower.before_backward follows them; the
+# simulator, omni.sim, calls them to charge the same collectives and memory) -------------------
+
+
+def tower_syncs_gradients(last_of_step: bool, reshard_after_forward: bool, reduce_every_chunk: bool,
+                          weights: str = "sharded") -> bool:
+    """Whether a sharded (or hybrid) modality reduce-scatters its gradients in this backward
+    (``encoder_gradient_reduction``'s first answer)."""
+    return encoder_gradient_reduction(weights, last_of_step, reduce_every_chunk, reshard_after_forward)[0]
+
+
+def tower_reshards_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
+    """Whether a sharded modality's weights are freed after this backward: weights kept
+    gathered after forward stay gathered until the step's last backward (one gather per step
+    and modality); weights resharded after forward are freed after every backward too (FSDP2's
+    default, which before_backward leaves alone)."""
+    return last_of_step or reshard_after_forward
+
+
+def tower_grads_unsharded(reshard_after_forward: bool, reduce_every_chunk: bool, weights: str = "sharded") -> bool:
+    """Whether a sharded modality's gradients stay unsharded between its backwards of a step:
+    when a backward does not reduce-scatter, FSDP2 keeps the whole gradient, upcast to its
+    reduce dtype (fp32 under bf16 mixed precision), and adds each later backward's into it,
+    until the reduce-scatter of the step's last backward."""
+    return not tower_syncs_gradients(False, reshard_after_forward, reduce_every_chunk, weights)

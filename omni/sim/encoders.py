@@ -5,7 +5,10 @@ The routes themselves are not built: the exchanges are timed from the bytes each
 
 A chunk is a collective over its encoder GPUs (feature all-to-all, encode, output
 all-to-all), so it ends for all of them when the slowest is done: its duration is the largest
-GPU's work plus the exchanges.
+GPU's work plus the exchanges. Every encoder GPU calls each modality of a chunk, with no items
+if it has none (``Multiplexer._forward``: sharded weights are gathered by all of them), so a
+GPU without items still pays each call's fixed cost; a chunk with no item anywhere is skipped
+by the runtime and costs nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from omni.runtime.config import MultiplexConfig
 from omni.sim.data import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, Machine, encoder_work
+from omni.sim.timing import BF16, EncoderWork, Machine, encoder_work
 
 
 @dataclass
@@ -33,6 +36,20 @@ class ChunkTimes:
     items: int = 0
     long_items: int = 0
     balance: float = 1.0  # max / mean planned cost over member GPUs
+    modalities: list[str] = field(default_factory=list)  # with an item anywhere: every member GPU calls them
+
+
+def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
+    """One GPU's call of ``modality``'s encoder with no items: every layer still runs once
+    (``encode_chunk`` on empty inputs), so its kernels launch — the per-call launches that
+    ``timing.encoder_work`` counts, 12 per layer, twice in the backward — but no matmul reads a
+    weight (an empty input skips them); the backward writes the (zero) weight gradients, one
+    compute-dtype pass over the trainable weights. A frozen encoder runs no backward."""
+    e = spec.encoders[modality]
+    launches = m.overhead(12 * e.num_layers)
+    eff = m.cluster.encoder_efficiency
+    backward = (2.0 * launches + m.memory(BF16 * e.params)) / eff if e.trainable else 0.0
+    return EncoderWork(launches / eff, backward)
 
 
 def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
@@ -70,11 +87,13 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
             else:
                 for r in a.block(a.block_of[it.key]):
                     per_gpu[r].append((it.modality, it.tokens, sp, it.group))
+        called = sorted({it.modality for it in items})
         fwd, bwd, act, sent = [], [], [], []
         for r, work in enumerate(per_gpu):
             w = encoder_work(m, spec, [(mod, t, s_) for mod, t, s_, _ in work], gpus_per_node)
-            fwd.append(w.forward_s)
-            bwd.append(w.backward_s)
+            idle = [empty_call(m, spec, mod) for mod in called if mod not in {x[0] for x in work}]
+            fwd.append(w.forward_s + sum(x.forward_s for x in idle))
+            bwd.append(w.backward_s + sum(x.backward_s for x in idle))
             act.append(sum(encoder_activation_bytes(spec, mod, t, sp=s_) for mod, t, s_, _ in work))
             # Features come from the item's own group unless this GPU holds them already.
             feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g in work if g != group_of[r])
@@ -88,5 +107,5 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
         out.append(ChunkTimes(
             forward_s=max(fwd, default=0.0) + feat_s + out_s, backward_s=max(bwd, default=0.0) + out_s,
             gpu_forward_s=fwd, gpu_backward_s=bwd, gpu_activation_bytes=act, items=len(items),
-            long_items=len(a.block_of), balance=a.balance))
+            long_items=len(a.block_of), balance=a.balance, modalities=called))
     return out

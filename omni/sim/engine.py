@@ -59,14 +59,15 @@ def programs(schedule: str, pp: int, virtual: int, n: int) -> tuple[list[list[Ac
 
 
 def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro: int,
-                  work: dict[tuple[int, int, int], StageWork], p2p_s: float, placement: str,
+                  work: dict[tuple[int, int, int], StageWork], p2p_s: float | dict[int, float], placement: str,
                   chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
                   chunks_per_cut: int = 1) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
-    or missing: the cell runs no encoder work); ``llm_activation[(g, stage, i)]``: bytes that
+    or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
+    group when a dict: each pads its rows to its own length); ``llm_activation[(g, stage, i)]``: bytes that
     forward keeps until backward; ``tail_s``/``tail_comm_s``: what each cell runs after its
     program (optimizer; exposed gradient sync). ``record``: keep every cell's events.
     ``chunks_per_cut``: multiplex.chunks_per_cut."""
@@ -156,7 +157,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                     dep = ("b", g, stage + 1, i) if stage < last_stage else ("f", g, stage, i)
                 if dep is not None and dep not in done:
                     break
-                ready = done[dep] + (p2p_s if dep[2] != stage else 0.0) if dep is not None else 0.0
+                p2p = p2p_s[g] if isinstance(p2p_s, dict) else p2p_s
+                ready = done[dep] + (p2p if dep[2] != stage else 0.0) if dep is not None else 0.0
                 w = work[(g, stage, i)]
                 begin = max(free[c], ready)
                 dur = w.forward_s if kind == "f" else w.backward_s

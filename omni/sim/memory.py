@@ -131,16 +131,19 @@ def optimizer_step_transient_bytes(static: MemoryBreakdown) -> float:
 
 def encoder_static_memory(spec: ModelSpec, modality: str, *, shard: int = 1, master_bytes: int = 4,
                           compute_bytes: int = 2, grad_bytes: int = 4,
-                          optimizer_bytes_per_param: int = 8, gather_whole: bool = False) -> MemoryBreakdown:
+                          optimizer_bytes_per_param: int = 8, gather_whole: bool = False,
+                          unsharded_grads: bool = False) -> MemoryBreakdown:
     """Encoder + projector of ``modality`` on one GPU (weights sharded over ``shard`` ranks;
     ``gather_whole``: the sharded weights stay gathered for the step, as the runtime keeps them
-    under PP with reshard_after_forward=auto).
+    under PP with reshard_after_forward=auto; ``unsharded_grads``: the gradients stay whole,
+    in ``grad_bytes`` (FSDP's fp32 reduce dtype), until the step's last backward
+    reduce-scatters them — ``media_tower.tower_grads_unsharded``).
     A frozen encoder (``encoders.<slot>.freeze``) has no gradients or optimizer state; its
     projector always trains (OmniModel freezes the encoder only)."""
     e = spec.encoders[modality]
     trained = e.params if e.trainable else min(e.params, _projector_params(spec, modality))
     out = MemoryBreakdown(params=e.params / shard * master_bytes)
-    out.grads = trained / shard * grad_bytes
+    out.grads = trained / (1 if unsharded_grads else shard) * grad_bytes
     out.optimizer = trained / shard * optimizer_bytes_per_param
     if shard > 1 and gather_whole:
         out.gathered = e.params * compute_bytes

@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.runtime.multiplex import encoder_ranks, memory_budget_setting
+from omni.runtime.multiplex import encoder_actions, encoder_ranks, memory_budget_setting
 from omni.sim import megatron
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import PLACEMENTS, SimConfig
 from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
 from omni.sim.encoders import ChunkTimes, plan_chunks
-from omni.sim.engine import StepTimeline, simulate_step
+from omni.sim.engine import StepTimeline, programs, simulate_step
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
@@ -164,14 +164,18 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     first_encoder = megatron.first_stage_encoder(cfg, spec, m, sizes, placement, groups)  # None unless megatron
     stage_layers = split_layers(spec.num_layers, pp * v)
     last_stage = pp * v - 1
-    common = _round_up(max(max(mb.tokens for g in groups for mb in g), 1), 8 * tp) if pp > 1 else 0
+    # Under PP each DP group pads its rows to its own longest (the trainer's _rows: a pipeline
+    # needs one shape, DP groups need not share it).
+    common = [_round_up(max(max(mb.tokens for mb in g), 1), 8 * tp) if pp > 1 else 0 for g in groups]
     shard = sizes.dp_shard * cp
     dp_cross = tp * cp * sizes.dp_shard > cluster.gpus_per_node
-    # FSDP per micro-batch: gathers in each pass when weights reshard after forward; gradients
-    # reduce-scattered in each backward without PP when asked (PP reduces once per step).
-    gather_per_mb = shard > 1 and _reshard(par, pp)
+    reshard = _reshard(par, pp)
+    progs, backward_cuts = programs(par.pp_schedule, pp, v, n)
+    # FSDP: gathers in the passes that find a stage's units sharded (every pass when weights
+    # reshard after forward); gradients reduce-scattered in each backward without PP when
+    # asked (PP reduces once per step).
+    gathers = sync.stage_gathers(progs, pp, reshard) if shard > 1 else set()
     reduce_per_mb = shard > 1 and pp == 1 and par.fsdp_reduce_every_microbatch
-    per_mb_fsdp = gather_per_mb or reduce_per_mb
     stage_local = {st: _local_params(spec, stage_layers[st], st == 0, st == last_stage, tp, ep)
                    for st in range(pp * v)}
 
@@ -179,19 +183,19 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     work, act = {}, {}
     for gi, mbs in enumerate(groups):
         for i, mb in enumerate(mbs):
-            length = common or _round_up(max(mb.tokens, 1), tp)
+            length = common[gi] or _round_up(max(mb.tokens, 1), tp)
             # The runtime pads a row with one more document (an empty micro-batch is one
             # document of padding): it attends like any other.
             docs = mb.docs + ([length - mb.tokens] if length > mb.tokens else [])
             for st in range(pp * v):
-                key = (st, length, tuple(docs))
+                fsdp = (("f", st, i) in gathers, ("b", st, i) in gathers, reduce_per_mb)
+                key = (st, length, tuple(docs), fsdp)
                 if key not in cache:
                     w = stage_work(m, spec, range(stage_layers[st][0], stage_layers[st][-1] + 1), st == 0,
                                    st == last_stage, length, docs, tp, cp, ep, cluster.gpus_per_node,
                                    par.activation_checkpoint)
-                    if per_mb_fsdp:
-                        w = sync.with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]),
-                                       gather_per_mb, reduce_per_mb)
+                    if any(fsdp):
+                        w = sync.with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]), *fsdp)
                     cache[key] = w
                 work[(gi, st, i)] = cache[key]
                 act[(gi, st, i)] = mem.llm_activation_bytes(spec, stage_layers[st], length / cp, tp=tp, ep=ep,
@@ -199,7 +203,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                                                             first=st == 0, last=st == last_stage)
     if first_encoder:
         first_encoder.add_to_first_stage(work, act)
-    p2p = m.p2p(common / (tp * cp) * spec.hidden * BF16, sizes.world // pp >= cluster.gpus_per_node) if pp > 1 else 0.0
+    crosses = sizes.world // pp >= cluster.gpus_per_node
+    p2p = {gi: m.p2p(c / (tp * cp) * spec.hidden * BF16, crosses) if pp > 1 else 0.0 for gi, c in enumerate(common)}
 
     # Encoder chunks: who encodes, planned by the runtime's planner.
     chunks: list[ChunkTimes] = []
@@ -220,13 +225,17 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
-        sync.add_encoder_gathers(m, cfg, spec, chunks, len(members), cluster.gpus_per_node, _reshard(par, pp))
+        actions = encoder_actions(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut))
+        sync.add_encoder_grad_traffic(m, cfg, spec, chunks, len(members), reshard)
+        sync.add_encoder_collectives(m, cfg, spec, chunks, actions, len(members), cluster.gpus_per_node, reshard)
     else:
         sim_placement = "none"
 
     # After the pipeline: exposed gradient synchronisation, then the optimizer.
     tail, tail_comm = {}, {}
     enc_local = sync.encoder_local_params(cfg, spec, len(members))
+    enc_sync = sync.encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node,
+                                      sync.step_modalities(chunks)) if members else 0.0
     for gi in range(sizes.dp):
         for s in range(pp):
             local = sum(stage_local[s + k * pp] for k in range(v))
@@ -234,7 +243,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             last_bwd = work[(gi, s + (v - 1) * pp if v > 1 else s, n - 1)].backward_s
             comm = 0.0 if reduce_per_mb else sync.grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
             if members and (gi, s) in encoder_cells:
-                comm += sync.encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node)
+                comm += enc_sync
             optimizer_params = local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)
             if first_encoder and s == 0:
                 comm += first_encoder.sync_s(gi, work)
@@ -254,18 +263,20 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         for st in stages:
             b = _add(b, mem.static_memory(spec, stage_layers[st], st == 0, st == last_stage, tp=tp, ep=ep, shard=shard,
                                           optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
-                                          gather_whole_stage=not _reshard(par, pp),
+                                          gather_whole_stage=not reshard,
                                           unsharded_grads=pp > 1 or not par.fsdp_reduce_every_microbatch))
         if (tl.group, tl.stage) in encoder_cells:
             for modality in spec.encoders:
                 b = _add(b, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, len(members)),
                                                       optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
-                                                      gather_whole=not _reshard(par, pp)))
+                                                      gather_whole=not reshard,
+                                                      unsharded_grads=sync.encoder_grads_unsharded(
+                                                          cfg, len(members), reshard)))
         if first_encoder and tl.stage == 0:
             b = _add(b, first_encoder.static)
         # The worst moment: a block's backward on top of the live activations (on the last
         # stage the loss's logits instead, whichever is larger), or the optimizer step.
-        tokens = (common or cfg.data.micro_batch_tokens) / cp
+        tokens = (common[tl.group] or cfg.data.micro_batch_tokens) / cp
         transient = max(mem.layer_transient_bytes(spec, stage_layers[st], tokens, tp=tp, ep=ep,
                                                   recompute=par.activation_checkpoint, element_bytes=BF16)
                         for st in stages)

@@ -1,40 +1,100 @@
 """What keeping the weights in step costs a simulated step: FSDP's gathers and
-reduce-scatters of the backbone (per micro-batch or once per step, as the runtime does them)
-and the encoders' gradient synchronisation and weight gathers (replicated or sharded)."""
+reduce-scatters of the backbone (in the passes where the runtime's FSDP2 units really run
+them) and the encoders' gradient synchronisation, weight gathers and gradient accumulation
+(replicated or sharded, by the sharded tower's own rules, ``omni.runtime.media_tower``)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from omni.runtime.media_tower import tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
 from omni.sim.config import SimConfig
 from omni.sim.encoders import ChunkTimes
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, Machine, StageWork
 
+FP32 = 4  # FSDP's reduce dtype under bf16 mixed precision; the replicated masters' dtype
 
-def with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int, gather: bool,
-               reduce: bool) -> StageWork:
-    """FSDP per micro-batch: each pass gathers the weights layer by layer behind the compute
-    (``gather``; one layer's gather has nothing to hide behind), and backward reduce-scatters
-    the gradients (``reduce``)."""
-    ag = m.ring("all_gather", BF16 * local, shard, cross) if gather else 0.0
-    rs = m.ring("reduce_scatter", 4.0 * local, shard, cross) if reduce else 0.0
-    fwd_exposed = max(0.0, ag - w.forward_compute_s) + ag / max(layers, 1)
-    bwd_exposed = max(0.0, ag + rs - w.backward_compute_s) + (ag + rs) / max(layers, 1)
+
+# -- FSDP2 units -------------------------------------------------------------------------------
+
+def fsdp_gathers(passes: Sequence[str], reshard_after_forward: bool,
+                 reshard_after_backward: Sequence[bool] | None = None) -> list[bool]:
+    """Which passes of one FSDP2 unit ("f" / "b", in the order they run on the GPU) start with
+    an all-gather of its weights: those that find it sharded. A unit starts the step sharded;
+    a forward leaves it gathered unless it reshards after forward; a backward frees it when
+    ``reshard_after_backward`` says so for that backward (None: FSDP2's default, always).
+    Held to FSDP2 itself by tests/sim/test_sim_encoder_costs.py."""
+    backward_frees = iter(reshard_after_backward) if reshard_after_backward is not None else None
+    gathered, out = False, []
+    for kind in passes:
+        out.append(not gathered)
+        if kind == "f":
+            gathered = not reshard_after_forward
+        else:
+            gathered = not (next(backward_frees) if backward_frees is not None else True)
+    return out
+
+
+def llm_frees_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
+    """Whether an LLM stage's FSDP units are freed after a backward, as the simulator charges
+    it: the documented design (docs/parallelism.md, "Under PP, reshard_after_forward=auto
+    keeps gathered parameters after forward"), which is the sharded tower's rule — weights
+    kept gathered after forward stay gathered until the step's last backward. (The pipeline
+    executor does not set this on the LLM's chunks: FSDP2's default frees them after every
+    backward, so today's runtime gathers again before each pass that follows a backward;
+    docs/_drafts/simfix.md has what that costs.)"""
+    return tower_reshards_after_backward(last_of_step, reshard_after_forward)
+
+
+def stage_gathers(programs: list[list[tuple]], pp: int, reshard_after_forward: bool) -> set[tuple[str, int, int]]:
+    """(kind, global stage, micro-batch) of every LLM pass that all-gathers its stage's FSDP
+    units, from the ranks' programs (``omni.sim.engine.programs``): every pass when weights
+    reshard after forward; kept gathered (reshard_after_forward=false, the default under PP),
+    the stage's first forward of the step only."""
+    out = set()
+    for rank, prog in enumerate(programs):
+        passes: dict[int, list[tuple[str, int]]] = {}
+        for kind, chunk, i in prog:
+            if kind in ("f", "b"):
+                passes.setdefault(chunk * pp + rank, []).append((kind, i))
+        for stage, seq in passes.items():
+            backwards = sum(1 for kind, _ in seq if kind == "b")
+            frees = [llm_frees_after_backward(k == backwards - 1, reshard_after_forward) for k in range(backwards)]
+            for (kind, i), gathers in zip(seq, fsdp_gathers([k for k, _ in seq], reshard_after_forward, frees)):
+                if gathers:
+                    out.add((kind, stage, i))
+    return out
+
+
+def with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int,
+              gather_forward: bool, gather_backward: bool, reduce: bool) -> StageWork:
+    """A stage's pass with FSDP's collectives: a gather of the weights layer by layer behind
+    the compute (one layer's gather has nothing to hide behind) in the passes that gather, and
+    the backward's reduce-scatter of the gradients (``reduce``)."""
+    ag = m.ring("all_gather", BF16 * local, shard, cross)
+    ag_f, ag_b = (ag if gather_forward else 0.0), (ag if gather_backward else 0.0)
+    rs = m.ring("reduce_scatter", FP32 * local, shard, cross) if reduce else 0.0
+    fwd_exposed = max(0.0, ag_f - w.forward_compute_s) + ag_f / max(layers, 1)
+    bwd_exposed = max(0.0, ag_b + rs - w.backward_compute_s) + (ag_b + rs) / max(layers, 1)
     return StageWork(w.forward_s + fwd_exposed, w.backward_s + bwd_exposed, w.forward_compute_s, w.tokens,
                      w.backward_compute_s)
 
 
 def grad_sync(m: Machine, local: float, shard: int, replicate: int, cross: bool, layers: int,
-               last_backward: float) -> float:
+              last_backward: float) -> float:
     """Reduce once per step during the last backward: what does not hide behind it is exposed
     (at least the last layer's reduce)."""
     t = 0.0
     if shard > 1:
-        t += m.ring("reduce_scatter", 4.0 * local, shard, cross)
+        t += m.ring("reduce_scatter", FP32 * local, shard, cross)
     if replicate > 1:
-        t += m.ring("all_reduce", 4.0 * local / shard, replicate, True)
+        t += m.ring("all_reduce", FP32 * local / shard, replicate, True)
     if t == 0.0:
         return 0.0
     return max(t - last_backward, t / max(layers, 1))
 
+
+# -- the encoders ------------------------------------------------------------------------------
 
 def encoder_shard(cfg: SimConfig, members: int) -> int:
     return members if cfg.multiplex.encoder_weights == "sharded" else 1
@@ -45,28 +105,120 @@ def encoder_local_params(cfg: SimConfig, spec: ModelSpec, members: int) -> float
     return total / max(encoder_shard(cfg, members), 1)
 
 
-def encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int, gpus_per_node: int) -> float:
-    """Replicated encoder weights: one all-reduce of the gradients per step; sharded: one
-    reduce-scatter (the runtime's, in the step's last encoder backward). fp32 gradients."""
-    params = sum(e.params for e in spec.encoders.values() if e.trainable)
+def encoder_grads_unsharded(cfg: SimConfig, members: int, reshard: bool) -> bool:
+    """Whether the encoders' gradients are whole on every encoder GPU until the step's last
+    backward: replicated weights always; sharded ones by the tower's rule."""
+    if encoder_shard(cfg, members) == 1:
+        return True
+    return tower_grads_unsharded(reshard, cfg.parallel.fsdp_reduce_every_microbatch)
+
+
+def step_modalities(chunks: list[ChunkTimes]) -> list[str]:
+    return sorted({mod for ch in chunks for mod in ch.modalities})
+
+
+def encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int, gpus_per_node: int,
+                      modalities: Sequence[str] | None = None) -> float:
+    """The step's gradient synchronisation of the encoders, fp32. Replicated weights: one
+    all-reduce of every trainable encoder's gradients, after the pipeline, in every step —
+    also a text-only one (``ParallelModel.sync_gradients`` sums zeros then). Sharded: the
+    reduce-scatter of each modality's last backward of the step (``modalities``: those with
+    items in the step; None: all); a modality that ran no backward has nothing to reduce."""
     cross = members > gpus_per_node
     if cfg.multiplex.encoder_weights == "sharded":
-        return m.ring("reduce_scatter", 4.0 * params, members, cross)
-    return m.ring("all_reduce", 4.0 * params, members, cross)
+        present = set(spec.encoders) if modalities is None else set(modalities)
+        params = sum(e.params for mod, e in spec.encoders.items() if e.trainable and mod in present)
+        return m.ring("reduce_scatter", FP32 * params, members, cross)
+    params = sum(e.params for e in spec.encoders.values() if e.trainable)
+    return m.ring("all_reduce", FP32 * params, members, cross)
 
 
-def add_encoder_gathers(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks: list[ChunkTimes], members: int,
-                         gpus_per_node: int, reshard: bool) -> None:
-    """Sharded encoder weights are all-gathered (bf16) before they run: once per step in the
-    first chunk's forward when they stay gathered (PP, reshard_after_forward=auto), else in
-    every chunk's forward and again in its backward. Layer-by-layer prefetch hides a gather
-    behind the chunk's compute where the compute is longer."""
+def _modality_passes(chunks: list[ChunkTimes], actions: list[tuple[str, int]], modality: str) -> list[tuple[str, int]]:
+    """The encoder actions that call ``modality`` (every chunk with an item of it anywhere:
+    every encoder GPU calls it there, with no items if it has none), in the runtime's order."""
+    return [(kind, j) for kind, j in actions if modality in chunks[j].modalities]
+
+
+def add_encoder_collectives(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks: list[ChunkTimes],
+                            actions: list[tuple[str, int]], members: int, gpus_per_node: int, reshard: bool) -> None:
+    """Sharded encoder weights, per modality, in the passes where the tower runs them: the
+    all-gather (bf16) of a pass that finds the weights sharded (kept gathered: the modality's
+    first forward of the step; resharded after forward: every pass), and the reduce-scatter
+    (fp32) of a backward that syncs before the step's last (every chunk's under
+    parallel.fsdp_reduce_every_microbatch with resharding; the last one's is the step's sync,
+    ``encoder_grad_sync``). Layer-by-layer prefetch hides them behind the chunk's compute where
+    the compute is longer. ``actions``: the step's encoder actions
+    (``omni.runtime.multiplex.encoder_actions``)."""
     if cfg.multiplex.encoder_weights != "sharded" or not chunks:
         return
-    gather = m.ring("all_gather", BF16 * sum(e.params for e in spec.encoders.values()), members,
-                    members > gpus_per_node)
-    for j, ch in enumerate(chunks):
-        if j == 0 or reshard:
-            ch.forward_s += max(0.0, gather - max(ch.gpu_forward_s, default=0.0))
-        if reshard:
-            ch.backward_s += max(0.0, gather - max(ch.gpu_backward_s, default=0.0))
+    cross = members > gpus_per_node
+    fwd_comm = [0.0] * len(chunks)
+    bwd_comm = [0.0] * len(chunks)
+    reduce_every = cfg.parallel.fsdp_reduce_every_microbatch
+    for modality in step_modalities(chunks):
+        e = spec.encoders[modality]
+        gather = m.ring("all_gather", BF16 * e.params, members, cross)
+        reduce = m.ring("reduce_scatter", FP32 * e.params, members, cross) if e.trainable else 0.0
+        passes = _modality_passes(chunks, actions, modality)
+        backwards = [j for kind, j in passes if kind == "B"]
+        frees = [tower_reshards_after_backward(j == backwards[-1], reshard) for j in backwards]
+        for (kind, j), gathers in zip(passes, fsdp_gathers(["f" if k == "F" else "b" for k, _ in passes],
+                                                           reshard, frees)):
+            comm = fwd_comm if kind == "F" else bwd_comm
+            comm[j] += gather if gathers else 0.0
+            if kind == "B" and j != backwards[-1] and tower_syncs_gradients(False, reshard, reduce_every):
+                comm[j] += reduce
+    for ch, f, b in zip(chunks, fwd_comm, bwd_comm):
+        ch.forward_s += max(0.0, f - max(ch.gpu_forward_s, default=0.0))
+        ch.backward_s += max(0.0, b - max(ch.gpu_backward_s, default=0.0))
+
+
+def grad_accumulation_bytes(sharded: bool, accumulator: bool, syncs: bool, sharded_grad: bool, shard: int) -> float:
+    """Bytes per trainable parameter that one backward call moves to keep the gradient, beyond
+    the backward's matmuls (which write the compute-dtype weight gradient).
+
+    Replicated (fp32 masters under bf16 autocast): the cast's backward turns the bf16 weight
+    gradient into fp32 (read 2, write 4); from the step's second call on (``accumulator``: the
+    parameter's .grad exists), AccumulateGrad adds it in place (read 4 + 4, write 4).
+
+    Sharded (FSDP2, bf16 parameters, fp32 reduce dtype): a call that does not reduce-scatter
+    upcasts the bf16 gradient into a new fp32 accumulator (read 2, write 4), or adds it into
+    the accumulator (read 4 + 2, write 4); one that reduce-scatters first adds, then copies the
+    fp32 gradient into the collective's input (read 4, write 4; from the bf16 one when there
+    is no accumulator: read 2, write 4), and the reduced shard goes into an earlier call's
+    (``sharded_grad``: read 4 + 4, write 4, on 1/shard of the parameters)."""
+    if not sharded:
+        return BF16 + FP32 + (3 * FP32 if accumulator else 0.0)
+    into = (FP32 + BF16 + FP32) if accumulator else 0.0
+    if not syncs:
+        return into if accumulator else BF16 + FP32
+    copy_in = 2 * FP32 if accumulator else BF16 + FP32
+    return into + copy_in + (3 * FP32 / shard if sharded_grad else 0.0)
+
+
+def add_encoder_grad_traffic(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks: list[ChunkTimes],
+                             members: int, reshard: bool) -> None:
+    """Every encoder GPU's gradient bookkeeping in each chunk backward of a modality (items or
+    not: each calls the backward), memory-bound: ``grad_accumulation_bytes`` for the call's
+    place in the step. Chunk backwards run in chunk order (``encoder_actions``). Counted as
+    encoder compute (it scales with ``cluster.encoder_efficiency`` like the rest of it)."""
+    shard = encoder_shard(cfg, members)
+    sharded = shard > 1
+    reduce_every = cfg.parallel.fsdp_reduce_every_microbatch
+    for modality in step_modalities(chunks):
+        e = spec.encoders[modality]
+        if not e.trainable:
+            continue  # a frozen encoder runs no backward (see timing.encoder_work)
+        calls = [j for j, ch in enumerate(chunks) if modality in ch.modalities]
+        accumulator = sharded_grad = False
+        for j in calls:
+            syncs = sharded and tower_syncs_gradients(j == calls[-1], reshard, reduce_every)
+            nbytes = grad_accumulation_bytes(sharded, accumulator, syncs, sharded_grad, shard) * e.params
+            t = m.memory(nbytes) / m.cluster.encoder_efficiency
+            ch = chunks[j]
+            ch.gpu_backward_s = [b + t for b in ch.gpu_backward_s]
+            ch.backward_s += t
+            if sharded:
+                accumulator, sharded_grad = not syncs, sharded_grad or syncs
+            else:
+                accumulator = True
