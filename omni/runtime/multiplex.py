@@ -128,6 +128,9 @@ class Multiplexer:
                               f"in a node (parallel.gpus_per_node={pcfg.gpus_per_node})")
         self.sp = sp
         self.chunks_per_cut = int(cfg.chunks_per_cut)
+        self.lookahead = int(cfg.lookahead)
+        if self.lookahead < 0:
+            raise LayoutError(f"multiplex.lookahead={cfg.lookahead} must be >= 0 (0: off)")
         if self.chunks_per_cut < 1:
             raise LayoutError(f"multiplex.chunks_per_cut={cfg.chunks_per_cut} must be >= 1")
         self.sp_group = self._sp_groups(layout, sp)
@@ -163,6 +166,7 @@ class Multiplexer:
         self._chunks: dict[int, _Chunk] = {}
         self._cuts: list[_Cut] = []
         self._actions: list[tuple[str, int]] = []
+        self._segment_end: dict[int, int] = {}  # insertion point -> end of its actions in _actions
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
         self._last_backward: dict[str, int] = {}  # modality -> its last cut group of the step
@@ -213,8 +217,7 @@ class Multiplexer:
         self.stats = _StepStats()
         if self.active:
             self._plan(everyone, n, manifests)
-        self._actions = self._action_list(n) if self.active else []
-        self._cursor = 0
+        self._set_actions(n)
         return n
 
     def _plan(self, everyone: list, n: int, manifests: list[MediaManifest]) -> None:
@@ -280,22 +283,25 @@ class Multiplexer:
                     media.sizes[(j, m, g, i)] = size
         return media
 
-    def _action_list(self, n: int) -> list[tuple[str, int]]:
-        return encoder_actions(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut)
+    def _set_actions(self, n: int) -> None:
+        segments = (encoder_segments(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,
+                                     self.lookahead) if self.active else {})
+        self._actions, self._segment_end, self._cursor = [], {}, 0
+        for k in sorted(segments):
+            self._actions += segments[k]
+            self._segment_end[k] = len(self._actions)
 
     # -- insertion points ----------------------------------------------------------------
     def cut(self, k: int) -> None:
         """At cut k of the LLM pipeline (``parallel.pipeline_executor``; without pipeline
-        parallelism: before micro-batch k's forward): the actions up to the forward of the last
-        chunk of k's group (multiplex.chunks_per_cut; already done past a group's first cut)."""
+        parallelism: before micro-batch k's forward): the actions of k's cut group's insertion
+        point (``encoder_segments``; already done past a group's first cut)."""
         if self.active and self.cfg.placement != "encoder_first" and self.media.n_chunks:
-            g = self.chunks_per_cut
-            last = (k // g) * g + g - 1
-            self._run_until(("F", min(last, self.media.n_chunks - 1)))
+            self._run_to(self._segment_end[(k // self.chunks_per_cut) * self.chunks_per_cut])
 
     def before_pipeline(self) -> None:
         if self.active and self.cfg.placement == "encoder_first" and self.media.n_chunks:
-            self._run_until(("F", self.media.n_chunks - 1))
+            self._run_to(self._segment_end[BEFORE_PIPELINE])
 
     def finish(self) -> None:
         """After the LLM's backward of the whole step: the remaining encoder backwards."""
@@ -304,15 +310,10 @@ class Multiplexer:
             self._cursor += 1
         self._local = []
 
-    def _run_until(self, target: tuple[str, int]) -> None:
-        if target in self._actions[:self._cursor]:
-            return
-        while self._cursor < len(self._actions):
-            action = self._actions[self._cursor]
-            self._run(action)
+    def _run_to(self, end: int) -> None:
+        while self._cursor < end:
+            self._run(self._actions[self._cursor])
             self._cursor += 1
-            if action == target:
-                return
 
     def _run(self, action: tuple[str, int]) -> None:
         """F j / B j run chunk j's cut group's call, once: the action list keeps a group's
@@ -470,28 +471,45 @@ def _call_name(cut: _Cut) -> str:
     return str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
 
 
-def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1) -> list[tuple[str, int]]:
+BEFORE_PIPELINE = -1  # the insertion point of encoder_first's forwards
+
+
+def encoder_segments(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
+                     lookahead: int = 0) -> dict[int, list[tuple[str, int]]]:
     """The encoder chunks' forwards and backwards of a step, in the order every encoder rank
-    runs them. ("F", k) for k in a group of ``group`` chunks at the group's first cut (the
-    runtime encodes the group in one call); ("B", j) for the whole group, together, at the first
-    group cut at or after the last ``backward_cuts[j]`` of the group (where stage 0 has finished
-    micro-batch j's backward; None: after the pipeline): one call's graph has one backward,
-    which needs every chunk's gradient. encoder_first: every forward before the pipeline, every
-    backward after it. The simulator (``omni.sim``) replays the same list."""
+    runs them, by insertion point: cut k (k a multiple of ``group``, multiplex.chunks_per_cut),
+    ``BEFORE_PIPELINE`` (encoder_first) and n (after the pipeline). The runtime's
+    ``Multiplexer`` and the simulator (``omni.sim.engine``) both run these lists.
+
+    ("F", j) for a group of ``group`` chunks at the group's first cut (the runtime encodes the
+    group in one call), ``lookahead`` (multiplex.lookahead) groups early: the first cut runs
+    groups 0 .. lookahead. ("B", j) for the whole group, together, at the first group cut at or
+    after the last ``backward_cuts[j]`` of the group (where stage 0 has finished micro-batch
+    j's backward; None: after the pipeline): one call's graph has one backward, which needs
+    every chunk's gradient. encoder_first: every forward before the pipeline, every backward
+    after it."""
     if placement == "encoder_first":
-        ready: list[int | None] = [None] * n
-    else:
-        ready = []
-        for k in range(0, n, group):
-            cuts = backward_cuts[k:k + group]
-            last = None if any(r is None for r in cuts) else max(cuts)
-            ready += [None if last is None else -(-last // group) * group] * len(cuts)
-    acts = []
+        return {BEFORE_PIPELINE: [("F", j) for j in range(n)], n: [("B", j) for j in range(n)]}
+    ready = []
     for k in range(0, n, group):
-        acts += [("B", j) for j in range(n) if ready[j] == k]
-        acts += [("F", i) for i in range(k, min(k + group, n))]
-    done = {j for a, j in acts if a == "B"}
-    return acts + [("B", j) for j in range(n) if j not in done]
+        cuts = backward_cuts[k:k + group]
+        last = None if any(r is None for r in cuts) else max(cuts)
+        ready += [None if last is None else -(-last // group) * group] * len(cuts)
+    segments: dict[int, list[tuple[str, int]]] = {}
+    forwarded = 0  # chunks whose forward is already placed
+    for k in range(0, n, group):
+        upto = min((k // group + lookahead) * group + group, n)
+        segments[k] = [("B", j) for j in range(n) if ready[j] == k] + [("F", i) for i in range(forwarded, upto)]
+        forwarded = max(forwarded, upto)
+    segments[n] = [("B", j) for j in range(n) if ready[j] is None or ready[j] >= n]
+    return segments
+
+
+def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
+                    lookahead: int = 0) -> list[tuple[str, int]]:
+    """``encoder_segments`` flattened in the order they run."""
+    segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
+    return [a for k in sorted(segments) for a in segments[k]]
 
 
 def encoder_ranks(sizes: Sizes, placement: str) -> list[int]:

@@ -4,7 +4,7 @@ Every (DP group, pipeline rank) pair is a *cell*: its TP x CP GPUs run in lockst
 timeline stands for them. Each cell runs its pipeline rank's program from
 ``parallel.pipeline_executor`` (GPipe, 1F1B or interleaved 1F1B, with the consistent cuts
 where encoder work joins in; without PP: a cut before each micro-batch's forward), and the
-encoder chunks run at the cuts in the order ``omni.runtime.multiplex.encoder_actions`` gives
+encoder chunks run at the cuts in the order ``omni.runtime.multiplex.encoder_segments`` gives
 — the same lists the training runtime follows. An action starts when its cell is free and its
 input has arrived (the previous stage's activation or the next stage's gradient, plus the
 point-to-point transfer); an encoder chunk is a collective: it starts when every encoder cell
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omni.runtime.multiplex import encoder_actions
+from omni.runtime.multiplex import BEFORE_PIPELINE, encoder_segments
 from omni.sim.encoders import ChunkTimes
 from omni.sim.timing import StageWork
 from parallel.pipeline_executor import Action, encoder_backward_cuts, place_cuts, rank_programs
@@ -63,29 +63,20 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
-                  chunks_per_cut: int = 1) -> StepTimeline:
+                  chunks_per_cut: int = 1, lookahead: int = 0) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
     or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
     group when a dict: each pads its rows to its own length); ``llm_activation[(g, stage, i)]``: bytes that
     forward keeps until backward; ``tail_s``/``tail_comm_s``: what each cell runs after its
     program (optimizer; exposed gradient sync). ``record``: keep every cell's events.
-    ``chunks_per_cut``: multiplex.chunks_per_cut."""
+    ``chunks_per_cut``, ``lookahead``: multiplex.chunks_per_cut, multiplex.lookahead."""
     progs, bwd_cuts = programs(schedule, pp, virtual, n_micro)
     has_media = placement != "none" and any(c.items for c in chunks)
-    actions = encoder_actions(placement if placement != "none" else "colocated", n_micro, bwd_cuts,
-                              chunks_per_cut) if has_media else []
-    # The actions each cut (and the end of the step) runs: up to and including ("F", k).
-    at_cut: dict[int, list[tuple[str, int]]] = {}
-    pos = 0
-    if has_media and placement == "encoder_first":
-        at_cut[-1] = [a for a in actions if a[0] == "F"]
-        at_cut[n_micro] = [a for a in actions if a[0] == "B"]
-    elif has_media:  # a group's first cut runs up to the forward of its last chunk
-        for k in range(0, n_micro, chunks_per_cut):
-            end = actions.index(("F", min(k + chunks_per_cut, n_micro) - 1), pos) + 1
-            at_cut[k], pos = actions[pos:end], end
-        at_cut[n_micro] = actions[pos:]
+    # The actions each insertion point runs (BEFORE_PIPELINE: encoder_first's forwards; n_micro:
+    # after the pipeline), exactly as the runtime's Multiplexer runs them.
+    at_cut = encoder_segments(placement if placement != "none" else "colocated", n_micro, bwd_cuts,
+                              chunks_per_cut, lookahead) if has_media else {}
     members = [c for c, idx in encoder_cells.items() if idx] if has_media else []
     last_stage = pp * virtual - 1
     cells = {(g, s): CellTimeline(g, s) for g in range(groups) for s in range(pp)}
@@ -128,8 +119,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         released[k] = start + run_segment(k, start)
         return released[k]
 
-    if -1 in at_cut:  # encoder_first: every forward before the pipeline
-        t = run_segment(-1, 0.0)
+    if BEFORE_PIPELINE in at_cut:  # encoder_first: every forward before the pipeline
+        t = run_segment(BEFORE_PIPELINE, 0.0)
         for c in members:
             free[c] = t
     remaining = sum(len(progs[s]) for s in range(pp)) * groups
@@ -141,7 +132,7 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
             while cursor[c] < len(prog):
                 kind, chunk, i = prog[cursor[c]]
                 if kind == "cut":
-                    if chunk in at_cut and c in members and placement != "encoder_first":
+                    if at_cut.get(chunk) and c in members and placement != "encoder_first":
                         end = collective(chunk, c)
                         if end is None:
                             break

@@ -225,7 +225,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
-        actions = encoder_actions(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut))
+        actions = encoder_actions(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut),
+                                  int(cfg.multiplex.lookahead))
         sync.add_encoder_grad_traffic(m, cfg, spec, chunks, len(members), reshard)
         sync.add_encoder_collectives(m, cfg, spec, chunks, actions, len(members), cluster.gpus_per_node, reshard)
     else:
@@ -253,7 +254,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
                              p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
                              llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
-                             chunks_per_cut=int(cfg.multiplex.chunks_per_cut))
+                             chunks_per_cut=int(cfg.multiplex.chunks_per_cut),
+                             lookahead=int(cfg.multiplex.lookahead))
     if first_encoder:
         first_encoder.book(timeline)
     memory = []

@@ -38,6 +38,8 @@ LAYOUTS = {
         ("pp=2 x dp_shard=2 colocated, 3 chunks per call, all_to_all", PP2_DP2, BOTH, SHORT, {"chunks_per_cut": 3}),
         ("pp=2 x dp_shard=2 encoder_first, one call per step, p2p", PP2_DP2, BOTH, SHORT,
          {"placement": "encoder_first", **P2P}),
+        # each cut group encoded one insertion point early (multiplex.lookahead)
+        ("pp=2 x dp_shard=2 colocated, lookahead 1, p2p", PP2_DP2, BOTH, SHORT, {"lookahead": 1, **P2P}),
     ],
     8: [
         ("pp=2 x tp=2 x dp_shard=2 colocated, 2 chunks per call, p2p", PP_TP_DP, IMAGE, SHORT,
