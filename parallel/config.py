@@ -36,8 +36,10 @@ class ParallelConfig:
     fsdp_prefetch: int = 1
     # Reduce-scatter gradients after every micro-batch's backward (true: gradients stay sharded,
     # least memory) or only after the step's last one (false: one reduce per step, but each rank
-    # holds unsharded gradients meanwhile). Pipeline schedules decide this themselves.
-    fsdp_reduce_every_microbatch: bool = True
+    # holds unsharded gradients meanwhile). auto: true without pipeline parallelism, false with
+    # it (a stage runs many backwards per step; one reduction, as Megatron-LM and torch's
+    # pipeline schedules do). A YAML or command-line true/false arrives as a bool.
+    fsdp_reduce_every_microbatch: str = "auto"
     # Free gathered parameters after forward: auto (yes, except under pipeline parallelism, where
     # each micro-batch would gather them again) | true | false.
     reshard_after_forward: str = "auto"

@@ -62,6 +62,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from parallel.sizing import frees_after_backward
 from torch import nn
 
 EXECUTOR_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -311,12 +312,16 @@ class PipelineExecutor:
 
     def __init__(self, modules: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int, schedule: str,
                  groups: tuple[dist.ProcessGroup, dist.ProcessGroup], device: torch.device, hidden_size: int,
-                 dtype: torch.dtype, timeline=None, defer_grad_sync: bool = False):
+                 dtype: torch.dtype, timeline=None, defer_grad_sync: bool = False, keep_gathered: bool = False):
         """``modules``: this rank's model chunks, global stages ``stage_ids`` (looped:
         rank r + c * pp). ``groups``: (activations, gradients), both over the pipeline ranks
         (stage rank r = group rank r). ``timeline``: anything with ``span(kind, name)``.
         ``defer_grad_sync``: an FSDP chunk reduces its gradients only in its last backward of
-        the step."""
+        the step. ``keep_gathered``: FSDP chunks whose weights stay gathered after forward
+        (``reshard_after_forward`` false) stay gathered after their backwards too, until the
+        step's last: one all-gather per chunk and step, as the schedule's memory plan assumes
+        (FSDP2 frees them after every backward by default, and would gather them again for
+        the next micro-batch's forward)."""
         self.modules, self.stage_ids = list(modules), list(stage_ids)
         self.num_stages, self.schedule = num_stages, schedule
         self.groups = dict(zip(CHANNELS, groups))
@@ -329,6 +334,7 @@ class PipelineExecutor:
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
         self.timeline = timeline
         self.defer_grad_sync = defer_grad_sync
+        self.keep_gathered = keep_gathered
         # Called at each cut k (see the module docstring); set by the caller.
         self.on_cut: Optional[Callable[[int], None]] = None
         self._programs: dict[int, list[list[Action]]] = {}
@@ -449,6 +455,9 @@ class PipelineExecutor:
 
     def _set_grad_sync(self, module: nn.Module, last: bool) -> None:
         """FSDP reduces a chunk's gradients in every backward unless told to wait for the last
-        (each chunk's backwards run in micro-batch order)."""
+        (each chunk's backwards run in micro-batch order); weights kept gathered are freed in
+        the last only."""
         if self.defer_grad_sync and hasattr(module, "set_requires_gradient_sync"):
             module.set_requires_gradient_sync(last)
+        if self.keep_gathered and hasattr(module, "set_reshard_after_backward"):
+            module.set_reshard_after_backward(frees_after_backward(last, reshard_after_forward=False))

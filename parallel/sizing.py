@@ -71,6 +71,23 @@ class Sizes:
         return rank
 
 
+def reduces_every_microbatch(cfg: ParallelConfig, pp: int) -> bool:
+    """``parallel.fsdp_reduce_every_microbatch`` as the runtime reads it (auto: not under
+    pipeline parallelism). The trainer, the pipeline executor, the multiplexer and the
+    simulator all ask here."""
+    setting = str(cfg.fsdp_reduce_every_microbatch).lower()
+    return pp == 1 if setting == "auto" else setting == "true"
+
+
+def frees_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
+    """Whether FSDP units are freed after a backward: weights kept gathered after forward
+    (``reshard_after_forward`` false) stay gathered until the step's last backward (one
+    all-gather per unit and step); weights resharded after forward are freed after every
+    backward too (FSDP2's default). The pipeline executor's LLM chunks, the encoder tower and
+    the simulator follow it."""
+    return last_of_step or reshard_after_forward
+
+
 def resolve_sizes(cfg: ParallelConfig, world: int) -> Sizes:
     """The sizes for ``world`` ranks, with every launch-level mistake reported by name."""
     fixed = {"dp_replicate": cfg.dp_replicate, "tp": cfg.tp, "pp": cfg.pp, "cp": cfg.cp, "ep": cfg.ep}

@@ -213,6 +213,7 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
     one_of("parallel.activation_checkpoint", p.activation_checkpoint, CHECKPOINT_MODES)
     one_of("parallel.mixed_precision", p.mixed_precision, PRECISIONS)
     one_of("parallel.reshard_after_forward", str(p.reshard_after_forward).lower(), RESHARD_CHOICES)
+    one_of("parallel.fsdp_reduce_every_microbatch", str(p.fsdp_reduce_every_microbatch).lower(), RESHARD_CHOICES)
     check_options(p)
     if world_size is None:
         return

@@ -41,6 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from omni.models.encoders.base import HostSizes
 from parallel.fsdp import shard_model
+from parallel.sizing import frees_after_backward
 from parallel.layout import LayoutError
 
 WEIGHT_MODES = ("replicated", "sharded", "hybrid")
@@ -81,11 +82,12 @@ def encoder_gradient_reduction(weights: str, last_of_step: bool, reduce_every_ch
     (reduce-scatter its gradients in this backward, all-reduce them across the shard groups in
     it). ``sharded``: both in the step's last backward, or in every one if the weights are
     resharded after each forward and ``reduce_every_chunk`` (``parallel.fsdp_reduce_every_
-    microbatch``). ``hybrid``: the reduce-scatter (inside a group) in every backward if
-    ``reduce_every_chunk``, the all-reduce (across groups) in the last only; each shard then
-    accumulates the group's sum until the step's last backward adds the other groups'."""
+    microbatch``). ``hybrid``: the reduce-scatter (inside a group: a node by default, cheap) in
+    every backward, whatever ``reduce_every_chunk`` says, so no full-size fp32 gradient lives
+    between backwards; the all-reduce (across groups) in the last only. Each shard accumulates
+    the group's sum until the step's last backward adds the other groups'."""
     if weights == "hybrid":
-        return last_of_step or reduce_every_chunk, last_of_step
+        return True, last_of_step
     reduce = last_of_step or (reduce_every_chunk and reshard_after_forward)
     return reduce, reduce
 
@@ -182,11 +184,9 @@ def tower_syncs_gradients(last_of_step: bool, reshard_after_forward: bool, reduc
 
 
 def tower_reshards_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
-    """Whether a sharded modality's weights are freed after this backward: weights kept
-    gathered after forward stay gathered until the step's last backward (one gather per step
-    and modality); weights resharded after forward are freed after every backward too (FSDP2's
-    default, which before_backward leaves alone)."""
-    return last_of_step or reshard_after_forward
+    """Whether a sharded modality's weights are freed after this backward
+    (``parallel.sizing.frees_after_backward``, the LLM chunks' rule too)."""
+    return frees_after_backward(last_of_step, reshard_after_forward)
 
 
 def tower_grads_unsharded(reshard_after_forward: bool, reduce_every_chunk: bool, weights: str = "sharded") -> bool:

@@ -52,6 +52,7 @@ from omni.runtime.media_tower import MediaTower
 from parallel.layout import Layout, LayoutError, Sizes, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
+from parallel.sizing import reduces_every_microbatch
 
 PLACEMENTS = ("colocated", "stage0", "encoder_first")
 INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
@@ -160,7 +161,7 @@ class Multiplexer:
         self.backward_cuts = lambda n: [j + 1 for j in range(n)]
         # Sharded weights: reduce-scatter a modality's gradients once, in its last backward of
         # the step, unless the LLM reduces every micro-batch too.
-        self.reduce_every_chunk = pcfg.fsdp_reduce_every_microbatch
+        self.reduce_every_chunk = reduces_every_microbatch(pcfg, layout.sizes.pp)
         self.consumer = layout.pp_rank == 0
         self.announcer = layout.rank == layout.peer_source
         self._chunks: dict[int, _Chunk] = {}
@@ -264,10 +265,7 @@ class Multiplexer:
         indices.upload()
 
     def _cut_size(self, n: int) -> int:
-        """Chunks per encoder call: multiplex.chunks_per_cut where the calls are inserted into
-        the pipeline; encoder_first has one insertion point, before it, so one call for the
-        whole step (its activations live until after the pipeline either way)."""
-        return max(n, 1) if self.cfg.placement == "encoder_first" else self.chunks_per_cut
+        return chunks_per_call(self.cfg.placement, n, self.chunks_per_cut)
 
     def _collect(self, everyone: list, n: int) -> StepMedia:
         media = StepMedia(n, [[] for _ in range(n)])
@@ -469,6 +467,14 @@ class Multiplexer:
 def _call_name(cut: _Cut) -> str:
     """Timeline name of a cut group's call: its chunk, or its first and last chunks."""
     return str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
+
+
+def chunks_per_call(placement: str, n: int, chunks_per_cut: int) -> int:
+    """Chunks per encoder call (a cut group): multiplex.chunks_per_cut where the calls are
+    inserted into the pipeline; encoder_first has one insertion point, before it, so one call
+    for the whole step (its activations live until after the pipeline either way). The
+    simulator groups its chunks by the same rule."""
+    return max(n, 1) if placement == "encoder_first" else chunks_per_cut
 
 
 BEFORE_PIPELINE = -1  # the insertion point of encoder_first's forwards

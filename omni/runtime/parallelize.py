@@ -37,6 +37,7 @@ from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh
                              pipeline_gradient_group)
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
+from parallel.sizing import reduces_every_microbatch
 
 
 @dataclass
@@ -179,10 +180,11 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     if num_stages > 1:
         group, dtype = layout.mesh["pp"].get_group(), activation_dtype(layout)
         if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # Omni's executor, with cuts for encoder work
-            defer = not pcfg.fsdp_reduce_every_microbatch and layout.fsdp_mesh().size() > 1
+            defer = not reduces_every_microbatch(pcfg, layout.sizes.pp) and layout.fsdp_mesh().size() > 1
             groups = (group, pipeline_gradient_group(layout))
             pm.runner = PipelineExecutor(chunks, ids, num_stages, pcfg.pp_schedule, groups, layout.device,
-                                         c.hidden_size, dtype, timeline, defer_grad_sync=defer)
+                                         c.hidden_size, dtype, timeline, defer_grad_sync=defer,
+                                         keep_gathered=not _reshard_after_forward(layout))
         else:
             pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, group, layout.device,
                                        c.hidden_size, dtype, timeline)

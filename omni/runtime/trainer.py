@@ -35,6 +35,7 @@ from parallel.grad_norm import local_grad_square_sum, scale_to_max_norm_
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
 from parallel.pipeline import microbatch_count
+from parallel.sizing import reduces_every_microbatch
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -228,7 +229,8 @@ class Trainer:
         else:
             # Every micro-batch runs, placeholders too: FSDP, TP, CP and EP collectives must
             # happen the same number of times on every rank.
-            defer = not self.layout.config.fsdp_reduce_every_microbatch and isinstance(self.model, FSDPModule)
+            defer = (not reduces_every_microbatch(self.layout.config, self.layout.sizes.pp)
+                     and isinstance(self.model, FSDPModule))
             if mux is not None:
                 mux.before_pipeline()
             for i, p in enumerate(prepared):

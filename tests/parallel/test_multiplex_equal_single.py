@@ -91,8 +91,8 @@ HYBRID_LAYOUTS = {
          SHORT, HYBRID),
         # PP: weights stay gathered for the step, gradients still reduce-scattered every backward
         ("pp=2 1f1b colocated, hybrid 2 x 1", PP2, IMAGE, SHORT, {**HYBRID, "encoder_shard_group": 1}),
-        # ... and with one reduction per step (full-size gradients accumulated until the last)
-        ("pp=2 1f1b colocated, hybrid 2 x 1, one reduce per step", {**PP2, "fsdp_reduce_every_microbatch": False},
+        # ... also when the LLM reduces once per step (the flag is the LLM's and sharded mode's)
+        ("pp=2 1f1b colocated, hybrid 2 x 1, LLM reduces once per step", {**PP2, "fsdp_reduce_every_microbatch": False},
          IMAGE, SHORT, {**HYBRID, "encoder_shard_group": 1}),
         ("cp=2 ring stage0, hybrid 2 x 1", dict(dp_shard=1, cp=2), IMAGE, SHORT,
          {"placement": "stage0", **HYBRID, "encoder_shard_group": 1}),
@@ -188,8 +188,8 @@ def test_multiplexing_equals_single_process(world, tmp_path):
 def test_hybrid_encoder_weights_equal_single_process(world, tmp_path):
     """HSDP encoder weights (``multiplex.encoder_weights=hybrid``) train like the single
     process, sharded over each group and replicated over >= 2 groups; between encoder
-    backwards a rank holds only gradient shards (reduce-scattered after every backward),
-    unless parallel.fsdp_reduce_every_microbatch=false asks for one reduction per step."""
+    backwards a rank holds only gradient shards (reduce-scattered inside its group after every
+    backward, whatever parallel.fsdp_reduce_every_microbatch says)."""
     layouts = HYBRID_LAYOUTS[world]
     _check_equal(world, layouts, tmp_path)
     problems = []
@@ -205,26 +205,21 @@ def test_hybrid_encoder_weights_equal_single_process(world, tmp_path):
 
 def _gradients_held(result, sizes, chunks: int) -> list[str]:
     """Per backward reduce-scatter: never a full-size gradient between two encoder backwards,
-    at most one shard of each (and, with several chunks per step, some shard held); one
-    reduction per step: full-size gradients are held."""
+    at most one shard of each (and, with several chunks per step, some shard held)."""
     held = result.get("encoder_grads_held")
     if held is None:  # a later stage under stage0 holds no encoders
         return []
     if not held:
         return ["no encoder backward was watched"]
-    if sizes.get("fsdp_reduce_every_microbatch", True):
-        bad = []
-        if any(full for full, _ in held):
-            bad.append(f"full-size encoder gradients held between backwards: {held}")
-        if any(shard > result["encoder_grad_shard_bound"] for _, shard in held):
-            bad.append(f"more than one shard of the encoder gradients held (bound "
-                       f"{result['encoder_grad_shard_bound']}): {held}")
-        if chunks > 1 and not any(shard for _, shard in held):
-            bad.append("no gradient shard held at any backward: the check saw nothing")
-        return bad
-    if not any(full for full, _ in held):
-        return [f"one reduce per step, yet no full-size gradient was held between backwards: {held}"]
-    return []
+    bad = []
+    if any(full for full, _ in held):
+        bad.append(f"full-size encoder gradients held between backwards: {held}")
+    if any(shard > result["encoder_grad_shard_bound"] for _, shard in held):
+        bad.append(f"more than one shard of the encoder gradients held (bound "
+                   f"{result['encoder_grad_shard_bound']}): {held}")
+    if chunks > 1 and not any(shard for _, shard in held):
+        bad.append("no gradient shard held at any backward: the check saw nothing")
+    return bad
 
 
 def _check_equal(world, layouts, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -135,16 +136,20 @@ def test_tower_rules_are_what_fsdp2_does(monkeypatch, reshard, reduce_every):
                         assert all(t is None for t in whole), p
 
 
-def test_llm_chunks_left_at_fsdp2s_default_gather_again_after_each_backward(monkeypatch):
-    """fsdp_gathers with FSDP2's default (free after every backward) against FSDP2: with
-    weights kept after forward, every pass that follows a backward gathers again — what the
-    pipeline executor's LLM chunks do today (the simulator charges the documented
-    once-per-step gather instead: llm_frees_after_backward)."""
+@pytest.mark.parametrize("keep_gathered", [True, False])
+def test_llm_chunks_gather_as_the_executor_sets_them(monkeypatch, keep_gathered):
+    """The pipeline executor's setting before each backward (``_set_grad_sync`` with
+    ``keep_gathered``, what parallelize gives it when weights stay gathered after forward)
+    against FSDP2 itself: kept gathered, a chunk gathers once per step, in its first forward
+    (the simulator's ``llm_frees_after_backward``); left at FSDP2's default, every pass that
+    follows a backward gathers again (what the executor did before keep_gathered)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from parallel.fsdp import shard_model
+    from parallel.pipeline_executor import PipelineExecutor
 
+    executor = SimpleNamespace(defer_grad_sync=False, keep_gathered=keep_gathered)
     with _one_rank_group():
         torch.manual_seed(0)
         layers = [nn.Linear(8, 8) for _ in range(3)]
@@ -154,14 +159,19 @@ def test_llm_chunks_left_at_fsdp2s_default_gather_again_after_each_backward(monk
                     precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
                     reshard_after_forward=False, prefetch=1)
         counts = _Counts(monkeypatch)
-        want = sync.fsdp_gathers(["f" if p[0] == "F" else "b" for p in PASSES], False)
-        assert want == [True, False, False, True, False, True]
+        backwards = [p for p in PASSES if p[0] == "B"]
+        frees = ([sync.llm_frees_after_backward(p == backwards[-1], False) for p in backwards] if keep_gathered
+                 else None)
+        want = sync.fsdp_gathers(["f" if p[0] == "F" else "b" for p in PASSES], False, frees)
+        assert want == ([True, False, False, False, False, False] if keep_gathered
+                        else [True, False, False, True, False, True])
         outs = {}
         for p, w in zip(PASSES, want):
             before = counts.gathers
             if p[0] == "F":
                 outs[int(p[1])] = model(torch.randn(2, 8)).float().sum()
             else:
+                PipelineExecutor._set_grad_sync(executor, model, p == backwards[-1])
                 outs[int(p[1])].backward()
             assert (counts.gathers > before) == w, p
 
@@ -175,11 +185,13 @@ def test_sharded_encoder_gradients_are_whole_fp32_under_pp():
     assert len(sharded) == len(replicated) > 1
     for a, b in zip(sharded, replicated):
         assert a.grads == pytest.approx(b.grads, rel=1e-12)
-    # Resharding after forward and reducing every chunk keeps them sharded.
-    per_chunk = one_step_for_calibration(load_sim_config([*SHARDED, "parallel.reshard_after_forward=true"]))[0].memory
+    # Resharding after forward and reducing every chunk (not the default under PP) keeps them sharded.
+    every_chunk = ["parallel.reshard_after_forward=true", "parallel.fsdp_reduce_every_microbatch=true"]
+    per_chunk, whole = (one_step_for_calibration(load_sim_config([*over, *every_chunk]))[0].memory
+                        for over in (SHARDED, SMALL))
     spec = model_spec(load_sim_config(SMALL).model, load_sim_config(SMALL).encoders)
     encoders = sum(e.params for e in spec.encoders.values()) * 4
-    for a, b in zip(per_chunk, sharded):
+    for a, b in zip(per_chunk, whole):
         assert b.grads - a.grads == pytest.approx(encoders * (1 - 1 / 8), rel=1e-9)
 
 
