@@ -187,7 +187,9 @@ def assign_items(
     if sp < 1 or world % sp:
         raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
     group_arr = np.asarray(group_of, dtype=np.int64)
-    groups = sorted(set(group_of))
+    # Without eligibility every rank may encode any group's items, also a group none of the
+    # ranks belongs to (a disaggregated encoder pool smaller than the LLM's DP size).
+    groups = sorted(set(group_of) | ({it.group for it in items} if eligible is None else set()))
     allowed = {g: np.arange(world) if eligible is None else np.asarray(sorted(eligible[g]), dtype=np.int64)
                for g in groups}
     costs = {it.key: float(cost.media_cost(it.modality, it.tokens)) for it in items}

@@ -33,7 +33,7 @@ from omni.sim.config import ClusterConfig, SimConfig
 FACTORS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "comm_efficiency", "op_overhead_us",
            "encoder_efficiency")
 _LLM = re.compile(r"^(?:stage(\d+) )?(forward|backward) mb(\d+)$")
-_ENC = re.compile(r"^([FB])(\d+)$")
+_ENC = re.compile(r"^([FB])(\d+)(?:-\d+)?$")  # a call's first chunk (and last, for a cut group)
 
 
 @dataclass
@@ -126,8 +126,9 @@ def calibrate_from_trace(cfg: SimConfig, path: str) -> CalibrationFit:
                                  "predicted_s": predicted})
                 predicted = None
         m = _ENC.match(name)
-        if kind == "encoder" and m and rank in member_index and int(m.group(2)) < len(run.chunks):
-            ch = run.chunks[int(m.group(2))]
+        call = next((c for c in run.chunks if c.chunks and c.chunks[0] == int(m.group(2))), None) if m else None
+        if kind == "encoder" and call is not None and rank in member_index:
+            ch = call
             per = ch.gpu_forward_s if m.group(1) == "F" else ch.gpu_backward_s
             predicted = per[member_index[rank]]
         if predicted is not None and predicted > 0 and measured > 0:

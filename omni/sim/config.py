@@ -109,8 +109,11 @@ class SimDataConfig:
 @dataclass
 class SimOptions:
     placements: List[str] = field(default_factory=lambda: list(PLACEMENTS))
-    # disaggregated: GPUs that only run encoders (0: an eighth of the cluster, rounded to whole
-    # LLM model-parallel groups); the LLM keeps its layout on the rest, with fewer DP ranks.
+    # disaggregated: GPUs that only run encoders, in whole LLM model-parallel groups; the LLM
+    # keeps its layout on the rest, with fewer DP ranks. 0: chosen for the run, the pool size
+    # (up to half the cluster) whose simulated steps are fastest on average over every
+    # simulated step (a ratio schedule's too): one pool for the whole run, as a real
+    # disaggregated deployment has.
     encoder_gpus: int = 0
     # Bytes per parameter element of the optimizer state (AdamW: two fp32 moments).
     optimizer_bytes_per_param: int = 8

@@ -1,14 +1,16 @@
-"""The encoder side of a simulated step: each encoder chunk assigned by the runtime's own
-planner (``dataloading.encoder_plan.assign_items``: long-short split and cost balancing, with
-the loads of the step's earlier chunks carried over as in the runtime), then timed per GPU.
-The routes themselves are not built: the exchanges are timed from the bytes each GPU sends.
+"""The encoder side of a simulated step: each encoder call (a cut group of
+multiplex.chunks_per_cut chunks, encoded together as the runtime does) assigned by the
+runtime's own planner (``dataloading.encoder_plan.assign_items``: long-short split and cost
+balancing, with the loads of the step's earlier calls carried over as in the runtime), then
+timed per GPU. The routes themselves are not built: the exchanges are timed from the bytes
+each GPU sends.
 
-A chunk is a collective over its encoder GPUs (feature all-to-all, encode, output
-all-to-all), so it ends for all of them when the slowest is done: its duration is the largest
-GPU's work plus the exchanges. Every encoder GPU calls each modality of a chunk, with no items
-if it has none (``Multiplexer._forward``: sharded weights are gathered by all of them), so a
-GPU without items still pays each call's fixed cost; a chunk with no item anywhere is skipped
-by the runtime and costs nothing.
+A call is a collective over its encoder GPUs (feature exchange, encode, output exchange), so
+it ends for all of them when the slowest is done: its duration is the largest GPU's work plus
+the exchanges. Every encoder GPU calls each modality of a call, with no items if it has none
+(``Multiplexer._forward``: sharded weights are gathered by all of them), so a GPU without
+items still pays each call's fixed cost; a call with no item anywhere is skipped by the
+runtime and costs nothing.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 
 from dataloading.encoder_plan import ItemMeta, assign_items
 from omni.runtime.config import MultiplexConfig
+from omni.runtime.multiplex import chunks_per_call
 from omni.sim.data import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
@@ -37,6 +40,11 @@ class ChunkTimes:
     long_items: int = 0
     balance: float = 1.0  # max / mean planned cost over member GPUs
     modalities: list[str] = field(default_factory=list)  # with an item anywhere: every member GPU calls them
+    chunks: list[int] = field(default_factory=list)  # the micro-batches (chunks) this call encodes
+    # Of forward_s / backward_s beyond the slowest GPU's work: the exposed weight collectives
+    # (sharded/hybrid gathers and reduce-scatters; the rest is the row exchange).
+    weights_forward_s: float = 0.0
+    weights_backward_s: float = 0.0
 
 
 def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
@@ -54,28 +62,39 @@ def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
 
 def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
                 group_of: list[int], eligible: dict[int, list[int]] | None, gpus_per_node: int,
-                receivers: int, memory_limit: float | None) -> list[ChunkTimes]:
-    """``micro_batches[g][j]``: DP group g's micro-batch j; ``group_of[i]``: member GPU i's DP
-    group; ``receivers``: GPUs that embed one group's rows (its first-stage TP x CP GPUs)."""
+                receivers: int, memory_limit: float | None, placement: str = "colocated") -> list[ChunkTimes]:
+    """The step's encoder calls, one per cut group (``omni.runtime.multiplex.chunks_per_call``:
+    multiplex.chunks_per_cut chunks, or the whole step under encoder_first), each planned as
+    one assignment as the runtime's ``plan_cut`` does (item indices continue over the group's
+    chunks), balanced on top of the step's earlier calls. ``micro_batches[g][j]``: DP group
+    g's micro-batch j; ``group_of[i]``: member GPU i's DP group; ``receivers``: GPUs that embed
+    one group's rows (its first-stage TP x CP GPUs). A call without items is not run (the
+    runtime skips a cut group with no media)."""
     n = max((len(g) for g in micro_batches), default=0)
     world = len(group_of)
     sp = int(mux.encoder_sp)
     threshold = None if str(mux.long_threshold).lower() == "auto" else int(mux.long_threshold)
     sp_modalities = [mod for mod, e in spec.encoders.items() if e.supports_sp and e.heads % sp == 0]
     crosses = world > gpus_per_node
+    size = chunks_per_call(placement, n, int(mux.chunks_per_cut))
 
     def item_bytes(modality: str, tokens: int) -> float:
         return spec.encoders[modality].activation_bytes_per_token * tokens
 
     out = []
     carried = np.zeros(world)
-    for j in range(n):
+    for first in range(0, n, size):
+        chunks = list(range(first, min(first + size, n)))
         items, counters = [], {}
-        for g, mbs in enumerate(micro_batches):
-            for modality, tokens in (mbs[j].media if j < len(mbs) else []):
-                k = counters.get((g, modality), 0)
-                counters[(g, modality)] = k + 1
-                items.append(ItemMeta(g, modality, k, int(tokens), int(tokens)))
+        for j in chunks:
+            for g, mbs in enumerate(micro_batches):
+                for modality, tokens in (mbs[j].media if j < len(mbs) else []):
+                    k = counters.get((g, modality), 0)
+                    counters[(g, modality)] = k + 1
+                    items.append(ItemMeta(g, modality, k, int(tokens), int(tokens)))
+        if not items:
+            out.append(ChunkTimes(0.0, 0.0, [0.0] * world, [0.0] * world, [0.0] * world, chunks=chunks))
+            continue
         a = assign_items(items, group_of, world, spec.cost, sp=sp, long_threshold=threshold,
                          sp_modalities=sp_modalities, eligible=eligible, item_bytes=item_bytes,
                          memory_limit=memory_limit, base_loads=carried)
@@ -107,5 +126,21 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
         out.append(ChunkTimes(
             forward_s=max(fwd, default=0.0) + feat_s + out_s, backward_s=max(bwd, default=0.0) + out_s,
             gpu_forward_s=fwd, gpu_backward_s=bwd, gpu_activation_bytes=act, items=len(items),
-            long_items=len(a.block_of), balance=a.balance, modalities=called))
+            long_items=len(a.block_of), balance=a.balance, modalities=called, chunks=chunks))
+    return out
+
+
+def call_of_chunks(calls: list[ChunkTimes]) -> list[int]:
+    """Chunk index -> the call (cut group) that encodes it."""
+    return [c for c, call in enumerate(calls) for _ in call.chunks]
+
+
+def call_actions(actions: list[tuple[str, int]], calls: list[ChunkTimes]) -> list[tuple[str, int]]:
+    """The runtime's chunk actions as call actions: a cut group's forwards are one call, its
+    backwards one (``omni.runtime.multiplex.encoder_segments`` keeps each set together)."""
+    of = call_of_chunks(calls)
+    out: list[tuple[str, int]] = []
+    for kind, j in actions:
+        if (kind, of[j]) not in out:
+            out.append((kind, of[j]))
     return out

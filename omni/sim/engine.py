@@ -38,9 +38,27 @@ class CellTimeline:
     live_encoder_peak: float = 0.0
     peak_activations: float = 0.0  # both together, at the worst moment
     events: list[tuple[str, str, float, float]] = field(default_factory=list)  # (kind, name, start, end) if recorded
+    # Where the cell's time went, term by term (DECOMPOSITION); with the idle remainder they add
+    # up to the step.
+    parts: dict[str, float] = field(default_factory=dict)
 
     def idle_s(self, step_s: float) -> float:
         return max(0.0, step_s - self.llm_s - self.encoder_s - self.comm_s)
+
+    def add(self, term: str, seconds: float) -> None:
+        self.parts[term] = self.parts.get(term, 0.0) + seconds
+
+    def decomposition(self, step_s: float) -> dict[str, float]:
+        """Every DECOMPOSITION term of this cell; "bubble" is what none of them explains (the
+        pipeline's fill and drain, waiting for a stage's input, finishing before the slowest cell)."""
+        out = {term: self.parts.get(term, 0.0) for term in DECOMPOSITION if term != "bubble"}
+        out["bubble"] = max(0.0, step_s - sum(out.values()))
+        return out
+
+
+# The terms of a simulated step (per cell; docs/simulate.md, "Step decomposition").
+DECOMPOSITION = ("llm_compute", "llm_comm", "encoder_compute", "encoder_imbalance", "encoder_weights",
+                 "row_exchange", "cut_wait", "grad_sync", "optimizer", "bubble")
 
 
 @dataclass
@@ -63,16 +81,25 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
-                  chunks_per_cut: int = 1, lookahead: int = 0) -> StepTimeline:
+                  chunks_per_cut: int = 1, lookahead: int = 0, call_of: Optional[list[int]] = None) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
     or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
     group when a dict: each pads its rows to its own length); ``llm_activation[(g, stage, i)]``: bytes that
     forward keeps until backward; ``tail_s``/``tail_comm_s``: what each cell runs after its
     program (optimizer; exposed gradient sync). ``record``: keep every cell's events.
-    ``chunks_per_cut``, ``lookahead``: multiplex.chunks_per_cut, multiplex.lookahead."""
+    ``chunks_per_cut``, ``lookahead``: multiplex.chunks_per_cut, multiplex.lookahead.
+    ``chunks``: the step's encoder calls, ``call_of[j]`` the one that encodes chunk j (None:
+    one call per chunk); a call's forward runs at its first chunk's F action, its backward at
+    its first B action (the runtime's Multiplexer runs a cut group as one call)."""
     progs, bwd_cuts = programs(schedule, pp, virtual, n_micro)
     has_media = placement != "none" and any(c.items for c in chunks)
+    call_of = list(range(n_micro)) if call_of is None else call_of
+    ran: set[tuple[str, int]] = set()
+
+    def has_work(k: int) -> bool:
+        """Cut k runs a call with items (a cut group without media is skipped, no collective)."""
+        return any(chunks[call_of[j]].items for _, j in at_cut.get(k, []))
     # The actions each insertion point runs (BEFORE_PIPELINE: encoder_first's forwards; n_micro:
     # after the pipeline), exactly as the runtime's Multiplexer runs them.
     at_cut = encoder_segments(placement if placement != "none" else "colocated", n_micro, bwd_cuts,
@@ -92,14 +119,22 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         """Duration of the encoder actions of cut k; books each member's busy time and memory."""
         total = 0.0
         for kind, j in at_cut.get(k, []):
-            ch = chunks[j]
+            if (kind, call_of[j]) in ran:
+                continue
+            ran.add((kind, call_of[j]))
+            ch = chunks[call_of[j]]
             dur = ch.forward_s if kind == "F" else ch.backward_s
             gpu = ch.gpu_forward_s if kind == "F" else ch.gpu_backward_s
+            weights = ch.weights_forward_s if kind == "F" else ch.weights_backward_s
             for c in members:
                 idx = encoder_cells[c]
                 own = sum(gpu[i] for i in idx) / len(idx)
                 cells[c].encoder_s += own
                 cells[c].comm_s += dur - max(gpu, default=0.0)  # the exchanges
+                cells[c].add("encoder_compute", own)
+                cells[c].add("encoder_imbalance", max(gpu, default=0.0) - own)
+                cells[c].add("encoder_weights", weights)
+                cells[c].add("row_exchange", dur - max(gpu, default=0.0) - weights)
                 act = max(ch.gpu_activation_bytes[i] for i in idx)
                 live_enc[c] += act if kind == "F" else -act
                 _peak(cells[c], live_llm[c], live_enc[c])
@@ -116,6 +151,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         if len(arrived[k]) < len(members):
             return None
         start = max(arrived[k].values())
+        for cell, t in arrived[k].items():
+            cells[cell].add("cut_wait", start - t)
         released[k] = start + run_segment(k, start)
         return released[k]
 
@@ -132,7 +169,7 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
             while cursor[c] < len(prog):
                 kind, chunk, i = prog[cursor[c]]
                 if kind == "cut":
-                    if at_cut.get(chunk) and c in members and placement != "encoder_first":
+                    if has_work(chunk) and c in members and placement != "encoder_first":
                         end = collective(chunk, c)
                         if end is None:
                             break
@@ -157,6 +194,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                 compute = min(compute, dur)
                 tl.llm_s += compute
                 tl.comm_s += dur - compute
+                tl.add("llm_compute", compute)
+                tl.add("llm_comm", dur - compute)
                 free[c] = done[(kind, g, stage, i)] = begin + dur
                 if record:
                     tl.events.append(("llm", f"{'F' if kind == 'f' else 'B'}{i} s{stage}", begin, begin + dur))
@@ -169,14 +208,18 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         if not progressed:
             raise RuntimeError("simulated pipeline deadlocked (a bug in the simulator's schedule)")
     # After the pipeline: the remaining encoder backwards (a collective), then each cell's tail.
-    if n_micro in at_cut and at_cut[n_micro]:
+    if has_work(n_micro):
         start = max(free[c] for c in members)
+        for c in members:
+            cells[c].add("cut_wait", start - free[c])
         end = start + run_segment(n_micro, start)
         for c in members:
             free[c] = end
     for c, tl in cells.items():
         tl.comm_s += tail_comm_s.get(c, 0.0)
         tl.llm_s += tail_s.get(c, 0.0)
+        tl.add("grad_sync", tail_comm_s.get(c, 0.0))
+        tl.add("optimizer", tail_s.get(c, 0.0))
         tl.end_s = free[c] + tail_comm_s.get(c, 0.0) + tail_s.get(c, 0.0)
     return StepTimeline(max(tl.end_s for tl in cells.values()), list(cells.values()))
 

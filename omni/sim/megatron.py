@@ -42,7 +42,7 @@ from omni.sim.config import SimConfig, SimDataConfig
 from omni.sim.data import MicroBatchWork
 from omni.sim.engine import StepTimeline
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, Machine, StageWork, encoder_work
+from omni.sim.timing import BF16, CommGroup, Machine, StageWork, encoder_work
 from parallel.layout import Sizes
 
 PLACEMENTS = ("megatron", "megatron_balanced")
@@ -87,12 +87,11 @@ def tp_rank_encoder_compute(m: Machine, spec: ModelSpec, media: list[tuple[str, 
     return w.forward_s / tp, w.backward_s / tp
 
 
-def tp_layer_comm(m: Machine, act_bytes: float, tp: int, crosses_nodes: bool) -> float:
-    """One transformer layer's TP collectives, one pass: two all-gathers and two
-    reduce-scatters of the layer's activations (``act_bytes``, whole), as in
+def tp_layer_comm(m: Machine, act_bytes: float, group: CommGroup) -> float:
+    """One transformer layer's TP collectives over the TP ``group``, one pass: two all-gathers
+    and two reduce-scatters of the layer's activations (``act_bytes``, whole), as in
     ``timing.stage_work`` for the LLM."""
-    return 2 * m.ring("all_gather", act_bytes, tp, crosses_nodes) + 2 * m.ring("reduce_scatter", act_bytes, tp,
-                                                                                crosses_nodes)
+    return 2 * m.all_gather(act_bytes, group) + 2 * m.reduce_scatter(act_bytes, group)
 
 
 def micro_batch_passes(m: Machine, spec: ModelSpec, mb: MicroBatchWork, tp: int,
@@ -100,10 +99,11 @@ def micro_batch_passes(m: Machine, spec: ModelSpec, mb: MicroBatchWork, tp: int,
     """Forward and backward of one micro-batch's images on one GPU of stage 0's TP group."""
     fwd_compute, bwd_compute = tp_rank_encoder_compute(m, spec, mb.media, tp, gpus_per_node)
     fwd_comm = bwd_comm = 0.0
+    tp_group = CommGroup.strided(tp, 1, gpus_per_node)  # TP innermost: consecutive ranks
     for modality in sorted({mod for mod, _ in mb.media}):
         e = spec.encoders[modality]
         tokens = sum(n for mod, n in mb.media if mod == modality)  # one batched call per encoder
-        comm = e.num_layers * tp_layer_comm(m, BF16 * tokens * e.hidden, tp, tp > gpus_per_node)
+        comm = e.num_layers * tp_layer_comm(m, BF16 * tokens * e.hidden, tp_group)
         fwd_comm += comm
         bwd_comm += comm if e.trainable else 0.0  # a frozen encoder runs no backward
     return EncoderPass(fwd_compute, fwd_comm), EncoderPass(bwd_compute, bwd_comm)
@@ -167,6 +167,8 @@ class FirstStageEncoder:
             enc = sum(f.compute_s + self.backward[k].compute_s for k, f in self.forward.items() if k[0] == tl.group)
             tl.llm_s -= enc
             tl.encoder_s += enc
+            tl.add("llm_compute", -enc)
+            tl.add("encoder_compute", enc)
 
 
 def first_stage_encoder(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str,
@@ -190,9 +192,11 @@ def first_stage_encoder(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Size
     trained = sum(e.params for e in spec.encoders.values() if e.trainable) / tp
     out.optimizer_params = trained / dp
     layers = sum(e.num_layers for e in spec.encoders.values())
-    cross = tp * dp > gpn  # TP innermost, then CP and DP: a DP group spans tp x cp x dp ranks
+    # Megatron's DP group of stage 0 (with CP): the ranks of every DP and CP index at one TP rank.
+    dp_group = sync.mesh_group(sizes, gpn, ("dp_replicate", "dp_shard", "cp"), pp=0)
     for g, mbs in enumerate(groups):
         last = out.backward.get((g, len(mbs) - 1))
-        out.grad_reduce_s[g] = sync.grad_sync(m, trained, dp, 1, cross, layers, last.total_s if last else 0.0)
-    out.param_gather_s = m.ring("all_gather", BF16 * trained, dp, cross)
+        out.grad_reduce_s[g] = sync.grad_sync(m, trained, dp_group, CommGroup(1, 1), layers,
+                                              last.total_s if last else 0.0)
+    out.param_gather_s = m.all_gather(BF16 * trained, dp_group)
     return out

@@ -29,7 +29,7 @@ from omni.sim.data import StepWork
 from omni.sim.simulate import check_encoder_sp, llm_sizes, simulate_placement
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import Machine
-from parallel.layout import LayoutError
+from parallel.sizing import LayoutError
 
 CHECKPOINTS = ("none", "selective", "full")
 GROUPS = (1, 2, 4)  # multiplex.chunks_per_cut tried in the last round

@@ -6,8 +6,9 @@ schedule of ``omni.sim.engine``; the result is per placement: step time, tokens/
 (encoder FLOPs counted), bubble fraction, per-rank busy time, the worst GPU's peak memory and
 whether it fits.
 
-The disaggregated baseline gives ``sim.encoder_gpus`` GPUs (default: an eighth, in whole LLM
-model-parallel groups) to the encoders alone; the LLM keeps its layout on the rest, with fewer
+The disaggregated baseline gives ``sim.encoder_gpus`` GPUs (default: the pool size, in whole
+LLM model-parallel groups up to half the cluster, that is fastest over the run's simulated
+steps: one pool for the whole run) to the encoders alone; the LLM keeps its layout on the rest, with fewer
 DP ranks. Its encoders work one step ahead of the LLM, perfectly overlapped (a best case for
 the baseline): a step takes as long as the slower side. The Megatron-LM baselines (``megatron``,
 ``megatron_balanced``) are described in ``omni.sim.megatron``.
@@ -27,12 +28,12 @@ from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import PLACEMENTS, SimConfig
 from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
-from omni.sim.encoders import ChunkTimes, plan_chunks
-from omni.sim.engine import StepTimeline, programs, simulate_step
+from omni.sim.encoders import ChunkTimes, call_actions, call_of_chunks, plan_chunks
+from omni.sim.engine import DECOMPOSITION, StepTimeline, programs, simulate_step
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
-from parallel.layout import LayoutError, Sizes, check_model_fits, check_sequence, resolve_sizes
+from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
 from parallel.pipeline import microbatch_count, split_layers
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 
@@ -106,23 +107,53 @@ def check_encoder_sp(cfg: SimConfig, sizes: Sizes, placement: str, pool: int = 0
 
 
 def disaggregated_split(cfg: SimConfig) -> int:
-    """GPUs the disaggregated baseline gives the encoders."""
+    """GPUs the disaggregated baseline gives the encoders: ``sim.encoder_gpus``, or with 0 the
+    smallest candidate of ``pool_candidates`` (for the up-front checks; the run's pool is
+    chosen by ``simulate_placement``)."""
+    return pool_candidates(cfg)[0]
+
+
+def pool_candidates(cfg: SimConfig) -> list[int]:
+    """Encoder-pool sizes for the disaggregated baseline: ``sim.encoder_gpus`` alone, or with
+    0 every whole number of LLM model-parallel groups up to half the cluster."""
     p = cfg.parallel
     mp = p.tp * p.pp * p.cp * p.dp_replicate
     world = cfg.cluster.num_gpus
-    e = cfg.sim.encoder_gpus or max(mp, int(round(world / 8 / mp)) * mp)
+    if not cfg.sim.encoder_gpus:
+        return [k * mp for k in range(1, max(1, world // (2 * mp)) + 1) if k * mp < world] or [mp]
+    e = cfg.sim.encoder_gpus
     if e % mp or not 0 < e < world:
         raise ConfigError(f"sim.encoder_gpus={e} must be a positive multiple of tp x pp x cp x dp_replicate = {mp} "
                           f"below cluster.num_gpus={world}, so the LLM keeps whole model-parallel groups; or drop "
                           f"disaggregated from sim.placements")
-    return e
+    return [e]
 
 
 def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
                        cache: dict[tuple[int, str], list[StepWork]] | None = None) -> dict[str, Any]:
+    if placement != "disaggregated":
+        return _simulate_placement(cfg, spec, m, placement, cache, 0)
+    cache = {} if cache is None else cache
+    tried = {}
+    for e in pool_candidates(cfg):
+        try:
+            tried[e] = _simulate_placement(cfg, spec, m, placement, cache, e)
+        except (LayoutError, ConfigError):
+            continue  # the LLM's layout does not fit the GPUs left (e.g. too few DP ranks)
+    if not tried:
+        raise ConfigError(f"disaggregated: no encoder pool of {pool_candidates(cfg)} GPUs leaves a valid LLM layout; "
+                          f"set sim.encoder_gpus or drop disaggregated from sim.placements")
+    fitting = [e for e, r in tried.items() if r["fits"]] or list(tried)
+    best = min(fitting, key=lambda e: tried[e]["step_time_s"])
+    out = tried[best]
+    out["encoder_pool_search"] = {str(e): {"step_time_s": r["step_time_s"], "fits": r["fits"]} for e, r in tried.items()}
+    return out
+
+
+def _simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
+                        cache: dict[tuple[int, str], list[StepWork]] | None, encoder_pool: int) -> dict[str, Any]:
     cluster = cfg.cluster
     world = cluster.num_gpus
-    encoder_pool = disaggregated_split(cfg) if placement == "disaggregated" else 0
     parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if encoder_pool else cfg.parallel
     sizes = llm_sizes(parallel, world - encoder_pool, spec, cfg.data.micro_batch_tokens, cluster.gpus_per_node)
     cache = {} if cache is None else cache
@@ -168,14 +199,15 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     # needs one shape, DP groups need not share it).
     common = [_round_up(max(max(mb.tokens for mb in g), 1), 8 * tp) if pp > 1 else 0 for g in groups]
     shard = sizes.dp_shard * cp
-    dp_cross = tp * cp * sizes.dp_shard > cluster.gpus_per_node
+    dp_shard_group = {s: sync.llm_shard_group(sizes, cluster.gpus_per_node, s) for s in range(pp)}
+    dp_replicate_group = {s: sync.llm_replicate_group(sizes, cluster.gpus_per_node, s) for s in range(pp)}
     reshard = _reshard(par, pp)
     progs, backward_cuts = programs(par.pp_schedule, pp, v, n)
     # FSDP: gathers in the passes that find a stage's units sharded (every pass when weights
     # reshard after forward); gradients reduce-scattered in each backward without PP when
     # asked (PP reduces once per step).
     gathers = sync.stage_gathers(progs, pp, reshard) if shard > 1 else set()
-    reduce_per_mb = shard > 1 and pp == 1 and par.fsdp_reduce_every_microbatch
+    reduce_per_mb = shard > 1 and reduces_every_microbatch(par, pp)
     stage_local = {st: _local_params(spec, stage_layers[st], st == 0, st == last_stage, tp, ep)
                    for st in range(pp * v)}
 
@@ -195,7 +227,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                                    st == last_stage, length, docs, tp, cp, ep, cluster.gpus_per_node,
                                    par.activation_checkpoint)
                     if any(fsdp):
-                        w = sync.with_fsdp(m, w, stage_local[st], shard, dp_cross, len(stage_layers[st]), *fsdp)
+                        w = sync.with_fsdp(m, w, stage_local[st], dp_shard_group[st % pp], dp_replicate_group[st % pp],
+                                           len(stage_layers[st]), *fsdp)
                     cache[key] = w
                 work[(gi, st, i)] = cache[key]
                 act[(gi, st, i)] = mem.llm_activation_bytes(spec, stage_layers[st], length / cp, tp=tp, ep=ep,
@@ -203,7 +236,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                                                             first=st == 0, last=st == last_stage)
     if first_encoder:
         first_encoder.add_to_first_stage(work, act)
-    crosses = sizes.world // pp >= cluster.gpus_per_node
+    crosses = sync.stage_sends_cross_nodes(sizes, cluster.gpus_per_node, v)
     p2p = {gi: m.p2p(c / (tp * cp) * spec.hidden * BF16, crosses) if pp > 1 else 0.0 for gi, c in enumerate(common)}
 
     # Encoder chunks: who encodes, planned by the runtime's planner.
@@ -221,28 +254,30 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 eligible.setdefault(g, []).append(i)
         budget = _encoder_memory_budget(cfg, spec, sizes)
         chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, eligible, cluster.gpus_per_node, tp * cp,
-                             budget)
+                             budget, placement)
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
-        actions = encoder_actions(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut),
-                                  int(cfg.multiplex.lookahead))
+        # The runtime's chunk actions, as actions of the calls (cut groups) they belong to.
+        actions = call_actions(encoder_actions(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut),
+                                               int(cfg.multiplex.lookahead)), chunks)
         sync.add_encoder_grad_traffic(m, cfg, spec, chunks, len(members), reshard)
-        sync.add_encoder_collectives(m, cfg, spec, chunks, actions, len(members), cluster.gpus_per_node, reshard)
+        sync.add_encoder_collectives(m, cfg, spec, chunks, actions, members, cluster.gpus_per_node, reshard)
     else:
         sim_placement = "none"
 
     # After the pipeline: exposed gradient synchronisation, then the optimizer.
     tail, tail_comm = {}, {}
     enc_local = sync.encoder_local_params(cfg, spec, len(members))
-    enc_sync = sync.encoder_grad_sync(m, cfg, spec, len(members), cluster.gpus_per_node,
+    enc_sync = sync.encoder_grad_sync(m, cfg, spec, members, cluster.gpus_per_node,
                                       sync.step_modalities(chunks)) if members else 0.0
     for gi in range(sizes.dp):
         for s in range(pp):
             local = sum(stage_local[s + k * pp] for k in range(v))
             layers = sum(len(stage_layers[s + k * pp]) for k in range(v))
             last_bwd = work[(gi, s + (v - 1) * pp if v > 1 else s, n - 1)].backward_s
-            comm = 0.0 if reduce_per_mb else sync.grad_sync(m, local, shard, sizes.dp_replicate, dp_cross, layers, last_bwd)
+            comm = 0.0 if reduce_per_mb else sync.grad_sync(m, local, dp_shard_group[s], dp_replicate_group[s], layers,
+                                                            last_bwd)
             if members and (gi, s) in encoder_cells:
                 comm += enc_sync
             optimizer_params = local / shard + (enc_local if (gi, s) in encoder_cells else 0.0)
@@ -255,7 +290,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                              p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
                              llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
                              chunks_per_cut=int(cfg.multiplex.chunks_per_cut),
-                             lookahead=int(cfg.multiplex.lookahead))
+                             lookahead=int(cfg.multiplex.lookahead),
+                             call_of=call_of_chunks(chunks) if chunks else None)
     if first_encoder:
         first_encoder.book(timeline)
     memory = []
@@ -266,7 +302,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             b = _add(b, mem.static_memory(spec, stage_layers[st], st == 0, st == last_stage, tp=tp, ep=ep, shard=shard,
                                           optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
                                           gather_whole_stage=not reshard,
-                                          unsharded_grads=pp > 1 or not par.fsdp_reduce_every_microbatch))
+                                          unsharded_grads=not reduces_every_microbatch(par, pp)))
         if (tl.group, tl.stage) in encoder_cells:
             for modality in spec.encoders:
                 b = _add(b, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, len(members)),
@@ -300,8 +336,9 @@ def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list
                   sizes: Sizes) -> dict[str, float]:
     """The disaggregated encoders: every chunk on the pool's GPUs, forward and backward."""
     group_of = [r % sizes.dp for r in range(e)]
+    # The pool encodes a whole step ahead of the LLM: one call for the step's chunks.
     chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, None, cfg.cluster.gpus_per_node,
-                         sizes.tp * sizes.cp, None)
+                         sizes.tp * sizes.cp, None, placement="encoder_first")
     compute = sum(c.forward_s + c.backward_s for c in chunks)
     grad_sync = sync.encoder_grad_sync(m, cfg, spec, e, cfg.cluster.gpus_per_node)
     static = mem.MemoryBreakdown()
@@ -344,6 +381,9 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
         compute += pool_busy * encoder_pool
         gpu_time += mean_step * encoder_pool
     busy = [p["llm_s"] + p["encoder_s"] + p["comm_s"] for p in per_rank]
+    # The step decomposed (engine.DECOMPOSITION), seconds, mean over the LLM cells and steps.
+    decomposition = {term: float(np.mean([np.mean([tl.decomposition(t)[term] for tl in r.timeline.cells])
+                                           for r, t in zip(runs, step_s)])) for term in DECOMPOSITION}
     memories = [b for r in runs for b in r.memory] + [r.pool["memory"] for r in runs if r.pool]
     worst = max(memories, key=lambda b: b.total)
     limit = (cluster.hbm_gib - cluster.memory_reserve_gib) * GIB
@@ -373,6 +413,8 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
         "encoder_balance": float(np.mean([c.balance for c in chunks if c.items])) if any(c.items for c in chunks)
         else 1.0,
         "long_items": int(sum(c.long_items for c in chunks)),
+        "decomposition_s": decomposition,
+        "image_ratios": [None if s.image_ratio is None else float(s.image_ratio) for s in steps],
         "layout": layout,
         "per_rank": per_rank,
     }

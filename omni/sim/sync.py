@@ -5,14 +5,55 @@ them) and the encoders' gradient synchronisation, weight gathers and gradient ac
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import product
 
-from omni.runtime.media_tower import tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
+from omni.runtime.media_tower import (encoder_gradient_reduction, encoder_shard_group, tower_grads_unsharded,
+                                      tower_reshards_after_backward, tower_syncs_gradients)
 from omni.sim.config import SimConfig
 from omni.sim.encoders import ChunkTimes
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, Machine, StageWork
+from omni.sim.timing import BF16, CommGroup, Machine, StageWork
+from parallel.sizing import Sizes, frees_after_backward, reduces_every_microbatch
 
 FP32 = 4  # FSDP's reduce dtype under bf16 mixed precision; the replicated masters' dtype
+
+
+# -- the runtime's groups, from its rank layout ---------------------------------------------------
+
+def mesh_group(sizes: Sizes, gpus_per_node: int, dims: Sequence[str], **at: int) -> CommGroup:
+    """The group along the layout dimensions ``dims`` (flattened, as the runtime's mesh flattens
+    dp_shard x cp) through the rank at coordinates ``at`` (the others 0): its members' global
+    ranks by ``Sizes.rank_of``, then the nodes they sit in. The other groups of that dimension
+    in the same stage (one per TP rank, ...) run beside it on their own GPUs' links."""
+    ranks = [sizes.rank_of(**{**at, **dict(zip(dims, idx))})
+             for idx in product(*(range(getattr(sizes, d)) for d in dims))]
+    return CommGroup.from_ranks(ranks, gpus_per_node)
+
+
+def llm_shard_group(sizes: Sizes, gpus_per_node: int, pp_rank: int) -> CommGroup:
+    """FSDP's shard group of a pipeline rank's LLM chunks (mesh dim dp_shard_cp)."""
+    return mesh_group(sizes, gpus_per_node, ("dp_shard", "cp"), pp=pp_rank)
+
+
+def llm_replicate_group(sizes: Sizes, gpus_per_node: int, pp_rank: int) -> CommGroup:
+    """HSDP's replicate group of a pipeline rank's LLM chunks (mesh dim dp_replicate)."""
+    return mesh_group(sizes, gpus_per_node, ("dp_replicate",), pp=pp_rank)
+
+
+def stage_sends_cross_nodes(sizes: Sizes, gpus_per_node: int, virtual: int = 1) -> bool:
+    """Whether a pipeline send leaves the node: each rank sends to the rank with the same other
+    coordinates in the next pipeline rank (and, interleaved, the last to the first); the
+    slowest pair of the exchange sets its time."""
+    if sizes.pp == 1:
+        return False
+    for r in range(sizes.world):
+        c = sizes.coords(r)
+        if c["pp"] == sizes.pp - 1 and virtual == 1:
+            continue
+        peer = sizes.rank_of(**{**c, "pp": (c["pp"] + 1) % sizes.pp})
+        if r // gpus_per_node != peer // gpus_per_node:
+            return True
+    return False
 
 
 # -- FSDP2 units -------------------------------------------------------------------------------
@@ -36,14 +77,11 @@ def fsdp_gathers(passes: Sequence[str], reshard_after_forward: bool,
 
 
 def llm_frees_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
-    """Whether an LLM stage's FSDP units are freed after a backward, as the simulator charges
-    it: the documented design (docs/parallelism.md, "Under PP, reshard_after_forward=auto
-    keeps gathered parameters after forward"), which is the sharded tower's rule — weights
-    kept gathered after forward stay gathered until the step's last backward. (The pipeline
-    executor does not set this on the LLM's chunks: FSDP2's default frees them after every
-    backward, so today's runtime gathers again before each pass that follows a backward;
-    docs/_drafts/simfix.md has what that costs.)"""
-    return tower_reshards_after_backward(last_of_step, reshard_after_forward)
+    """Whether an LLM stage's FSDP units are freed after a backward: the pipeline executor's
+    rule (``keep_gathered``: ``parallel.sizing.frees_after_backward``), which is the sharded
+    tower's too — weights kept gathered after forward stay gathered until the step's last
+    backward."""
+    return frees_after_backward(last_of_step, reshard_after_forward)
 
 
 def stage_gathers(programs: list[list[tuple]], pp: int, reshard_after_forward: bool) -> set[tuple[str, int, int]]:
@@ -66,29 +104,28 @@ def stage_gathers(programs: list[list[tuple]], pp: int, reshard_after_forward: b
     return out
 
 
-def with_fsdp(m: Machine, w: StageWork, local: float, shard: int, cross: bool, layers: int,
+def with_fsdp(m: Machine, w: StageWork, local: float, shard: CommGroup, replicate: CommGroup, layers: int,
               gather_forward: bool, gather_backward: bool, reduce: bool) -> StageWork:
-    """A stage's pass with FSDP's collectives: a gather of the weights layer by layer behind
-    the compute (one layer's gather has nothing to hide behind) in the passes that gather, and
-    the backward's reduce-scatter of the gradients (``reduce``)."""
-    ag = m.ring("all_gather", BF16 * local, shard, cross)
+    """A stage's pass with FSDP's collectives over its ``shard`` group: a gather of the weights
+    layer by layer behind the compute (one layer's gather has nothing to hide behind) in the
+    passes that gather, and the backward's gradient reduction (``reduce``): the reduce-scatter
+    in the shard group and, under HSDP, the all-reduce of the shard over ``replicate`` (FSDP2
+    runs both in every backward that syncs)."""
+    ag = m.all_gather(BF16 * local, shard)
     ag_f, ag_b = (ag if gather_forward else 0.0), (ag if gather_backward else 0.0)
-    rs = m.ring("reduce_scatter", FP32 * local, shard, cross) if reduce else 0.0
+    rs = m.two_level_reduce(FP32 * local, shard, replicate) if reduce else 0.0
     fwd_exposed = max(0.0, ag_f - w.forward_compute_s) + ag_f / max(layers, 1)
     bwd_exposed = max(0.0, ag_b + rs - w.backward_compute_s) + (ag_b + rs) / max(layers, 1)
     return StageWork(w.forward_s + fwd_exposed, w.backward_s + bwd_exposed, w.forward_compute_s, w.tokens,
                      w.backward_compute_s)
 
 
-def grad_sync(m: Machine, local: float, shard: int, replicate: int, cross: bool, layers: int,
+def grad_sync(m: Machine, local: float, shard: CommGroup, replicate: CommGroup, layers: int,
               last_backward: float) -> float:
-    """Reduce once per step during the last backward: what does not hide behind it is exposed
-    (at least the last layer's reduce)."""
-    t = 0.0
-    if shard > 1:
-        t += m.ring("reduce_scatter", FP32 * local, shard, cross)
-    if replicate > 1:
-        t += m.ring("all_reduce", FP32 * local / shard, replicate, True)
+    """Reduce once per step during the last backward: the reduce-scatter in the ``shard`` group,
+    then the shard's all-reduce over ``replicate``. What does not hide behind the backward is
+    exposed (at least the last layer's reduce)."""
+    t = m.two_level_reduce(FP32 * local, shard, replicate)
     if t == 0.0:
         return 0.0
     return max(t - last_backward, t / max(layers, 1))
@@ -96,8 +133,31 @@ def grad_sync(m: Machine, local: float, shard: int, replicate: int, cross: bool,
 
 # -- the encoders ------------------------------------------------------------------------------
 
-def encoder_shard(cfg: SimConfig, members: int) -> int:
-    return members if cfg.multiplex.encoder_weights == "sharded" else 1
+def encoder_shard(cfg: SimConfig, members: int, gpus_per_node: int | None = None) -> int:
+    """Encoder ranks per shard group of the encoder weights (the runtime's
+    ``encoder_shard_group``: 1 replicated, all of them sharded, the shard group hybrid)."""
+    if members < 1:
+        return 1
+    gpn = cfg.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    return encoder_shard_group(cfg.multiplex.encoder_weights, int(cfg.multiplex.encoder_shard_group), gpn, members)
+
+
+def encoder_groups(cfg: SimConfig, members: int | Sequence[int],
+                   gpus_per_node: int | None = None) -> tuple[CommGroup, CommGroup]:
+    """(shard, replicate) groups of the encoder weights over the encoder ranks ``members``
+    (``encoder_ranks``'s global ranks; a count n: ranks 0..n-1, an encoder pool's own GPUs):
+    consecutive ranks form a shard group and the groups replicate along the other dimension
+    (``parallel.layout.encoder_mesh``). Replicated weights: groups of one, replicated over
+    all; sharded: one group of all."""
+    ranks = list(range(members)) if isinstance(members, int) else list(members)
+    gpn = cfg.cluster.gpus_per_node if gpus_per_node is None else gpus_per_node
+    size = encoder_shard(cfg, len(ranks), gpn)
+    return CommGroup.from_ranks(ranks[:size], gpn), CommGroup.from_ranks(ranks[::size], gpn)
+
+
+def encoder_weights_sharded(cfg: SimConfig) -> bool:
+    """Sharded or hybrid: FSDP2 gathers the weights and reduces the gradients (in its groups)."""
+    return cfg.multiplex.encoder_weights in ("sharded", "hybrid")
 
 
 def encoder_local_params(cfg: SimConfig, spec: ModelSpec, members: int) -> float:
@@ -107,30 +167,46 @@ def encoder_local_params(cfg: SimConfig, spec: ModelSpec, members: int) -> float
 
 def encoder_grads_unsharded(cfg: SimConfig, members: int, reshard: bool) -> bool:
     """Whether the encoders' gradients are whole on every encoder GPU until the step's last
-    backward: replicated weights always; sharded ones by the tower's rule."""
+    backward: replicated weights always; sharded and hybrid ones by the tower's rule."""
     if encoder_shard(cfg, members) == 1:
         return True
-    return tower_grads_unsharded(reshard, cfg.parallel.fsdp_reduce_every_microbatch)
+    return tower_grads_unsharded(reshard, reduces_every_microbatch(cfg.parallel, _pp(cfg)), cfg.multiplex.encoder_weights)
 
 
 def step_modalities(chunks: list[ChunkTimes]) -> list[str]:
     return sorted({mod for ch in chunks for mod in ch.modalities})
 
 
-def encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int, gpus_per_node: int,
+def encoder_backward_reduction(m: Machine, cfg: SimConfig, nbytes: float, shard: CommGroup, replicate: CommGroup,
+                               last_of_step: bool, reshard: bool) -> float:
+    """The gradient collectives sharded or hybrid weights run in one backward of a modality
+    (``nbytes``: its whole fp32 gradients), as ``media_tower.encoder_gradient_reduction``
+    says: the reduce-scatter inside the shard group, the all-reduce of the shard across the
+    groups (HSDP's two levels, one after the other)."""
+    reduce, all_reduce = encoder_gradient_reduction(cfg.multiplex.encoder_weights, last_of_step,
+                                                    reduces_every_microbatch(cfg.parallel, _pp(cfg)), reshard)
+    t = m.reduce_scatter(nbytes, shard) if reduce else 0.0
+    return t + (m.all_reduce(nbytes / shard.size, replicate) if all_reduce else 0.0)
+
+
+def encoder_grad_sync(m: Machine, cfg: SimConfig, spec: ModelSpec, members: int | Sequence[int], gpus_per_node: int,
                       modalities: Sequence[str] | None = None) -> float:
-    """The step's gradient synchronisation of the encoders, fp32. Replicated weights: one
-    all-reduce of every trainable encoder's gradients, after the pipeline, in every step —
-    also a text-only one (``ParallelModel.sync_gradients`` sums zeros then). Sharded: the
-    reduce-scatter of each modality's last backward of the step (``modalities``: those with
-    items in the step; None: all); a modality that ran no backward has nothing to reduce."""
-    cross = members > gpus_per_node
-    if cfg.multiplex.encoder_weights == "sharded":
+    """The step's gradient synchronisation of the encoders, fp32, over the encoder ranks
+    ``members`` (see ``encoder_groups``). Replicated weights: one all-reduce of every trainable
+    encoder's gradients, after the pipeline, in every step — also a text-only one
+    (``ParallelModel.sync_gradients`` sums zeros then). Sharded and hybrid: what each
+    modality's last backward of the step reduces (``encoder_backward_reduction``: sharded, the
+    reduce-scatter; hybrid, the reduce-scatter in its group and the all-reduce across the
+    groups; ``modalities``: those with items in the step; None: all); a modality that ran no
+    backward has nothing to reduce."""
+    shard, replicate = encoder_groups(cfg, members, gpus_per_node)
+    if encoder_weights_sharded(cfg):
         present = set(spec.encoders) if modalities is None else set(modalities)
         params = sum(e.params for mod, e in spec.encoders.items() if e.trainable and mod in present)
-        return m.ring("reduce_scatter", FP32 * params, members, cross)
+        # The step's last backward reduces whether or not the weights reshard after forward.
+        return encoder_backward_reduction(m, cfg, FP32 * params, shard, replicate, True, False) if params else 0.0
     params = sum(e.params for e in spec.encoders.values() if e.trainable)
-    return m.ring("all_reduce", FP32 * params, members, cross)
+    return m.all_reduce(FP32 * params, replicate)
 
 
 def _modality_passes(chunks: list[ChunkTimes], actions: list[tuple[str, int]], modality: str) -> list[tuple[str, int]]:
@@ -140,25 +216,25 @@ def _modality_passes(chunks: list[ChunkTimes], actions: list[tuple[str, int]], m
 
 
 def add_encoder_collectives(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks: list[ChunkTimes],
-                            actions: list[tuple[str, int]], members: int, gpus_per_node: int, reshard: bool) -> None:
-    """Sharded encoder weights, per modality, in the passes where the tower runs them: the
-    all-gather (bf16) of a pass that finds the weights sharded (kept gathered: the modality's
-    first forward of the step; resharded after forward: every pass), and the reduce-scatter
-    (fp32) of a backward that syncs before the step's last (every chunk's under
-    parallel.fsdp_reduce_every_microbatch with resharding; the last one's is the step's sync,
-    ``encoder_grad_sync``). Layer-by-layer prefetch hides them behind the chunk's compute where
-    the compute is longer. ``actions``: the step's encoder actions
-    (``omni.runtime.multiplex.encoder_actions``)."""
-    if cfg.multiplex.encoder_weights != "sharded" or not chunks:
+                            actions: list[tuple[str, int]], members: int | Sequence[int], gpus_per_node: int,
+                            reshard: bool) -> None:
+    """Sharded or hybrid encoder weights, per modality, in the passes where the tower runs them,
+    over the encoder ranks ``members`` (see ``encoder_groups``): the all-gather (bf16) in the
+    shard group of a pass that finds the weights sharded (kept gathered: the modality's first
+    forward of the step; resharded after forward: every pass), and the gradient reduction
+    (fp32, ``encoder_backward_reduction``) of a backward before the step's last that reduces
+    (the last one's is the step's sync, ``encoder_grad_sync``). Layer-by-layer prefetch hides
+    them behind the chunk's compute where the compute is longer; what is exposed is also kept
+    as the chunk's ``weights_forward_s`` / ``weights_backward_s``. ``actions``: the step's
+    encoder actions (``omni.runtime.multiplex.encoder_actions``)."""
+    if not encoder_weights_sharded(cfg) or not chunks:
         return
-    cross = members > gpus_per_node
+    shard, replicate = encoder_groups(cfg, members, gpus_per_node)
     fwd_comm = [0.0] * len(chunks)
     bwd_comm = [0.0] * len(chunks)
-    reduce_every = cfg.parallel.fsdp_reduce_every_microbatch
     for modality in step_modalities(chunks):
         e = spec.encoders[modality]
-        gather = m.ring("all_gather", BF16 * e.params, members, cross)
-        reduce = m.ring("reduce_scatter", FP32 * e.params, members, cross) if e.trainable else 0.0
+        gather = m.all_gather(BF16 * e.params, shard)
         passes = _modality_passes(chunks, actions, modality)
         backwards = [j for kind, j in passes if kind == "B"]
         frees = [tower_reshards_after_backward(j == backwards[-1], reshard) for j in backwards]
@@ -166,11 +242,15 @@ def add_encoder_collectives(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks:
                                                            reshard, frees)):
             comm = fwd_comm if kind == "F" else bwd_comm
             comm[j] += gather if gathers else 0.0
-            if kind == "B" and j != backwards[-1] and tower_syncs_gradients(False, reshard, reduce_every):
-                comm[j] += reduce
+            if kind == "B" and j != backwards[-1] and e.trainable:
+                comm[j] += encoder_backward_reduction(m, cfg, FP32 * e.params, shard, replicate, False, reshard)
     for ch, f, b in zip(chunks, fwd_comm, bwd_comm):
-        ch.forward_s += max(0.0, f - max(ch.gpu_forward_s, default=0.0))
-        ch.backward_s += max(0.0, b - max(ch.gpu_backward_s, default=0.0))
+        exposed_f = max(0.0, f - max(ch.gpu_forward_s, default=0.0))
+        exposed_b = max(0.0, b - max(ch.gpu_backward_s, default=0.0))
+        ch.forward_s += exposed_f
+        ch.backward_s += exposed_b
+        ch.weights_forward_s += exposed_f
+        ch.weights_backward_s += exposed_b
 
 
 def grad_accumulation_bytes(sharded: bool, accumulator: bool, syncs: bool, sharded_grad: bool, shard: int) -> float:
@@ -204,7 +284,7 @@ def add_encoder_grad_traffic(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks
     encoder compute (it scales with ``cluster.encoder_efficiency`` like the rest of it)."""
     shard = encoder_shard(cfg, members)
     sharded = shard > 1
-    reduce_every = cfg.parallel.fsdp_reduce_every_microbatch
+    reduce_every = reduces_every_microbatch(cfg.parallel, _pp(cfg))
     for modality in step_modalities(chunks):
         e = spec.encoders[modality]
         if not e.trainable:
@@ -212,7 +292,8 @@ def add_encoder_grad_traffic(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks
         calls = [j for j, ch in enumerate(chunks) if modality in ch.modalities]
         accumulator = sharded_grad = False
         for j in calls:
-            syncs = sharded and tower_syncs_gradients(j == calls[-1], reshard, reduce_every)
+            syncs = sharded and tower_syncs_gradients(j == calls[-1], reshard, reduce_every,
+                                                      cfg.multiplex.encoder_weights)
             nbytes = grad_accumulation_bytes(sharded, accumulator, syncs, sharded_grad, shard) * e.params
             t = m.memory(nbytes) / m.cluster.encoder_efficiency
             ch = chunks[j]
@@ -222,3 +303,7 @@ def add_encoder_grad_traffic(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks
                 accumulator, sharded_grad = not syncs, sharded_grad or syncs
             else:
                 accumulator = True
+
+
+def _pp(cfg: SimConfig) -> int:
+    return int(cfg.parallel.pp)

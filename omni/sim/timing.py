@@ -284,9 +284,11 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
     t_local = length / cp  # tokens of this GPU's sequence share (TP shards the width, SP the norms)
     pairs = sum(L * L for L in doc_lengths)
     kv_width = c.num_kv_heads * c.resolved_head_dim()
-    tp_cross = tp > gpus_per_node
-    cp_cross = tp * cp > gpus_per_node
-    ep_cross = ep * tp * cp > gpus_per_node if ep > 1 else False
+    # The groups as the runtime lays them out (parallel.sizing: TP innermost, CP next; EP is the
+    # innermost part of dp_shard x cp, so its ranks are tp apart too).
+    tp_group = CommGroup.strided(tp, 1, gpus_per_node)
+    cp_cross = CommGroup.strided(cp, tp, gpus_per_node).crosses_nodes  # the ring's slowest hop
+    ep_group = CommGroup.strided(ep, tp, gpus_per_node)
     fwd_compute = fwd_comm = attn_fwd = 0.0
     alpha = spec.attention_alpha_per_layer()
     for i in layers:
@@ -298,12 +300,12 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
         fwd_compute += gemm + attn + elementwise + m.overhead(14)
         attn_fwd += attn
         act = BF16 * t_local * h
-        tp_comm = 2 * m.ring("all_gather", act, tp, tp_cross) + 2 * m.ring("reduce_scatter", act, tp, tp_cross)
+        tp_comm = 2 * m.all_gather(act, tp_group) + 2 * m.reduce_scatter(act, tp_group)
         cp_comm = max(0.0, (cp - 1) * m.p2p(2 * BF16 * t_local * kv_width / tp, cp_cross) - attn)
         ep_comm = 0.0
         if c.is_moe_layer(i) and ep > 1:
             routed = BF16 * t_local * h / tp * c.num_experts_per_tok * (ep - 1) / ep
-            ep_comm = 2 * m.all_to_all(routed, ep, ep_cross)
+            ep_comm = 2 * m.all_to_all_group(routed, ep_group)
         fwd_comm += tp_comm + cp_comm + ep_comm
     if last:
         head = 2.0 * c.vocab_size * h * t_local / tp

@@ -73,7 +73,7 @@ def test_simulate_prints_every_placement_and_json(capsys):
     # stage0 keeps the encoders on the first stage: the other stage never encodes.
     assert all(r["encoder_s"] == 0 for r in figures["stage0"]["per_rank"] if r["stage"] == 1)
     assert any(r["encoder_s"] > 0 for r in figures["colocated"]["per_rank"] if r["stage"] == 1)
-    # An eighth of 8 GPUs, rounded up to one whole tp x pp = 4 model-parallel group.
+    # Chosen for the run among whole tp x pp = 4 model-parallel groups up to half of 8 GPUs: one.
     assert figures["disaggregated"]["layout"]["encoder_gpus"] == 4
 
 

@@ -1,0 +1,83 @@
+"""Workload C at 9:1 in the scale simulator, every placement's step decomposed term by term
+(``omni.sim.engine.DECOMPOSITION``: LLM compute, LLM communication (TP/CP/EP and exposed FSDP),
+encoder compute, encoder imbalance (the slowest GPU of a call over the mean), exposed encoder
+weight collectives, row exchange, cut waits, gradient sync, optimizer, bubble). SIMULATED.
+
+Two settings side by side, both with the current simulator: ``before``, the multiplexing
+settings workload C shipped with before issue 18 (flat FSDP of the ViT over all GPUs, four
+chunks per insertion point, all-to-all exchanges), and ``after``, the current defaults of
+``conf/workload/C.yaml``. Writes ``--out``/step_decomposition.json and, with ``--doc``, the
+``## Step decomposition, workload C 9:1 (simulated)`` section of that file.
+
+    python scripts/bench/step_decomposition.py [--doc docs/benchmarks.md] [HYDRA_OVERRIDE ...]
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from _common import git_state, parser, save, table
+
+from recipes.simulate_cmd import load_sim_config
+
+SECTION = "## Step decomposition, workload C 9:1 (simulated)"
+BEFORE = ["multiplex.encoder_weights=sharded", "multiplex.chunks_per_cut=4", "multiplex.exchange=all_to_all"]
+LABELS = {"llm_compute": "LLM compute", "llm_comm": "LLM comm (TP/CP/EP, FSDP)", "encoder_compute": "encoder compute",
+          "encoder_imbalance": "encoder imbalance", "encoder_weights": "encoder gather/reduce",
+          "row_exchange": "row exchange", "cut_wait": "cut waits", "grad_sync": "grad sync (step end)",
+          "optimizer": "optimizer", "bubble": "bubble"}
+
+
+def run(overrides: list[str]) -> dict:
+    from omni.sim.simulate import simulate
+
+    return simulate(load_sim_config(["workload=C", "data.image_ratio=0.9", *overrides]))["placements"]
+
+
+def section(res: dict) -> str:
+    lines = [f"**SIMULATION, not a measurement.** `scripts/bench/step_decomposition.py` (commit "
+             f"{res['git']['commit']}, {res['time']}, {res['seconds']:.0f} s): workload C (ViT-10B + LLaMA-70B, "
+             f"256 H100) at 9:1, seconds per step, mean over the LLM's cells (a cell: one DP group's pipeline stage) "
+             f"and the simulated steps; the terms add up to the step time. `before`: `{' '.join(BEFORE)}` (the "
+             f"workload's settings before issue 18); `after`: the current defaults.", ""]
+    for name, places in res["runs"].items():
+        order = [p for p in places if "decomposition_s" in places[p]]
+        rows = [[LABELS[t]] + [f"{places[p]['decomposition_s'][t]:.2f}" for p in order] for t in LABELS]
+        rows.append(["**step**"] + [f"**{places[p]['step_time_s']:.2f}**" for p in order])
+        rows.append(["memory GiB (fits)"] + [f"{places[p]['memory_gib']['total']:.0f} "
+                                              f"({'yes' if places[p]['fits'] else 'NO'})" for p in order])
+        lines += [f"### {name}", "", table(["term (s)", *order], rows), ""]
+    return "\n".join(lines)
+
+
+def write_section(doc: Path, body: str) -> None:
+    text = doc.read_text() if doc.exists() else ""
+    body = f"{SECTION}\n\n{body}"
+    if SECTION in text:
+        start = text.index(SECTION)
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + body + (text[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + body
+    doc.write_text(text)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--doc", default=None, help="markdown file whose decomposition section is (re)written")
+    args, extra = p.parse_known_args()
+    t0 = time.perf_counter()
+    runs = {"before": run([*BEFORE, *extra]), "after": run(extra)}
+    res = {"runs": runs, "overrides": extra, "seconds": time.perf_counter() - t0, "git": git_state(),
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    slim = {k: {p: {x: v for x, v in r.items() if x != "per_rank"} for p, r in pl.items()} for k, pl in runs.items()}
+    print(save(args.out, "step_decomposition", {**res, "runs": slim}))
+    body = section(res)
+    print(body)
+    if args.doc:
+        write_section(Path(args.doc), body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
