@@ -24,7 +24,7 @@ from omni.runtime.multiplex import chunks_per_call
 from omni.sim.data import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, EncoderWork, Machine, encoder_work
+from omni.sim.timing import BF16, CommGroup, EncoderWork, Machine, encoder_work
 
 
 @dataclass
@@ -45,6 +45,12 @@ class ChunkTimes:
     # (sharded/hybrid gathers and reduce-scatters; the rest is the row exchange).
     weights_forward_s: float = 0.0
     weights_backward_s: float = 0.0
+    # Per member GPU, the DP groups whose items it encodes (it trades features and rows with
+    # their first-stage GPUs); and the span of the weight collectives in this call's passes
+    # (member GPUs per group; 0: none), which couple those GPUs as a collective does.
+    trades: list[list[int]] = field(default_factory=list)
+    weights_span_forward: int = 0
+    weights_span_backward: int = 0
 
 
 def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
@@ -62,20 +68,32 @@ def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
 
 def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
                 group_of: list[int], eligible: dict[int, list[int]] | None, gpus_per_node: int,
-                receivers: int, memory_limit: float | None, placement: str = "colocated") -> list[ChunkTimes]:
+                receivers: int, memory_limit: float | None, placement: str = "colocated",
+                member_ranks: list[int] | None = None, group_node: dict[int, int] | None = None) -> list[ChunkTimes]:
     """The step's encoder calls, one per cut group (``omni.runtime.multiplex.chunks_per_call``:
     multiplex.chunks_per_cut chunks, or the whole step under encoder_first), each planned as
     one assignment as the runtime's ``plan_cut`` does (item indices continue over the group's
     chunks), balanced on top of the step's earlier calls. ``micro_batches[g][j]``: DP group
     g's micro-batch j; ``group_of[i]``: member GPU i's DP group; ``receivers``: GPUs that embed
     one group's rows (its first-stage TP x CP GPUs). A call without items is not run (the
-    runtime skips a cut group with no media)."""
+    runtime skips a cut group with no media). ``member_ranks``: the member GPUs' global ranks
+    (None: 0..n-1) and ``group_node``: the node of each DP group's first-stage GPUs (the
+    features' senders and the rows' receivers; None: the node of its first member), for the
+    exchanges: ``multiplex.exchange=all_to_all`` is a collective over every member,
+    ``p2p`` sends over NVLink to a peer in the node and over the NIC share to one outside."""
     n = max((len(g) for g in micro_batches), default=0)
     world = len(group_of)
     sp = int(mux.encoder_sp)
     threshold = None if str(mux.long_threshold).lower() == "auto" else int(mux.long_threshold)
     sp_modalities = [mod for mod, e in spec.encoders.items() if e.supports_sp and e.heads % sp == 0]
-    crosses = world > gpus_per_node
+    ranks = list(range(world)) if member_ranks is None else list(member_ranks)
+    members_g = CommGroup.from_ranks(ranks, gpus_per_node) if world else None
+    node = [r // gpus_per_node for r in ranks]
+    if group_node is None:
+        group_node = {}
+        for i, g in enumerate(group_of):
+            group_node.setdefault(g, node[i])
+    p2p = str(getattr(mux, "exchange", "all_to_all")) == "p2p"
     size = chunks_per_call(placement, n, int(mux.chunks_per_cut))
 
     def item_bytes(modality: str, tokens: int) -> float:
@@ -107,8 +125,9 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
                 for r in a.block(a.block_of[it.key]):
                     per_gpu[r].append((it.modality, it.tokens, sp, it.group))
         called = sorted({it.modality for it in items})
-        fwd, bwd, act, sent = [], [], [], []
+        fwd, bwd, act, sent, trades = [], [], [], [], []
         for r, work in enumerate(per_gpu):
+            trades.append(sorted({g for _, _, _, g in work}))
             w = encoder_work(m, spec, [(mod, t, s_) for mod, t, s_, _ in work], gpus_per_node)
             idle = [empty_call(m, spec, mod) for mod in called if mod not in {x[0] for x in work}]
             fwd.append(w.forward_s + sum(x.forward_s for x in idle))
@@ -118,16 +137,50 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
             feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g in work if g != group_of[r])
             rows = sum(t / s_ for _, t, s_, _ in work)
             sent.append((feat, rows * spec.hidden * BF16))
-        # What one group's receiving GPU takes in: its share of the group's output rows.
-        recv = max((sum(it.tokens for it in items if it.group == g) * spec.hidden * BF16 / receivers
-                    for g in set(group_of)), default=0.0)
-        feat_s = m.all_to_all(max((f for f, _ in sent), default=0.0), world, crosses)
-        out_s = m.all_to_all(max(max((o for _, o in sent), default=0.0), recv), world, crosses)
+        if p2p:
+            feat_s, out_s = _p2p_exchange(m, spec, per_gpu, node, group_node, receivers)
+        else:
+            # What one group's receiving GPU takes in: its share of the group's output rows.
+            recv = max((sum(it.tokens for it in items if it.group == g) * spec.hidden * BF16 / receivers
+                        for g in set(group_of)), default=0.0)
+            feat_s = m.all_to_all_group(max((f for f, _ in sent), default=0.0), members_g)
+            out_s = m.all_to_all_group(max(max((o for _, o in sent), default=0.0), recv), members_g)
         out.append(ChunkTimes(
             forward_s=max(fwd, default=0.0) + feat_s + out_s, backward_s=max(bwd, default=0.0) + out_s,
             gpu_forward_s=fwd, gpu_backward_s=bwd, gpu_activation_bytes=act, items=len(items),
-            long_items=len(a.block_of), balance=a.balance, modalities=called, chunks=chunks))
+            long_items=len(a.block_of), balance=a.balance, modalities=called, chunks=chunks, trades=trades))
     return out
+
+
+def _p2p_exchange(m: Machine, spec: ModelSpec, per_gpu: list[list[tuple[str, int, int, int]]], node: list[int],
+                  group_node: dict[int, int], receivers: int) -> tuple[float, float]:
+    """(feature, output) exchange times of one call with ``multiplex.exchange=p2p``: each GPU
+    receives its items' features from their group's first-stage GPUs and sends their rows
+    back, all its transfers posted at once (one batch), NVLink to a peer in its node and its
+    NIC share to one outside; a group's receiving GPUs take in their share of the group's rows
+    the same way. The slowest GPU sets the call's exchange time."""
+    def time(local: float, remote: float) -> float:
+        t = max(local / m.nvlink_bw(), remote / m.nic_share_bw())
+        return t + (m.latency(remote > 0) if local + remote > 0 else 0.0)
+
+    feat, rows = [], []
+    recv: dict[int, list[float]] = {}  # group -> [local, remote] row bytes its receivers take in
+    for r, work in enumerate(per_gpu):
+        f_loc = f_rem = o_loc = o_rem = 0.0
+        for mod, t, s_, g in work:
+            local = group_node[g] == node[r]
+            fb = t / s_ * spec.encoders[mod].feature_bytes_per_token
+            ob = t / s_ * spec.hidden * BF16
+            if local:
+                f_loc, o_loc = f_loc + fb, o_loc + ob
+            else:
+                f_rem, o_rem = f_rem + fb, o_rem + ob
+            into = recv.setdefault(g, [0.0, 0.0])
+            into[0 if local else 1] += ob / receivers
+        feat.append(time(f_loc, f_rem))
+        rows.append(time(o_loc, o_rem))
+    taken = [time(loc, rem) for loc, rem in recv.values()]
+    return max(feat, default=0.0), max(max(rows, default=0.0), max(taken, default=0.0))
 
 
 def call_of_chunks(calls: list[ChunkTimes]) -> list[int]:

@@ -81,7 +81,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
-                  chunks_per_cut: int = 1, lookahead: int = 0, call_of: Optional[list[int]] = None) -> StepTimeline:
+                  chunks_per_cut: int = 1, lookahead: int = 0, call_of: Optional[list[int]] = None,
+                  exchange: str = "all_to_all") -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
     or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
@@ -95,7 +96,9 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
     progs, bwd_cuts = programs(schedule, pp, virtual, n_micro)
     has_media = placement != "none" and any(c.items for c in chunks)
     call_of = list(range(n_micro)) if call_of is None else call_of
-    ran: set[tuple[str, int]] = set()
+    p2p_exchange = exchange == "p2p"
+    ran_by: set = set()  # (cell, kind, call) already booked
+    released_by: dict = {}  # (cut, cell) -> end, p2p
 
     def has_work(k: int) -> bool:
         """Cut k runs a call with items (a cut group without media is skipped, no collective)."""
@@ -115,49 +118,95 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
     live_llm = {c: 0.0 for c in cells}
     live_enc = {c: 0.0 for c in cells}
 
-    def run_segment(k: int, start: float) -> float:
-        """Duration of the encoder actions of cut k; books each member's busy time and memory."""
-        total = 0.0
+    def segment_calls(k: int) -> list[tuple[str, int]]:
+        """Cut k's calls (kind, call), each once, in order."""
+        out: list[tuple[str, int]] = []
         for kind, j in at_cut.get(k, []):
-            if (kind, call_of[j]) in ran:
+            if (kind, call_of[j]) not in out:
+                out.append((kind, call_of[j]))
+        return out
+
+    def run_segment(k: int, start: float, booked: list, scope: Optional[list[int]] = None) -> float:
+        """Duration of the encoder calls of cut k for the cells ``booked``, whose GPUs wait for
+        the member GPUs ``scope`` (None: every member, a collective); books the cells' busy
+        time and memory."""
+        total = 0.0
+        for kind, call in segment_calls(k):
+            if any((c, kind, call) in ran_by for c in booked):
                 continue
-            ran.add((kind, call_of[j]))
-            ch = chunks[call_of[j]]
-            dur = ch.forward_s if kind == "F" else ch.backward_s
+            ch = chunks[call]
             gpu = ch.gpu_forward_s if kind == "F" else ch.gpu_backward_s
+            extra = (ch.forward_s if kind == "F" else ch.backward_s) - max(gpu, default=0.0)  # exchanges, weights
+            slowest = max((gpu[i] for i in scope), default=0.0) if scope is not None else max(gpu, default=0.0)
+            dur = slowest + extra
             weights = ch.weights_forward_s if kind == "F" else ch.weights_backward_s
-            for c in members:
+            for c in booked:
+                ran_by.add((c, kind, call))
                 idx = encoder_cells[c]
                 own = sum(gpu[i] for i in idx) / len(idx)
                 cells[c].encoder_s += own
-                cells[c].comm_s += dur - max(gpu, default=0.0)  # the exchanges
+                cells[c].comm_s += extra
                 cells[c].add("encoder_compute", own)
-                cells[c].add("encoder_imbalance", max(gpu, default=0.0) - own)
+                cells[c].add("encoder_imbalance", slowest - own)
                 cells[c].add("encoder_weights", weights)
-                cells[c].add("row_exchange", dur - max(gpu, default=0.0) - weights)
+                cells[c].add("row_exchange", extra - weights)
                 act = max(ch.gpu_activation_bytes[i] for i in idx)
                 live_enc[c] += act if kind == "F" else -act
                 _peak(cells[c], live_llm[c], live_enc[c])
                 if record:
-                    cells[c].events.append(("encoder", f"{kind}{j}", start + total, start + total + dur))
+                    cells[c].events.append(("encoder", f"{kind}{ch.chunks[0]}", start + total, start + total + dur))
             total += dur
         return total
 
+    def partners(k: int, c) -> set:
+        """The cells cell c waits for at cut k under multiplex.exchange=p2p: those it trades
+        features or rows with in the cut's calls, and those that share a weight collective
+        (FSDP gathers and reductions are collectives over their shard group)."""
+        need = {c}
+        mine = set(encoder_cells[c])
+        for kind, call in segment_calls(k):
+            ch = chunks[call]
+            if not ch.items:
+                continue
+            span = ch.weights_span_forward if kind == "F" else ch.weights_span_backward
+            blocks = {i // span for i in mine} if span else set()
+            for p in members:
+                theirs = encoder_cells[p]
+                if any(g == p[0] and p[1] == 0 for i in mine for g in ch.trades[i]):
+                    need.add(p)  # c encodes items of p's group: features from p, rows to p
+                elif c[1] == 0 and any(c[0] in ch.trades[i] for i in theirs):
+                    need.add(p)  # p encodes items of c's group
+                elif blocks and any(i // span in blocks for i in theirs):
+                    need.add(p)
+        return need
+
     def collective(k: int, c) -> Optional[float]:
-        """Arrival of cell c at cut k: the end of the cut's encoder work once everyone is there."""
+        """Arrival of cell c at cut k: the end of the cut's encoder work once everyone it waits
+        for is there (every member: all_to_all exchanges; its partners: p2p)."""
+        if (k, c) in released_by:
+            return released_by[(k, c)]
         if k in released:
             return released[k]
         arrived.setdefault(k, {})[c] = free[c]
+        if p2p_exchange:
+            need = partners(k, c)
+            if not need <= set(arrived[k]):
+                return None
+            start = max(arrived[k][p] for p in need)
+            cells[c].add("cut_wait", start - arrived[k][c])
+            scope = sorted({i for p in need for i in encoder_cells[p]})
+            released_by[(k, c)] = start + run_segment(k, start, [c], scope)
+            return released_by[(k, c)]
         if len(arrived[k]) < len(members):
             return None
         start = max(arrived[k].values())
         for cell, t in arrived[k].items():
             cells[cell].add("cut_wait", start - t)
-        released[k] = start + run_segment(k, start)
+        released[k] = start + run_segment(k, start, members)
         return released[k]
 
     if BEFORE_PIPELINE in at_cut:  # encoder_first: every forward before the pipeline
-        t = run_segment(BEFORE_PIPELINE, 0.0)
+        t = run_segment(BEFORE_PIPELINE, 0.0, members)
         for c in members:
             free[c] = t
     remaining = sum(len(progs[s]) for s in range(pp)) * groups
@@ -185,8 +234,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                     dep = ("b", g, stage + 1, i) if stage < last_stage else ("f", g, stage, i)
                 if dep is not None and dep not in done:
                     break
-                p2p = p2p_s[g] if isinstance(p2p_s, dict) else p2p_s
-                ready = done[dep] + (p2p if dep[2] != stage else 0.0) if dep is not None else 0.0
+                send = p2p_s[g] if isinstance(p2p_s, dict) else p2p_s
+                ready = done[dep] + (send if dep[2] != stage else 0.0) if dep is not None else 0.0
                 w = work[(g, stage, i)]
                 begin = max(free[c], ready)
                 dur = w.forward_s if kind == "f" else w.backward_s
@@ -208,11 +257,21 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         if not progressed:
             raise RuntimeError("simulated pipeline deadlocked (a bug in the simulator's schedule)")
     # After the pipeline: the remaining encoder backwards (a collective), then each cell's tail.
-    if has_work(n_micro):
+    if has_work(n_micro) and p2p_exchange:
+        for c in members:
+            arrived.setdefault(n_micro, {})[c] = free[c]
+        ends = {}
+        for c in members:
+            need = partners(n_micro, c)
+            start = max(arrived[n_micro][p] for p in need)
+            cells[c].add("cut_wait", start - arrived[n_micro][c])
+            ends[c] = start + run_segment(n_micro, start, [c], sorted({i for p in need for i in encoder_cells[p]}))
+        free.update(ends)
+    elif has_work(n_micro):
         start = max(free[c] for c in members)
         for c in members:
             cells[c].add("cut_wait", start - free[c])
-        end = start + run_segment(n_micro, start)
+        end = start + run_segment(n_micro, start, members)
         for c in members:
             free[c] = end
     for c, tl in cells.items():

@@ -253,8 +253,11 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             for i, g in enumerate(group_of):
                 eligible.setdefault(g, []).append(i)
         budget = _encoder_memory_budget(cfg, spec, sizes)
+        # The node of each DP group's first-stage GPUs: its features' senders, its rows' receivers.
+        group_node = {g: sizes.rank_of(pp=0, dp_replicate=g // sizes.dp_shard, dp_shard=g % sizes.dp_shard)
+                      // cluster.gpus_per_node for g in range(sizes.dp)}
         chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, eligible, cluster.gpus_per_node, tp * cp,
-                             budget, placement)
+                             budget, placement, member_ranks=members, group_node=group_node)
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
@@ -271,6 +274,12 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     enc_local = sync.encoder_local_params(cfg, spec, len(members))
     enc_sync = sync.encoder_grad_sync(m, cfg, spec, members, cluster.gpus_per_node,
                                       sync.step_modalities(chunks)) if members else 0.0
+    if enc_sync and sync.encoder_weights_sharded(cfg):
+        # FSDP2 reduces each encoder layer from its post-backward hook in the step's last
+        # encoder backward (replicated weights are all-reduced after it, by ParallelModel).
+        last = next((max(c.gpu_backward_s, default=0.0) for c in reversed(chunks) if c.items), 0.0)
+        layers = max((e.num_layers for e in spec.encoders.values()), default=1)
+        enc_sync = sync.exposed_behind_backward(enc_sync, last, layers)
     for gi in range(sizes.dp):
         for s in range(pp):
             local = sum(stage_local[s + k * pp] for k in range(v))
@@ -291,7 +300,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                              llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
                              chunks_per_cut=int(cfg.multiplex.chunks_per_cut),
                              lookahead=int(cfg.multiplex.lookahead),
-                             call_of=call_of_chunks(chunks) if chunks else None)
+                             call_of=call_of_chunks(chunks) if chunks else None,
+                             exchange=str(cfg.multiplex.exchange))
     if first_encoder:
         first_encoder.book(timeline)
     memory = []

@@ -125,10 +125,16 @@ def grad_sync(m: Machine, local: float, shard: CommGroup, replicate: CommGroup, 
     """Reduce once per step during the last backward: the reduce-scatter in the ``shard`` group,
     then the shard's all-reduce over ``replicate``. What does not hide behind the backward is
     exposed (at least the last layer's reduce)."""
-    t = m.two_level_reduce(FP32 * local, shard, replicate)
-    if t == 0.0:
+    return exposed_behind_backward(m.two_level_reduce(FP32 * local, shard, replicate), last_backward, layers)
+
+
+def exposed_behind_backward(t: float, backward: float, units: int) -> float:
+    """What a gradient reduction of ``t`` seconds leaves exposed when FSDP2 issues it unit by
+    unit from its post-backward hooks during a backward of ``backward`` seconds over ``units``
+    units: it hides behind the units still to run, except at least the last unit's share."""
+    if t <= 0.0:
         return 0.0
-    return max(t - last_backward, t / max(layers, 1))
+    return max(t - backward, t / max(units, 1))
 
 
 # -- the encoders ------------------------------------------------------------------------------
@@ -251,6 +257,9 @@ def add_encoder_collectives(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks:
         ch.backward_s += exposed_b
         ch.weights_forward_s += exposed_f
         ch.weights_backward_s += exposed_b
+        # The collectives couple the shard group's GPUs (p2p exchanges couple only traders).
+        ch.weights_span_forward = shard.size if f > 0 else 0
+        ch.weights_span_backward = shard.size if b > 0 else 0
 
 
 def grad_accumulation_bytes(sharded: bool, accumulator: bool, syncs: bool, sharded_grad: bool, shard: int) -> float:

@@ -1,10 +1,17 @@
 """MegaScale-Omni's workloads A-D in the scale simulator, every placement side by side.
 
 One ``omni.sim.simulate.simulate(cfg)`` call per workload preset (conf/workload/A..D.yaml) and
-image:text mix 1:9 ... 9:1 (``data.image_ratio`` 0.1 ... 0.9) gives all placements; stage0 is
-the paper's Megatron-LM baseline. SIMULATED numbers, not measurements. The full run writes the
+image:text mix 1:9 ... 9:1 (``data.image_ratio`` 0.1 ... 0.9), plus one call per workload with the
+mix ramping 0.1 -> 0.9 over the run (``data.image_ratio_schedule=[[0,0.1],[1,0.9]]``, 9 simulated
+steps; 3 in --quick), gives all placements. Speedups are over ``megatron``, the paper's Megatron-LM
+baseline (ViT on pipeline stage 0, in-order packing); colocated/stage0 is kept as a second column.
+An acceptance table checks issue 18: colocated fits everywhere, is the fastest placement that fits
+at every point, colocated/megatron at 9:1 (C >= 1.5x, A, B, D >= 1.2x) and over the schedule
+(>= 1.3x), and peak colocated MFU >= 38% on at least one workload; every verdict is computed from
+the results. SIMULATED numbers, not measurements. The full run writes the
 ``## Paper workloads A–D (simulated)`` section of ``--doc`` and docs/img/paper_*.png; ``--quick``
-(A and C, three mixes, one step) writes ``*_quick.*`` files and no doc unless ``--doc`` is given.
+(A and C, three mixes with one step each, plus the schedule with 3 steps) writes ``*_quick.*``
+files and no doc unless ``--doc`` is given.
 
     python scripts/bench/paper_workloads.py [--quick] [--out DIR] [--doc FILE] [--out-json FILE]
         [HYDRA_OVERRIDE ...]      e.g. cluster=h200 sim.calibration=fit.yaml
@@ -22,7 +29,13 @@ from tqdm import tqdm
 from recipes.simulate_cmd import load_sim_config
 
 SECTION = "## Paper workloads A–D (simulated)"
-PLACES = ("colocated", "stage0", "encoder_first", "disaggregated")
+PLACES = ("colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_balanced")
+BASE = "megatron"  # speedup baseline: the paper's Megatron-LM (ViT on stage 0, in-order packing)
+SCHED = "0.1→0.9"  # the run whose mix ramps 0.1 -> 0.9 (data.image_ratio_schedule)
+SCHEDULE = "data.image_ratio_schedule=[[0,0.1],[1,0.9]]"
+TARGET_91 = {"A": 1.2, "B": 1.2, "C": 1.5, "D": 1.2}  # issue 18: colocated/megatron at 9:1
+TARGET_SCHED = 1.3  # issue 18: colocated/megatron over the 0.1 -> 0.9 schedule
+TARGET_MFU = 0.38  # issue 18: peak simulated colocated MFU (where it fits), on at least one workload
 PAPER_SPEEDUP = {"A": 1.54, "B": 3.30, "C": 7.57, "D": 1.98}  # best over Megatron-LM, MegaScale-Omni
 PAPER_MFU = 0.382
 FACTORS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "comm_efficiency", "op_overhead_us")
@@ -57,9 +70,9 @@ def run_one(overrides: list[str]) -> tuple[dict, dict]:
     return cfg, out
 
 
-def speedup(res: dict, p: str) -> tuple[float | None, bool]:
-    """stage0 step time / p's step time, and whether both fit in memory."""
-    a, b = res.get(p, {}), res.get("stage0", {})
+def speedup(res: dict, p: str, base: str = BASE) -> tuple[float | None, bool]:
+    """base's step time / p's step time, and whether both fit in memory."""
+    a, b = res.get(p, {}), res.get(base, {})
     if "step_time_s" not in a or "step_time_s" not in b:
         return None, False
     return b["step_time_s"] / a["step_time_s"], a["fits"] and b["fits"]
@@ -73,15 +86,15 @@ def cell(r: dict) -> str:
             f"{100 * r['comm_share']:.0f}% · {fit}" + (" ¹" if "fallback" in r else ""))
 
 
-def sp_text(res: dict, p: str = "colocated") -> str:
-    s, ok = speedup(res, p)
+def sp_text(res: dict, p: str = "colocated", base: str = BASE) -> str:
+    s, ok = speedup(res, p, base)
     if s is None or ok:
         return "error" if s is None else f"{s:.2f}x"
-    return "OOM (" + ", ".join(q for q in (p, "stage0") if not res[q]["fits"]) + ")"
+    return f"{s:.2f}x, OOM (" + ", ".join(q for q in dict.fromkeys((p, base)) if not res[q]["fits"]) + ")"
 
 
-def best(runs: dict, p: str = "colocated") -> tuple[float | None, str]:
-    ok = [(speedup(r, p)[0], m) for m, r in runs.items() if speedup(r, p)[1]]
+def best(runs: dict, p: str = "colocated", base: str = BASE) -> tuple[float | None, str]:
+    ok = [(speedup(r, p, base)[0], m) for m, r in runs.items() if speedup(r, p, base)[1]]
     return max(ok) if ok else (None, "")
 
 
@@ -90,21 +103,88 @@ def peak_mfu(runs: dict, places=PLACES) -> tuple[float | None, str]:
     return max(ok) if ok else (None, "")
 
 
+def mixes(runs: dict) -> dict:
+    """The fixed-ratio points only (no schedule), in order."""
+    return {m: r for m, r in runs.items() if m != SCHED}
+
+
 def summary_rows(res: dict) -> list[list]:
     rows = []
     for w, runs in res["runs"].items():
-        last = runs[max(runs)]
+        last = runs.get("9:1", {})
         b, bm = best(runs)
         m, mm = peak_mfu(runs, ("colocated",))
         a, am = peak_mfu(runs)
-        rows.append([w, sp_text(last), f"{b:.2f}x ({bm})" if b is not None else "none fits",
+        rows.append([w, sp_text(last) if last else "not run", sp_text(runs[SCHED]) if SCHED in runs else "not run",
+                     sp_text(last, base="stage0") if last else "not run",
+                     f"{b:.2f}x ({bm})" if b is not None else "none fits",
                      f"{PAPER_SPEEDUP[w]:.2f}x", f"{100 * m:.1f}% ({mm})" if m is not None else "none fits",
                      f"{100 * a:.1f}% ({am})" if a is not None else "none fits", f"{100 * PAPER_MFU:.1f}%"])
     return rows
 
 
-SUMMARY_HEAD = ["workload", "colocated/stage0 at 9:1", "best colocated/stage0 (both fit)", "paper best vs Megatron-LM",
-                "peak MFU colocated (fits)", "peak MFU any placement (fits)", "paper peak MFU"]
+SUMMARY_HEAD = ["workload", "colocated/megatron at 9:1", f"colocated/megatron {SCHED}", "colocated/stage0 at 9:1",
+                "best colocated/megatron (both fit)", "paper best vs Megatron-LM", "peak MFU colocated (fits)",
+                "peak MFU any placement (fits)", "paper peak MFU"]
+
+
+def pf(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def acceptance(res: dict) -> tuple[list[list], bool | None]:
+    """Issue 18's acceptance per workload, computed from the results: (a) colocated fits at every
+    point; (b) colocated is strictly faster than every other placement that fits, at every point;
+    (c) colocated/megatron at 9:1 and over the schedule against the targets (colocated must fit; a
+    megatron OOM is flagged but the step-time ratio still counts); (d) peak colocated MFU where it
+    fits. Returns the rows and the overall MFU verdict (>= TARGET_MFU on at least one workload)."""
+    rows, mfus = [], []
+    for w, runs in res["runs"].items():
+        oom, viol = [], []
+        for m, r in runs.items():
+            c = r.get("colocated", {})
+            if "step_time_s" not in c:
+                oom.append(f"{m} (error)")
+                continue
+            if not c["fits"]:
+                oom.append(f"{m} ({c['memory_gib']['total']:.0f} GiB)")
+            for p in PLACES[1:]:
+                q = r.get(p, {})
+                if q.get("fits") and q["step_time_s"] <= c["step_time_s"]:
+                    viol.append(f"{m} {p} {q['step_time_s']:.3f} s vs {c['step_time_s']:.3f} s")
+        cells = []
+        for m, target in (("9:1", TARGET_91[w]), (SCHED, TARGET_SCHED)):
+            r = runs.get(m)
+            s = speedup(r, "colocated")[0] if r else None
+            if s is None:
+                cells.append("not run" if r is None else "FAIL (error)")
+                continue
+            note = "" if r[BASE]["fits"] else f", {BASE} OOM"
+            if not r["colocated"]["fits"]:
+                cells.append(f"FAIL {s:.2f}x (colocated OOM{note}) vs >= {target}x")
+            else:
+                cells.append(f"{pf(s >= target)} {s:.2f}x vs >= {target}x{note}")
+        m, mm = peak_mfu(runs, ("colocated",))
+        if m is not None:
+            mfus.append(m)
+        rows.append([w, pf(not oom) + (": OOM at " + ", ".join(oom) if oom else ""),
+                     pf(not viol) + (": " + "; ".join(viol) if viol else ""), *cells,
+                     f"{100 * m:.1f}% ({mm}); {'>=' if m >= TARGET_MFU else '<'} {100 * TARGET_MFU:.0f}%"
+                     if m is not None else "none fits"])
+    return rows, (any(x >= TARGET_MFU for x in mfus) if res["runs"] else None)
+
+
+ACCEPT_HEAD = ["workload", "(a) colocated fits at every point", "(b) colocated fastest of those that fit",
+               "(c) colocated/megatron at 9:1", f"(c) colocated/megatron {SCHED} (>= {TARGET_SCHED}x)",
+               "(d) peak colocated MFU (fits)"]
+
+
+def acceptance_text(res: dict) -> str:
+    rows, ok = acceptance(res)
+    ws = ", ".join(res["runs"])
+    return (table(ACCEPT_HEAD, rows) + f"\n\n(d) overall: {pf(bool(ok))}: peak simulated colocated MFU "
+            f"{'>=' if ok else 'below'} {100 * TARGET_MFU:.0f}% on {'at least one' if ok else 'every one'} of the "
+            f"workloads run ({ws}).")
 
 
 def report(res: dict) -> str:
@@ -118,8 +198,14 @@ def report(res: dict) -> str:
              f"per GPU) with efficiency factors {eff}; {cal}. Extra overrides: "
              f"`{' '.join(res['overrides']) or 'none'}`. Each figure is the mean of the simulated steps "
              f"(`data.steps`; placements with the same DP size see the same steps, disaggregated draws its own "
-             f"for its smaller DP size). stage0 is the paper's Megatron-LM baseline (encoder on the first pipeline stage).",
-             "", "Summary (speedups only where both placements fit in memory; OOM is shown as such):", "",
+             f"for its smaller DP size). Row {SCHED}: the mix ramps from 0.1 to 0.9 over the run "
+             f"(`{SCHEDULE}`), its steps spread evenly over it. Speedups are over `{BASE}`, the paper's "
+             f"Megatron-LM baseline (ViT on pipeline stage 0, in-order packing); `megatron_balanced` is the same "
+             f"with Omni's balanced packing; stage0 (encoder on the first stage, Omni's packing) is kept as a "
+             f"second baseline column.",
+             "", "Acceptance (issue 18; computed from the simulated results below, none hard-coded):", "",
+             acceptance_text(res), "",
+             "Summary (the best speedup only where both placements fit in memory; OOM is flagged):", "",
              table(SUMMARY_HEAD, summary_rows(res)), "",
              "Plots: `docs/img/paper_speedup.png`, `docs/img/paper_mfu.png`, `docs/img/paper_bubble.png` "
              "(hollow markers: out of memory).", ""]
@@ -128,8 +214,15 @@ def report(res: dict) -> str:
         lines += [f"### Workload {w} (simulated; colocated layout pp{lay.get('pp')} x dp{lay.get('dp_shard')} x "
                   f"tp{lay.get('tp')}, {res['gpus'][w]} GPUs)", "",
                   "Cells: step time · MFU · bubble · exposed comm · memory verdict.", ""]
-        rows = [[m] + [cell(r[p]) for p in PLACES] + [sp_text(r), sp_text(r, "disaggregated")] for m, r in runs.items()]
-        lines += [table(["image:text", *PLACES, "colocated/stage0", "disaggregated/stage0"], rows), ""]
+        rows = [[m] + [cell(r[p]) for p in PLACES] + [sp_text(r), sp_text(r, base="stage0"),
+                                                      sp_text(r, "disaggregated")] for m, r in runs.items()]
+        lines += [table(["image:text", *PLACES, f"colocated/{BASE}", "colocated/stage0", f"disaggregated/{BASE}"],
+                        rows), ""]
+        if SCHED in runs:
+            rs = runs[SCHED]["colocated"].get("image_ratios")
+            if rs:
+                lines += [f"- {SCHED}: colocated's steps were drawn at image ratios "
+                          + ", ".join(f"{x:.2f}" for x in rs if x is not None) + ".", ""]
         notes = [f"{'¹' if 'fallback' in r[p] else 'error:'} {m} {p}: `{r[p]['error']}`"
                  + (f"; these figures are a rerun with `{r[p]['fallback']}`" if "fallback" in r[p] else "")
                  for m, r in runs.items() for p in PLACES if "error" in r[p]]
@@ -162,31 +255,34 @@ def plots(res: dict, out: Path, tag: str) -> list[Path]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
 
-    def xaxis(ax, runs):  # image:text mixes as ticks; returns the x positions
-        xs = [int(m.split(":")[0]) / 10 for m in runs]
-        ax.set_xticks(xs, list(runs), fontsize=8)
+    def xaxis(ax, runs):  # image:text mixes as ticks (the schedule, if run, at x = 1.05); returns x positions
+        xs = [1.05 if m == SCHED else int(m.split(":")[0]) / 10 for m in runs]
+        ax.set_xticks(xs, list(runs), fontsize=7)
         ax.set_xlabel("image:text share of LLM tokens (data.image_ratio)")
         return xs
 
-    def line(ax, xs, ys, oks, label, color, style="-", marker="o"):
-        ax.plot(xs, ys, style, color=color, label=label)
-        for x, y, ok in zip(xs, ys, oks):
-            ax.plot([x], [y], marker, color=color, mfc=color if ok else "white", ms=7)
+    def line(ax, xs, ys, oks, label, color, style="-", marker="o"):  # the schedule point stands apart
+        pts = [(x, y, ok) for x, y, ok in zip(xs, ys, oks)]
+        mix_pts = [(x, y) for x, y, _ in pts if x <= 1]
+        ax.plot([x for x, _ in mix_pts], [y for _, y in mix_pts], style, color=color, label=label)
+        for x, y, ok in pts:
+            ax.plot([x], [y], marker if x <= 1 else "D", color=color, mfc=color if ok else "white", ms=7)
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (w, runs) in enumerate(res["runs"].items()):
         col, xs = f"C{i}", xaxis(ax, runs)
         for p, style in (("colocated", "-"), ("disaggregated", "--")):
             sp = [speedup(r, p) for r in runs.values()]
-            line(ax, xs, [s or float("nan") for s, _ in sp], [ok for _, ok in sp], f"{w}: {p}/stage0", col, style)
+            line(ax, xs, [s or float("nan") for s, _ in sp], [ok for _, ok in sp], f"{w}: {p}/{BASE}", col, style)
         ax.axhline(PAPER_SPEEDUP[w], color=col, ls=":", lw=1)
         ax.annotate(f"paper {w} {PAPER_SPEEDUP[w]}x", (0.9, PAPER_SPEEDUP[w]), color=col, fontsize=8, ha="right", va="bottom")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_yscale("log")
     ax.minorticks_off()
     ax.set_yticks([0.5, 0.75, 1, 1.5, 2, 3, 5, 8], ["0.5", "0.75", "1", "1.5", "2", "3", "5", "8"])
-    ax.set(ylabel="speedup over stage0 (simulated, log scale)",
-           title=f"Simulated speedup over stage0 (Megatron-LM placement), {cname}\nhollow: a side out of memory")
+    ax.set(ylabel=f"speedup over {BASE} (simulated, log scale)",
+           title=f"Simulated speedup over {BASE} (Megatron-LM: ViT on stage 0, in-order packing), {cname}\n"
+                 f"hollow: a side out of memory; diamond: the {SCHED} schedule")
     ax.legend(fontsize=8, ncol=2)
     save(fig, f"paper_speedup{tag}.png")
 
@@ -205,7 +301,7 @@ def plots(res: dict, out: Path, tag: str) -> list[Path]:
             ax.set_title(f"workload {w} (simulated)")
         axes[0][0].set_ylabel(ylabel + " %")
         axes[0][0].legend(fontsize=7)
-        fig.suptitle(f"{ylabel} per placement, {cname}; hollow: out of memory")
+        fig.suptitle(f"{ylabel} per placement, {cname}; hollow: out of memory; diamond: the {SCHED} schedule")
         save(fig, f"{fname}{tag}.png")
     return paths
 
@@ -219,21 +315,25 @@ def main() -> None:
     workloads = ("A", "C") if args.quick else ("A", "B", "C", "D")
     ratios = (0.1, 0.5, 0.9) if args.quick else tuple(k / 10 for k in range(1, 10))
     extra = (["data.steps=1"] if args.quick else []) + args.overrides
+    sched = [SCHEDULE, f"data.steps={3 if args.quick else 9}"] + args.overrides  # user overrides win
     tag = "_quick" if args.quick else ""
     res = {"benchmark": "paper_workloads", "time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
            "overrides": extra, "machine": machine(), "git": git_state(), "runs": {}, "gpus": {}}
     t0 = time.perf_counter()
-    for w, r in tqdm([(w, r) for w in workloads for r in ratios], desc="simulating", unit="run", file=sys.stderr):
-        cfg, out = run_one([f"workload={w}", f"data.image_ratio={r}"] + extra)
-        res["runs"].setdefault(w, {})[mix(r)] = out
+    jobs = [(w, r) for w in workloads for r in (*ratios, None)]  # None: the 0.1 -> 0.9 schedule
+    for w, r in tqdm(jobs, desc="simulating", unit="run", file=sys.stderr):
+        cfg, out = run_one([f"workload={w}"] + (sched if r is None else [f"data.image_ratio={r}"] + extra))
+        res["runs"].setdefault(w, {})[SCHED if r is None else mix(r)] = out
         res["gpus"][w] = cfg.cluster.num_gpus
         res["cluster"], res["calibration"] = dict(vars(cfg.cluster)), cfg.sim.calibration
     res["seconds"] = time.perf_counter() - t0
     print(f"\nSIMULATED on {res['cluster']['name']} (" + ", ".join(f"{k} {res['cluster'][k]:g}" for k in FACTORS)
           + f"; calibration: {res['calibration'] or 'none'}), {res['seconds']:.0f} s")
     for w, runs in res["runs"].items():
-        print(f"{w}  colocated/stage0: " + "  ".join(f"{m} {sp_text(r)}" for m, r in runs.items()))
-        print(f"{'':3}disagg./stage0:   " + "  ".join(f"{m} {sp_text(r, 'disaggregated')}" for m, r in runs.items()))
+        print(f"{w}  colocated/{BASE}: " + "  ".join(f"{m} {sp_text(r)}" for m, r in runs.items()))
+        print(f"{'':3}colocated/stage0:   " + "  ".join(f"{m} {sp_text(r, base='stage0')}" for m, r in runs.items()))
+        print(f"{'':3}disagg./{BASE}:   " + "  ".join(f"{m} {sp_text(r, 'disaggregated')}" for m, r in runs.items()))
+    print("\nAcceptance (issue 18):\n" + acceptance_text(res) + "\n")
     print(table(SUMMARY_HEAD, summary_rows(res)))
     (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
     jpath = Path(args.out_json or out / f"paper_workloads{tag}.json")

@@ -49,3 +49,45 @@ def test_lookahead_keeps_more_encoder_activations_alive():
     peak = lambda run: max(tl.live_encoder_peak for tl in run.timeline.cells)  # noqa: E731
     assert peak(ahead) > peak(plain)
     assert sum(c.items for c in ahead.chunks) == sum(c.items for c in plain.chunks)
+
+
+def test_sharded_encoder_sync_hides_behind_the_last_encoder_backward():
+    """FSDP2 reduces each encoder layer from its post-backward hook during the step's last
+    encoder backward: what the step's end pays is at most the reduction, at least one layer's
+    share, and less than the whole when that backward is long enough (replicated weights are
+    all-reduced after it: exposed whole)."""
+    from omni.sim import sync
+
+    assert sync.exposed_behind_backward(1.0, 0.4, 10) == pytest.approx(0.6)
+    assert sync.exposed_behind_backward(1.0, 5.0, 10) == pytest.approx(0.1)
+    assert sync.exposed_behind_backward(0.0, 5.0, 10) == 0.0
+    run = _run("multiplex.encoder_weights=sharded")
+    spec_sync = max(run.tail_comm.values())
+    replicated = _run("multiplex.encoder_weights=replicated")
+    assert spec_sync < max(replicated.tail_comm.values())
+
+
+def test_p2p_cells_wait_only_for_their_partners():
+    """multiplex.exchange=p2p: an insertion point couples the cells that trade features or rows
+    (and share a weight collective), not every encoder GPU. Two DP groups whose items stay on
+    their own GPUs, group 0's LLM work slower: under all_to_all group 1 waits for group 0 at
+    the second cut; under p2p it does not."""
+    from omni.sim.encoders import ChunkTimes
+    from omni.sim.engine import simulate_step
+    from omni.sim.timing import StageWork
+
+    def call(j):
+        return ChunkTimes(0.1, 0.2, [0.1, 0.1], [0.2, 0.2], [1.0, 1.0], items=2, modalities=["image"], chunks=[j],
+                          trades=[[0], [1]])
+
+    work = {(g, 0, i): StageWork(1.0 if g else 3.0, 2.0, 1.0, 10, 2.0) for g in range(2) for i in range(2)}
+    steps = {}
+    for exchange in ("all_to_all", "p2p"):
+        t = simulate_step(pp=1, virtual=1, schedule="1f1b", groups=2, n_micro=2, work=work, p2p_s=0.0,
+                          placement="colocated", chunks=[call(0), call(1)], encoder_cells={(0, 0): [0], (1, 0): [1]},
+                          llm_activation={k: 0.0 for k in work}, tail_s={}, tail_comm_s={}, exchange=exchange)
+        steps[exchange] = {(tl.group, tl.stage): tl for tl in t.cells}
+    assert steps["all_to_all"][(1, 0)].parts["cut_wait"] > 0  # waits for group 0 at cut 1
+    assert steps["p2p"][(1, 0)].parts.get("cut_wait", 0.0) == 0  # trades with nobody else
+    assert steps["p2p"][(1, 0)].end_s < steps["all_to_all"][(1, 0)].end_s
+    assert steps["p2p"][(0, 0)].end_s == pytest.approx(steps["all_to_all"][(0, 0)].end_s)

@@ -196,11 +196,17 @@ def test_sharded_encoder_gradients_are_whole_fp32_under_pp():
 
 
 def test_workload_c_at_9_to_1_colocated_holds_the_vit_gradients_and_does_not_fit():
-    p = _simulate(["workload=C", "data.image_ratio=0.9", "data.steps=1", "sim.placements=[colocated]"])["colocated"]
+    """Flat sharded ViT weights kept gathered under PP: the whole fp32 ViT gradient lives until
+    the step's last backward and colocated does not fit; hybrid weights (the workload's
+    default) reduce-scatter it inside the node after every call and fit."""
+    over = ["workload=C", "data.image_ratio=0.9", "data.steps=1", "sim.placements=[colocated]"]
+    p = _simulate([*over, "multiplex.encoder_weights=sharded"])["colocated"]
     spec_vit = model_spec(load_sim_config(["workload=C"]).model, load_sim_config(["workload=C"]).encoders)
     vit = sum(e.params for e in spec_vit.encoders.values()) * 4 / GIB  # fp32, whole
     assert p["memory_gib"]["grads"] >= vit
     assert p["fits"] is False and p["memory_gib"]["total"] > 80
+    h = _simulate([*over, "multiplex.encoder_weights=hybrid"])["colocated"]
+    assert h["memory_gib"]["grads"] < vit / 2 and h["fits"] is True
 
 
 # -- 2. a text-only step --------------------------------------------------------------------------
