@@ -84,3 +84,17 @@ def save(out: str | Path, name: str, results: dict) -> Path:
                "git": git_state(), **results}
     path.write_text(json.dumps(results, indent=1, default=float) + "\n")
     return path
+
+
+def write_doc_section(doc: Path, section: str, body: str) -> None:
+    """(Re)write the markdown section headed ``section`` (up to the next "## ") of ``doc``, or
+    append it."""
+    text = doc.read_text() if doc.exists() else ""
+    body = f"{section}\n\n{body}"
+    if section in text:
+        start = text.index(section)
+        nxt = text.find("\n## ", start + len(section))
+        text = text[:start] + body + (text[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + body
+    doc.write_text(text)

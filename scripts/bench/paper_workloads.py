@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import REPO, git_state, machine, parser, table
+from _common import REPO, git_state, machine, parser, table, write_doc_section
 from tqdm import tqdm
 
 from recipes.simulate_cmd import load_sim_config
@@ -230,18 +230,6 @@ def report(res: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_section(doc: Path, body: str) -> None:
-    body = f"{SECTION}\n\n{body}"
-    old = doc.read_text() if doc.exists() else ""
-    if SECTION in old:
-        start = old.index(SECTION)
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + body + (old[nxt:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip() + "\n\n" + body
-    doc.write_text(new)
-
-
 def plots(res: dict, out: Path, tag: str) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -341,7 +329,7 @@ def main() -> None:
     print(f"wrote {jpath}; plots " + ", ".join(map(str, plots(res, out, tag))))
     doc = args.doc or (None if args.quick else str(REPO / "docs" / "benchmarks.md"))
     if doc:
-        write_section(Path(doc), report(res))
+        write_doc_section(Path(doc), SECTION, report(res))
         print(f"section {SECTION!r} written to {doc}")
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import git_state, parser, save, table
+from _common import git_state, parser, save, table, write_doc_section
 
 from recipes.simulate_cmd import load_sim_config
 
@@ -51,18 +51,6 @@ def section(res: dict) -> str:
     return "\n".join(lines)
 
 
-def write_section(doc: Path, body: str) -> None:
-    text = doc.read_text() if doc.exists() else ""
-    body = f"{SECTION}\n\n{body}"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[nxt:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + body
-    doc.write_text(text)
-
-
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--doc", default=None, help="markdown file whose decomposition section is (re)written")
@@ -76,7 +64,7 @@ def main() -> None:
     body = section(res)
     print(body)
     if args.doc:
-        write_section(Path(args.doc), body)
+        write_doc_section(Path(args.doc), SECTION, body)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 
 from dataloading.cost import CostModel
 from dataloading.encoder_plan import ItemMeta, piece_bounds, plan_chunk, plan_cut, splits
+from test_encoder_plan import _expected as expected_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
 MODALITIES = ("image", "audio")
@@ -77,19 +78,12 @@ def _simulate_cut(cut, items_by_chunk, group_of, sp):
 
 
 def _expected(items_by_chunk, needs_by_chunk, group_of):
+    """Each chunk's expected (chunk, modality, group, item, offset) labels, from the one-chunk
+    reference of test_encoder_plan.py."""
     out = {}
     for c, (items, needs) in enumerate(zip(items_by_chunk, needs_by_chunk)):
-        for q, per in needs.items():
-            g = group_of[q]
-            for m, rows in per.items():
-                toks = [it.tokens for it in sorted((it for it in items if it.group == g and it.modality == m),
-                                                   key=lambda it: it.index)]
-                starts = np.concatenate([[0], np.cumsum(toks)])
-                want = []
-                for row in rows.tolist():
-                    i = int(np.searchsorted(starts, row, side="right") - 1)
-                    want.append((c, m, g, i, row - int(starts[i])))
-                out[(q, c, m)] = want
+        for (q, m), labels in expected_chunk(items, needs, group_of).items():
+            out[(q, c, m)] = [(c, *label) for label in labels]
     return out
 
 

@@ -324,3 +324,41 @@ def covered(results: list[dict], ref: dict) -> list[str]:
 
 
 __all__ = ["reference", "run_layout", "compare", "covered", "asdict"]
+
+
+def check_named_layouts(world: int, layouts: list, tmp_path, worker, extra=None) -> None:
+    """Run ``layouts`` (name, sizes, model, data, multiplex) on ``world`` ranks through
+    ``worker`` (which calls ``run_named_layouts``) and assert each rank's result equals its
+    single-process reference (fp32 1e-5, bf16 BF16_TOL), that every layout covered every
+    gradient, that an SP layout split something, plus ``extra(name, rank, sizes, mux, result)``'s
+    problems."""
+    import pickle
+
+    from dist_helpers import run_ranks
+
+    refs = {}
+    for _, _, model, data, _ in layouts:
+        key = (tuple(sorted(model.items())), tuple(sorted(data.items())))
+        if key not in refs:
+            refs[key] = reference(data=data, **model)
+    run_ranks(worker, world, layouts, str(tmp_path), timeout_s=120 * len(layouts))
+    problems = []
+    by_layout: dict[str, list] = {name: [] for name, *_ in layouts}
+    for rank in range(world):
+        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
+            results = pickle.load(f)
+        if len(results) != len(layouts):
+            problems.append(f"rank {rank}: {len(results)} results for {len(layouts)} layouts")
+        for (name, sizes, model, data, mux), (_, result, _) in zip(layouts, results):
+            ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
+            tol = BF16_TOL if model.get("precision") == "bf16" else 1e-5
+            problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, tol)]
+            by_layout[name].append(result)
+            if mux.get("encoder_sp", 1) > 1 and not result.get("long_items"):
+                problems.append(f"[{name}]: no item was long enough to be split (the layout tests nothing)")
+            if extra is not None:
+                problems += [f"[{name}] rank {rank}: {line}" for line in extra(name, rank, sizes, mux, result)]
+    for name, _, model, data, _ in layouts:
+        ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
+        problems += [f"[{name}]: {line}" for line in covered(by_layout[name], ref)]
+    assert not problems, "\n".join(problems[:40])

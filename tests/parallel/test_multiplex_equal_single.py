@@ -13,8 +13,7 @@ import pickle
 
 import pytest
 
-from dist_helpers import run_ranks
-from layout_harness import BF16_TOL, MICRO_PER_STEP, compare, covered, reference, run_named_layouts
+from layout_harness import MICRO_PER_STEP, check_named_layouts, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
@@ -223,31 +222,8 @@ def _gradients_held(result, sizes, chunks: int) -> list[str]:
 
 
 def _check_equal(world, layouts, tmp_path):
-    refs = {}
-    for _, _, model, data, _ in layouts:
-        key = (tuple(sorted(model.items())), tuple(sorted(data.items())))
-        if key not in refs:
-            refs[key] = reference(data=data, **model)
-    run_ranks(_worker, world, layouts, str(tmp_path), timeout_s=120 * len(layouts))
-    problems = []
-    by_layout: dict[str, list] = {name: [] for name, *_ in layouts}
-    for rank in range(world):
-        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            results = pickle.load(f)
-        if len(results) != len(layouts):
-            problems.append(f"rank {rank}: {len(results)} results for {len(layouts)} layouts")
-        for (name, sizes, model, data, mux), (_, result, _) in zip(layouts, results):
-            ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
-            tol = BF16_TOL if model.get("precision") == "bf16" else 1e-5
-            problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, tol)]
-            by_layout[name].append(result)
-            if mux.get("encoder_sp", 1) > 1 and not result["long_items"]:
-                problems.append(f"[{name}]: no item was long enough to be split (the layout tests nothing)")
-            problems += [f"[{name}] rank {rank}: {line}" for line in _weights_held(result, mux, sizes)]
-    for name, _, model, data, _ in layouts:
-        ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
-        problems += [f"[{name}]: {line}" for line in covered(by_layout[name], ref)]
-    assert not problems, "\n".join(problems[:40])
+    check_named_layouts(world, layouts, tmp_path, _worker,
+                        extra=lambda name, rank, sizes, mux, result: _weights_held(result, mux, sizes))
 
 
 def _weights_held(result, mux, sizes) -> list[str]:

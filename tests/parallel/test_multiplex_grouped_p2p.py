@@ -8,12 +8,10 @@ encoder_first. The all_to_all mode with grouped calls is also covered by
 test_multiplex_equal_single.py's chunks_per_cut layouts."""
 from __future__ import annotations
 
-import pickle
 
 import pytest
 
-from dist_helpers import run_ranks
-from layout_harness import compare, covered, reference, run_named_layouts
+from layout_harness import check_named_layouts, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
@@ -59,26 +57,4 @@ def _worker(rank, world, layouts, out_dir):
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_grouped_calls_and_p2p_equal_single_process(world, tmp_path):
-    layouts = LAYOUTS[world]
-    refs = {}
-    for _, _, model, data, _ in layouts:
-        key = (tuple(sorted(model.items())), tuple(sorted(data.items())))
-        if key not in refs:
-            refs[key] = reference(data=data, **model)
-    run_ranks(_worker, world, layouts, str(tmp_path), timeout_s=120 * len(layouts))
-    problems = []
-    by_layout: dict[str, list] = {name: [] for name, *_ in layouts}
-    for rank in range(world):
-        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            results = pickle.load(f)
-        assert len(results) == len(layouts), f"rank {rank}: {len(results)} results for {len(layouts)} layouts"
-        for (name, _, model, data, mux), (_, result, _) in zip(layouts, results):
-            ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
-            problems += [f"[{name}] rank {rank}: {line}" for line in compare(result, ref, 1e-5)]
-            by_layout[name].append(result)
-            if mux.get("encoder_sp", 1) > 1 and not result.get("long_items"):
-                problems.append(f"[{name}]: no item was long enough to be split (the layout tests nothing)")
-    for name, _, model, data, _ in layouts:
-        ref = refs[(tuple(sorted(model.items())), tuple(sorted(data.items())))]
-        problems += [f"[{name}]: {line}" for line in covered(by_layout[name], ref)]
-    assert not problems, "\n".join(problems[:40])
+    check_named_layouts(world, LAYOUTS[world], tmp_path, _worker)
