@@ -181,8 +181,9 @@ def _encoders(cfg: OmniConfig) -> None:
 
 
 def _multiplex(cfg: OmniConfig) -> None:
-    from omni.runtime.media_tower import WEIGHT_MODES, check_shard_group_setting
-    from omni.runtime.multiplex import EXCHANGE_MODES, PLACEMENTS, memory_budget_setting
+    from omni.multiplex.rules import WEIGHT_MODES, check_shard_group_setting
+    from omni.multiplex.runtime import EXCHANGE_MODES
+    from omni.multiplex.rules import PLACEMENTS, memory_budget_setting
 
     x = cfg.multiplex
     one_of("multiplex.placement", x.placement, PLACEMENTS)
@@ -228,8 +229,8 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
 
 def _encoder_shard_group(cfg: OmniConfig, sizes) -> None:
     """Hybrid encoder weights: the shard group must divide the ranks that encode."""
-    from omni.runtime.media_tower import encoder_shard_group
-    from omni.runtime.multiplex import encoder_ranks
+    from omni.multiplex.rules import encoder_shard_group
+    from omni.multiplex.rules import encoder_ranks
 
     x = cfg.multiplex
     try:

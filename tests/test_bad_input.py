@@ -156,7 +156,7 @@ def test_zero_bubble_schedule_needs_encoder_first():
     import torch
 
     from omni.runtime.config import MultiplexConfig
-    from omni.runtime.multiplex import Multiplexer
+    from omni.multiplex.runtime import Multiplexer
     from parallel.config import ParallelConfig
     from parallel.layout import Layout, LayoutError, Sizes
 

@@ -28,8 +28,10 @@ from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
 from omni.runtime.config import MultiplexConfig
-from omni.runtime.media_tower import WEIGHT_MODES, MediaTower, encoder_shard_group
-from omni.runtime.multiplex import Multiplexer, encoder_ranks
+from omni.multiplex.media_tower import MediaTower
+from omni.multiplex.rules import WEIGHT_MODES, encoder_shard_group
+from omni.multiplex.runtime import Multiplexer
+from omni.multiplex.rules import encoder_ranks
 from omni.runtime.timeline import Timeline
 from parallel.config import ParallelConfig
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average

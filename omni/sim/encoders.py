@@ -1,6 +1,6 @@
 """The encoder side of a simulated step: each encoder call (a cut group of
 multiplex.chunks_per_cut chunks, encoded together as the runtime does) assigned by the
-runtime's own planner (``dataloading.encoder_plan.assign_items``: long-short split and cost
+runtime's own planner (``omni.multiplex.planning.assign_items``: long-short split and cost
 balancing, with the loads of the step's earlier calls carried over as in the runtime), then
 timed per GPU. The routes themselves are not built: the exchanges are timed from the bytes
 each GPU sends.
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.encoder_plan import ItemMeta, assign_items
+from omni.multiplex.planning import ItemMeta, assign_items
 from omni.runtime.config import MultiplexConfig
-from omni.runtime.multiplex import chunks_per_call
+from omni.multiplex.rules import chunks_per_call
 from omni.sim.data import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
@@ -70,7 +70,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
                 group_of: list[int], eligible: dict[int, list[int]] | None, gpus_per_node: int,
                 receivers: int, memory_limit: float | None, placement: str = "colocated",
                 member_ranks: list[int] | None = None, group_node: dict[int, int] | None = None) -> list[ChunkTimes]:
-    """The step's encoder calls, one per cut group (``omni.runtime.multiplex.chunks_per_call``:
+    """The step's encoder calls, one per cut group (``omni.multiplex.rules.chunks_per_call``:
     multiplex.chunks_per_cut chunks, or the whole step under encoder_first), each planned as
     one assignment as the runtime's ``plan_cut`` does (item indices continue over the group's
     chunks), balanced on top of the step's earlier calls. ``micro_batches[g][j]``: DP group
@@ -190,7 +190,7 @@ def call_of_chunks(calls: list[ChunkTimes]) -> list[int]:
 
 def call_actions(actions: list[tuple[str, int]], calls: list[ChunkTimes]) -> list[tuple[str, int]]:
     """The runtime's chunk actions as call actions: a cut group's forwards are one call, its
-    backwards one (``omni.runtime.multiplex.encoder_segments`` keeps each set together)."""
+    backwards one (``omni.multiplex.rules.encoder_segments`` keeps each set together)."""
     of = call_of_chunks(calls)
     out: list[tuple[str, int]] = []
     for kind, j in actions:

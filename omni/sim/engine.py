@@ -4,7 +4,7 @@ Every (DP group, pipeline rank) pair is a *cell*: its TP x CP GPUs run in lockst
 timeline stands for them. Each cell runs its pipeline rank's program from
 ``parallel.pipeline_executor`` (GPipe, 1F1B or interleaved 1F1B, with the consistent cuts
 where encoder work joins in; without PP: a cut before each micro-batch's forward), and the
-encoder chunks run at the cuts in the order ``omni.runtime.multiplex.encoder_segments`` gives
+encoder chunks run at the cuts in the order ``omni.multiplex.rules.encoder_segments`` gives
 — the same lists the training runtime follows. An action starts when its cell is free and its
 input has arrived (the previous stage's activation or the next stage's gradient, plus the
 point-to-point transfer); an encoder chunk is a collective: it starts when every encoder cell
@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omni.runtime.multiplex import BEFORE_PIPELINE, encoder_segments
+from omni.multiplex.rules import BEFORE_PIPELINE, encoder_segments
 from omni.sim.encoders import ChunkTimes
 from omni.sim.timing import StageWork
-from parallel.pipeline_executor import Action, encoder_backward_cuts, place_cuts, rank_programs
+from parallel.pipeline_schedule import Action, encoder_backward_cuts, place_cuts, rank_programs
 
 
 @dataclass

@@ -43,7 +43,7 @@ from omni.sim.data import MicroBatchWork
 from omni.sim.engine import StepTimeline
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, CommGroup, Machine, StageWork, encoder_work
-from parallel.layout import Sizes
+from parallel.sizing import Sizes
 
 PLACEMENTS = ("megatron", "megatron_balanced")
 IN_ORDER = "none"  # dataloading.balance: the plain order, micro-batches filled in order

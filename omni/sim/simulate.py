@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.runtime.multiplex import encoder_actions, encoder_ranks, memory_budget_setting
+from omni.multiplex.rules import encoder_actions, encoder_ranks, memory_budget_setting
 from omni.sim import megatron
 from omni.sim import memory as mem
 from omni.sim import sync
@@ -35,7 +35,7 @@ from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
 from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
 from parallel.pipeline import microbatch_count, split_layers
-from parallel.pipeline_executor import EXECUTOR_SCHEDULES
+from parallel.pipeline_schedule import EXECUTOR_SCHEDULES
 
 GIB = 2.0**30
 

@@ -6,7 +6,7 @@ import torch
 
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig
-from omni.runtime.multiplex import _CountSaved
+from omni.multiplex.runtime import _CountSaved
 
 
 def _siglip():

@@ -284,7 +284,7 @@ def test_hybrid_shard_group_rules():
     from omegaconf import OmegaConf
 
     from omni.errors import ConfigError
-    from omni.runtime.media_tower import encoder_shard_group
+    from omni.multiplex.rules import encoder_shard_group
     from parallel.layout import LayoutError
     from recipes.checks import check_config
     from recipes.compose import compose_config

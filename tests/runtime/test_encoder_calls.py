@@ -28,7 +28,7 @@ def ref():
     ({"placement": "encoder_first", "chunks_per_cut": 2}, 1),  # one insertion point, before the pipeline
 ])
 def test_one_encode_per_modality_per_insertion_point(mux, calls_per_step, ref, monkeypatch):
-    from omni.runtime.media_tower import MediaTower
+    from omni.multiplex.media_tower import MediaTower
 
     calls = []
     real = MediaTower.encode

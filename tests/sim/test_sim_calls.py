@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni.runtime.multiplex import chunks_per_call
+from omni.multiplex.rules import chunks_per_call
 from omni.sim.simulate import one_step_for_calibration
 from recipes.simulate_cmd import load_sim_config
 
@@ -91,3 +91,16 @@ def test_p2p_cells_wait_only_for_their_partners():
     assert steps["p2p"][(1, 0)].parts.get("cut_wait", 0.0) == 0  # trades with nobody else
     assert steps["p2p"][(1, 0)].end_s < steps["all_to_all"][(1, 0)].end_s
     assert steps["p2p"][(0, 0)].end_s == pytest.approx(steps["all_to_all"][(0, 0)].end_s)
+
+
+def test_the_simulator_imports_no_process_group_code():
+    """omni.sim calls the runtime's rules (omni.multiplex.rules, parallel.sizing,
+    parallel.pipeline_schedule), never the modules that build process groups or run them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, omni.sim.simulate, omni.sim.search, omni.sim.calibrate; "
+            "print([m for m in ('parallel.layout', 'parallel.pipeline_executor', 'parallel.fsdp', "
+            "'omni.multiplex.runtime', 'omni.multiplex.media_tower', 'omni.runtime.parallelize') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

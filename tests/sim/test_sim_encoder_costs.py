@@ -1,5 +1,5 @@
 """The simulator's memory and time of encoder work (and of the backbone's FSDP gathers under
-PP) against what the runtime does: the sharded tower's rules (omni/runtime/media_tower.py)
+PP) against what the runtime does: the sharded tower's rules (omni/multiplex/media_tower.py)
 held to FSDP2 itself on a one-rank gloo group, and the simulated step charging what those
 rules make the runtime run — whole fp32 encoder gradients until the step's last backward,
 no encoder sync in a text-only step under sharding (an all-reduce of zeros when replicated),
@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from omni.runtime.media_tower import (MediaTower, tower_grads_unsharded, tower_reshards_after_backward,
-                                      tower_syncs_gradients)
+from omni.multiplex.media_tower import MediaTower
+
+from omni.multiplex.rules import tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
 from omni.sim import sync
 from omni.sim.data import MicroBatchWork, StepWork
 from omni.sim.encoders import empty_call

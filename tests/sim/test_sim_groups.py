@@ -1,7 +1,7 @@
 """The simulator's collectives over the groups the runtime really builds (its rank layout,
 ``parallel.sizing``; the encoder mesh, ``parallel.layout.encoder_mesh``), and hybrid encoder
 weights (HSDP: sharded inside shard groups, replicated across them) by the tower's own rules
-(``omni.runtime.media_tower``)."""
+(``omni.multiplex.media_tower``)."""
 from __future__ import annotations
 
 import io
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from omni.runtime.media_tower import encoder_gradient_reduction, tower_grads_unsharded
-from omni.runtime.multiplex import encoder_ranks
+from omni.multiplex.rules import encoder_gradient_reduction, tower_grads_unsharded
+from omni.multiplex.rules import encoder_ranks
 from omni.sim import sync
 from omni.sim.encoders import ChunkTimes
 from omni.sim.simulate import llm_sizes, one_step_for_calibration

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from dataloading.encoder_plan import piece_bounds  # the routing plan uses the same pieces
+from omni.multiplex.planning import piece_bounds  # the routing plan uses the same pieces
 from omni.models.attention import PackedSegments, segment_attention
 from omni.models.encoders.base import EncoderAnchor
 

@@ -41,55 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from omni.models.encoders.base import HostSizes
 from parallel.fsdp import shard_model
-from parallel.sizing import frees_after_backward
-from parallel.layout import LayoutError
-
-WEIGHT_MODES = ("replicated", "sharded", "hybrid")
-
-
-def check_shard_group_setting(weights: str, setting: int) -> None:
-    """``multiplex.encoder_shard_group`` on its own (no launch needed): >= 0, and set only for
-    hybrid weights (elsewhere it would be silently ignored)."""
-    if setting < 0:
-        raise LayoutError(f"multiplex.encoder_shard_group={setting} must be >= 0 (0: one node, "
-                          f"parallel.gpus_per_node)")
-    if setting and weights != "hybrid":
-        raise LayoutError(f"multiplex.encoder_shard_group={setting} only applies to multiplex.encoder_weights=hybrid "
-                          f"(here {weights}); set encoder_weights=hybrid or encoder_shard_group=0")
-
-
-def encoder_shard_group(weights: str, setting: int, gpus_per_node: int, members: int) -> int:
-    """Ranks per FSDP shard group of the encoder weights among the ``members`` encoder ranks
-    (consecutive ranks form a group; ``members`` divided by it is the number of replicas):
-    1 for replicated weights, every member for sharded ones, for hybrid
-    ``multiplex.encoder_shard_group`` (0: a node, ``parallel.gpus_per_node``, or all members
-    where they fit in one)."""
-    check_shard_group_setting(weights, setting)
-    if weights != "hybrid":
-        return members if weights == "sharded" else 1
-    size = setting or min(gpus_per_node, members)
-    if members % size:
-        key = f"multiplex.encoder_shard_group={setting}" if setting else \
-            f"parallel.gpus_per_node={gpus_per_node} (the default multiplex.encoder_shard_group)"
-        raise LayoutError(f"{key} does not divide the {members} encoder ranks of multiplex.encoder_weights=hybrid; "
-                          f"set multiplex.encoder_shard_group to a divisor of {members}")
-    return size
-
-
-def encoder_gradient_reduction(weights: str, last_of_step: bool, reduce_every_chunk: bool,
-                               reshard_after_forward: bool) -> tuple[bool, bool]:
-    """Sharded or hybrid encoder weights, before one chunk's backward through a modality:
-    (reduce-scatter its gradients in this backward, all-reduce them across the shard groups in
-    it). ``sharded``: both in the step's last backward, or in every one if the weights are
-    resharded after each forward and ``reduce_every_chunk`` (``parallel.fsdp_reduce_every_
-    microbatch``). ``hybrid``: the reduce-scatter (inside a group: a node by default, cheap) in
-    every backward, whatever ``reduce_every_chunk`` says, so no full-size fp32 gradient lives
-    between backwards; the all-reduce (across groups) in the last only. Each shard accumulates
-    the group's sum until the step's last backward adds the other groups'."""
-    if weights == "hybrid":
-        return True, last_of_step
-    reduce = last_of_step or (reduce_every_chunk and reshard_after_forward)
-    return reduce, reduce
+from omni.multiplex.rules import encoder_gradient_reduction, tower_reshards_after_backward
 
 
 class MediaTower(nn.Module):
@@ -169,29 +121,3 @@ class MediaTower(nn.Module):
             for unit in encoder.modules():
                 if isinstance(unit, FSDPModule):
                     unit.reshard()
-
-
-
-# -- the sharded tower's rules, as pure functions (MediaTower.before_backward follows them; the
-# simulator, omni.sim, calls them to charge the same collectives and memory) -------------------
-
-
-def tower_syncs_gradients(last_of_step: bool, reshard_after_forward: bool, reduce_every_chunk: bool,
-                          weights: str = "sharded") -> bool:
-    """Whether a sharded (or hybrid) modality reduce-scatters its gradients in this backward
-    (``encoder_gradient_reduction``'s first answer)."""
-    return encoder_gradient_reduction(weights, last_of_step, reduce_every_chunk, reshard_after_forward)[0]
-
-
-def tower_reshards_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
-    """Whether a sharded modality's weights are freed after this backward
-    (``parallel.sizing.frees_after_backward``, the LLM chunks' rule too)."""
-    return frees_after_backward(last_of_step, reshard_after_forward)
-
-
-def tower_grads_unsharded(reshard_after_forward: bool, reduce_every_chunk: bool, weights: str = "sharded") -> bool:
-    """Whether a sharded modality's gradients stay unsharded between its backwards of a step:
-    when a backward does not reduce-scatter, FSDP2 keeps the whole gradient, upcast to its
-    reduce dtype (fp32 under bf16 mixed precision), and adds each later backward's into it,
-    until the reduce-scatter of the step's last backward."""
-    return not tower_syncs_gradients(False, reshard_after_forward, reduce_every_chunk, weights)

@@ -2,7 +2,7 @@
 
 Each step, the media of micro-batch j of *every* data-parallel group form encoder chunk j.
 The ``multiplex.chunks_per_cut`` chunks of one insertion point (a *cut group*) are encoded by
-all encoder ranks together in one call (``dataloading.encoder_plan.plan_cut``: short items
+all encoder ranks together in one call (``omni.multiplex.planning.plan_cut``: short items
 whole and balanced by cost, long items split over an SP block with Ulysses attention): one
 feature exchange and one encoder pass per modality, and one exchange of the outputs straight
 to the LLM ranks that embed them (first pipeline stage, the CP chunk and the TP/SP shard
@@ -44,17 +44,17 @@ from torch import nn
 
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
-from dataloading.encoder_plan import CutPlan, ItemMeta, MediaManifest, describe_media, plan_cut
+from omni.multiplex.planning import CutPlan, ItemMeta, MediaManifest, describe_media, plan_cut
 from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
-from omni.runtime.media_tower import MediaTower
-from parallel.layout import Layout, LayoutError, Sizes, host_group, new_group
+from omni.multiplex.media_tower import MediaTower
+from omni.multiplex.rules import PLACEMENTS, BEFORE_PIPELINE, chunks_per_call, encoder_segments, encoder_ranks, memory_budget_setting
+from parallel.layout import Layout, LayoutError, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
 from parallel.sizing import reduces_every_microbatch
 
-PLACEMENTS = ("colocated", "stage0", "encoder_first")
 INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
 
 
@@ -467,72 +467,6 @@ class Multiplexer:
 def _call_name(cut: _Cut) -> str:
     """Timeline name of a cut group's call: its chunk, or its first and last chunks."""
     return str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
-
-
-def chunks_per_call(placement: str, n: int, chunks_per_cut: int) -> int:
-    """Chunks per encoder call (a cut group): multiplex.chunks_per_cut where the calls are
-    inserted into the pipeline; encoder_first has one insertion point, before it, so one call
-    for the whole step (its activations live until after the pipeline either way). The
-    simulator groups its chunks by the same rule."""
-    return max(n, 1) if placement == "encoder_first" else chunks_per_cut
-
-
-BEFORE_PIPELINE = -1  # the insertion point of encoder_first's forwards
-
-
-def encoder_segments(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
-                     lookahead: int = 0) -> dict[int, list[tuple[str, int]]]:
-    """The encoder chunks' forwards and backwards of a step, in the order every encoder rank
-    runs them, by insertion point: cut k (k a multiple of ``group``, multiplex.chunks_per_cut),
-    ``BEFORE_PIPELINE`` (encoder_first) and n (after the pipeline). The runtime's
-    ``Multiplexer`` and the simulator (``omni.sim.engine``) both run these lists.
-
-    ("F", j) for a group of ``group`` chunks at the group's first cut (the runtime encodes the
-    group in one call), ``lookahead`` (multiplex.lookahead) groups early: the first cut runs
-    groups 0 .. lookahead. ("B", j) for the whole group, together, at the first group cut at or
-    after the last ``backward_cuts[j]`` of the group (where stage 0 has finished micro-batch
-    j's backward; None: after the pipeline): one call's graph has one backward, which needs
-    every chunk's gradient. encoder_first: every forward before the pipeline, every backward
-    after it."""
-    if placement == "encoder_first":
-        return {BEFORE_PIPELINE: [("F", j) for j in range(n)], n: [("B", j) for j in range(n)]}
-    ready = []
-    for k in range(0, n, group):
-        cuts = backward_cuts[k:k + group]
-        last = None if any(r is None for r in cuts) else max(cuts)
-        ready += [None if last is None else -(-last // group) * group] * len(cuts)
-    segments: dict[int, list[tuple[str, int]]] = {}
-    forwarded = 0  # chunks whose forward is already placed
-    for k in range(0, n, group):
-        upto = min((k // group + lookahead) * group + group, n)
-        segments[k] = [("B", j) for j in range(n) if ready[j] == k] + [("F", i) for i in range(forwarded, upto)]
-        forwarded = max(forwarded, upto)
-    segments[n] = [("B", j) for j in range(n) if ready[j] is None or ready[j] >= n]
-    return segments
-
-
-def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
-                    lookahead: int = 0) -> list[tuple[str, int]]:
-    """``encoder_segments`` flattened in the order they run."""
-    segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
-    return [a for k in sorted(segments) for a in segments[k]]
-
-
-def encoder_ranks(sizes: Sizes, placement: str) -> list[int]:
-    """The ranks that run encoder work: every rank, or the first pipeline stage's (stage0)."""
-    return [r for r in range(sizes.world) if placement != "stage0" or sizes.coords(r)["pp"] == 0]
-
-
-def memory_budget_setting(setting: str) -> float | str | None:
-    """``multiplex.encoder_memory_mib`` read: bytes, "auto" (decided on the device), or None (no
-    limit). The simulator reads it the same way."""
-    text = str(setting).lower()
-    if text in ("none", "auto"):
-        return None if text == "none" else "auto"
-    try:
-        return float(text) * 2**20
-    except ValueError:
-        raise LayoutError(f"multiplex.encoder_memory_mib={setting!r} is not a number of MiB, auto or none") from None
 
 
 def _memory_budget(setting: str, layout: Layout) -> float | None:

@@ -1,0 +1,148 @@
+"""Multiplexing's rules as pure functions of plain numbers: which ranks encode, which encoder
+actions each insertion point runs, how many chunks one call encodes, how the encoder weights
+are grouped and when their gradients are reduced and their weights freed. The runtime
+(``omni.multiplex.runtime``, ``omni.multiplex.media_tower``), the config checks and the
+simulator (``omni.sim``) all call these; nothing here needs torch or a process group.
+"""
+from __future__ import annotations
+
+from parallel.sizing import LayoutError, Sizes, frees_after_backward
+
+PLACEMENTS = ("colocated", "stage0", "encoder_first")
+WEIGHT_MODES = ("replicated", "sharded", "hybrid")
+
+
+def check_shard_group_setting(weights: str, setting: int) -> None:
+    """``multiplex.encoder_shard_group`` on its own (no launch needed): >= 0, and set only for
+    hybrid weights (elsewhere it would be silently ignored)."""
+    if setting < 0:
+        raise LayoutError(f"multiplex.encoder_shard_group={setting} must be >= 0 (0: one node, "
+                          f"parallel.gpus_per_node)")
+    if setting and weights != "hybrid":
+        raise LayoutError(f"multiplex.encoder_shard_group={setting} only applies to multiplex.encoder_weights=hybrid "
+                          f"(here {weights}); set encoder_weights=hybrid or encoder_shard_group=0")
+
+
+def encoder_shard_group(weights: str, setting: int, gpus_per_node: int, members: int) -> int:
+    """Ranks per FSDP shard group of the encoder weights among the ``members`` encoder ranks
+    (consecutive ranks form a group; ``members`` divided by it is the number of replicas):
+    1 for replicated weights, every member for sharded ones, for hybrid
+    ``multiplex.encoder_shard_group`` (0: a node, ``parallel.gpus_per_node``, or all members
+    where they fit in one)."""
+    check_shard_group_setting(weights, setting)
+    if weights != "hybrid":
+        return members if weights == "sharded" else 1
+    size = setting or min(gpus_per_node, members)
+    if members % size:
+        key = f"multiplex.encoder_shard_group={setting}" if setting else \
+            f"parallel.gpus_per_node={gpus_per_node} (the default multiplex.encoder_shard_group)"
+        raise LayoutError(f"{key} does not divide the {members} encoder ranks of multiplex.encoder_weights=hybrid; "
+                          f"set multiplex.encoder_shard_group to a divisor of {members}")
+    return size
+
+
+def encoder_gradient_reduction(weights: str, last_of_step: bool, reduce_every_chunk: bool,
+                               reshard_after_forward: bool) -> tuple[bool, bool]:
+    """Sharded or hybrid encoder weights, before one chunk's backward through a modality:
+    (reduce-scatter its gradients in this backward, all-reduce them across the shard groups in
+    it). ``sharded``: both in the step's last backward, or in every one if the weights are
+    resharded after each forward and ``reduce_every_chunk`` (``parallel.fsdp_reduce_every_
+    microbatch``). ``hybrid``: the reduce-scatter (inside a group: a node by default, cheap) in
+    every backward, whatever ``reduce_every_chunk`` says, so no full-size fp32 gradient lives
+    between backwards; the all-reduce (across groups) in the last only. Each shard accumulates
+    the group's sum until the step's last backward adds the other groups'."""
+    if weights == "hybrid":
+        return True, last_of_step
+    reduce = last_of_step or (reduce_every_chunk and reshard_after_forward)
+    return reduce, reduce
+
+
+def chunks_per_call(placement: str, n: int, chunks_per_cut: int) -> int:
+    """Chunks per encoder call (a cut group): multiplex.chunks_per_cut where the calls are
+    inserted into the pipeline; encoder_first has one insertion point, before it, so one call
+    for the whole step (its activations live until after the pipeline either way). The
+    simulator groups its chunks by the same rule."""
+    return max(n, 1) if placement == "encoder_first" else chunks_per_cut
+
+
+BEFORE_PIPELINE = -1  # the insertion point of encoder_first's forwards
+
+
+def encoder_segments(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
+                     lookahead: int = 0) -> dict[int, list[tuple[str, int]]]:
+    """The encoder chunks' forwards and backwards of a step, in the order every encoder rank
+    runs them, by insertion point: cut k (k a multiple of ``group``, multiplex.chunks_per_cut),
+    ``BEFORE_PIPELINE`` (encoder_first) and n (after the pipeline). The runtime's
+    ``Multiplexer`` and the simulator (``omni.sim.engine``) both run these lists.
+
+    ("F", j) for a group of ``group`` chunks at the group's first cut (the runtime encodes the
+    group in one call), ``lookahead`` (multiplex.lookahead) groups early: the first cut runs
+    groups 0 .. lookahead. ("B", j) for the whole group, together, at the first group cut at or
+    after the last ``backward_cuts[j]`` of the group (where stage 0 has finished micro-batch
+    j's backward; None: after the pipeline): one call's graph has one backward, which needs
+    every chunk's gradient. encoder_first: every forward before the pipeline, every backward
+    after it."""
+    if placement == "encoder_first":
+        return {BEFORE_PIPELINE: [("F", j) for j in range(n)], n: [("B", j) for j in range(n)]}
+    ready = []
+    for k in range(0, n, group):
+        cuts = backward_cuts[k:k + group]
+        last = None if any(r is None for r in cuts) else max(cuts)
+        ready += [None if last is None else -(-last // group) * group] * len(cuts)
+    segments: dict[int, list[tuple[str, int]]] = {}
+    forwarded = 0  # chunks whose forward is already placed
+    for k in range(0, n, group):
+        upto = min((k // group + lookahead) * group + group, n)
+        segments[k] = [("B", j) for j in range(n) if ready[j] == k] + [("F", i) for i in range(forwarded, upto)]
+        forwarded = max(forwarded, upto)
+    segments[n] = [("B", j) for j in range(n) if ready[j] is None or ready[j] >= n]
+    return segments
+
+
+def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
+                    lookahead: int = 0) -> list[tuple[str, int]]:
+    """``encoder_segments`` flattened in the order they run."""
+    segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
+    return [a for k in sorted(segments) for a in segments[k]]
+
+
+def encoder_ranks(sizes: Sizes, placement: str) -> list[int]:
+    """The ranks that run encoder work: every rank, or the first pipeline stage's (stage0)."""
+    return [r for r in range(sizes.world) if placement != "stage0" or sizes.coords(r)["pp"] == 0]
+
+
+def memory_budget_setting(setting: str) -> float | str | None:
+    """``multiplex.encoder_memory_mib`` read: bytes, "auto" (decided on the device), or None (no
+    limit). The simulator reads it the same way."""
+    text = str(setting).lower()
+    if text in ("none", "auto"):
+        return None if text == "none" else "auto"
+    try:
+        return float(text) * 2**20
+    except ValueError:
+        raise LayoutError(f"multiplex.encoder_memory_mib={setting!r} is not a number of MiB, auto or none") from None
+
+
+# -- the sharded tower's rules, as pure functions (MediaTower.before_backward follows them; the
+# simulator, omni.sim, calls them to charge the same collectives and memory) -------------------
+
+
+def tower_syncs_gradients(last_of_step: bool, reshard_after_forward: bool, reduce_every_chunk: bool,
+                          weights: str = "sharded") -> bool:
+    """Whether a sharded (or hybrid) modality reduce-scatters its gradients in this backward
+    (``encoder_gradient_reduction``'s first answer)."""
+    return encoder_gradient_reduction(weights, last_of_step, reduce_every_chunk, reshard_after_forward)[0]
+
+
+def tower_reshards_after_backward(last_of_step: bool, reshard_after_forward: bool) -> bool:
+    """Whether a sharded modality's weights are freed after this backward
+    (``parallel.sizing.frees_after_backward``, the LLM chunks' rule too)."""
+    return frees_after_backward(last_of_step, reshard_after_forward)
+
+
+def tower_grads_unsharded(reshard_after_forward: bool, reduce_every_chunk: bool, weights: str = "sharded") -> bool:
+    """Whether a sharded modality's gradients stay unsharded between its backwards of a step:
+    when a backward does not reduce-scatter, FSDP2 keeps the whole gradient, upcast to its
+    reduce dtype (fp32 under bf16 mixed precision), and adds each later backward's into it,
+    until the reduce-scatter of the step's last backward."""
+    return not tower_syncs_gradients(False, reshard_after_forward, reduce_every_chunk, weights)
