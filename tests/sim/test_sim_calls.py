@@ -104,3 +104,11 @@ def test_the_simulator_imports_no_process_group_code():
             "'omni.multiplex.runtime', 'omni.multiplex.media_tower', 'omni.runtime.parallelize') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("over,nodes", [([], 8), (["cluster=cpu"], 64), (["cluster.gpus_per_node=4"], 4)])
+def test_the_layouts_node_size_is_the_clusters(over, nodes):
+    """conf/simulate.yaml: parallel.gpus_per_node (layout checks, encoder shard groups) follows
+    the cluster preset's, so the two can never disagree."""
+    cfg = load_sim_config(over)
+    assert cfg.parallel.gpus_per_node == cfg.cluster.gpus_per_node == nodes
