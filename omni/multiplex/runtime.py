@@ -117,12 +117,11 @@ class Multiplexer:
         self.members = encoder_ranks(layout.sizes, cfg.placement)
         self.active = layout.rank in self.members
         self.index = self.members.index(layout.rank) if self.active else -1
-        coords = [sizes.coords(r) for r in range(layout.world_size)]
         self.group = None  # the encoder ranks' group for the all-to-alls (None: the world)
         if len(self.members) < layout.world_size:
             self.group = layout.group("stage") if self.active else None
         self.host_group = host_group(layout)
-        self.group_of = [coords[r]["dp_replicate"] * sizes.dp_shard + coords[r]["dp_shard"] for r in self.members]
+        self.group_of = [sizes.dp_group(r) for r in self.members]
         sp = int(cfg.encoder_sp)
         if sp < 1 or len(self.members) % sp or sp > max(1, pcfg.gpus_per_node):
             raise LayoutError(f"multiplex.encoder_sp={sp} must divide the {len(self.members)} encoder ranks and fit "
@@ -273,8 +272,7 @@ class Multiplexer:
             media.feat.update(e["feat"])
             if e["items"] is None:
                 continue
-            c = self.layout.sizes.coords(r)
-            g = c["dp_replicate"] * self.layout.sizes.dp_shard + c["dp_shard"]
+            g = self.layout.sizes.dp_group(r)
             for j, per in enumerate(e["items"]):
                 for m, i, tok, units, size in per:
                     media.items[j].append(ItemMeta(g, m, i, tok, units))

@@ -437,8 +437,7 @@ def _round_up(x: int, k: int) -> int:
 
 
 def _group(sizes: Sizes, rank: int) -> int:
-    c = sizes.coords(rank)
-    return c["dp_replicate"] * sizes.dp_shard + c["dp_shard"]
+    return sizes.dp_group(rank)
 
 
 def _reshard(par: ParallelConfig, pp: int) -> bool:

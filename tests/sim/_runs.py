@@ -79,24 +79,26 @@ class Run:
         return self.run_dir / f"trace_step{step}.json"
 
 
-def _launcher() -> list[str]:
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+def _launcher(world: int = 2) -> list[str]:
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     omni = shutil.which("omni", path=str(Path(sys.executable).parent))
     return run + (["--no-python", omni, "train"] if omni else ["-m", "recipes.cli", "train"])
 
 
-def train(placement: str, mixture: Path, demo: Path, run_dir: Path, steps: int, trace_step: int) -> Run:
+def train(placement: str, mixture: Path, demo: Path, run_dir: Path, steps: int, trace_step: int,
+          world: int = 2, extra: dict | None = None) -> Run:
+    """One measured run; ``extra``: overrides on top of the shared ones (a layout, a mechanism)."""
     o = {"data.mixture": mixture, "data.eval_dir": demo / "eval", "data.global_batch_size": GLOBAL_BATCH,
          "data.micro_batch_tokens": MICRO_BATCH_TOKENS, "data.num_workers": 0, "trainer.seed": SEED,
          "trainer.run_dir": run_dir, "trainer.max_steps": steps, "trainer.progress": "false",
          "trainer.eval_at_end": "false", "checkpoint.every": 0, "checkpoint.save_at_end": "false",
-         "multiplex.trace_step": trace_step, **model_overrides(placement)}
+         "multiplex.trace_step": trace_step, **model_overrides(placement), **(extra or {})}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     run_dir.mkdir(parents=True, exist_ok=True)
     t0, c0, b0 = time.perf_counter(), os.times(), _machine_busy_s()
-    p = subprocess.run(_launcher() + [f"{k}={v}" for k, v in o.items()], env=env, cwd=run_dir,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(_launcher(world) + [f"{k}={v}" for k, v in o.items()], env=env, cwd=run_dir,
+                       capture_output=True, text=True, timeout=600)
     wall, c1, b1 = time.perf_counter() - t0, os.times(), _machine_busy_s()
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     ours = (c1.children_user + c1.children_system) - (c0.children_user + c0.children_system)
@@ -116,8 +118,8 @@ def _machine_busy_s() -> float | None:
 
 
 def sim_overrides(placement: str, mixture: Path, first_trainer_step: int, steps: int,
-                  calibration: Path | None = None) -> list[str]:
-    o = {"workload": "none", "cluster": "cpu", "cluster.num_gpus": 2, "data.source": "mixture",
+                  calibration: Path | None = None, world: int = 2, extra: dict | None = None) -> list[str]:
+    o = {"workload": "none", "cluster": "cpu", "cluster.num_gpus": world, "data.source": "mixture",
          "data.mixture": mixture, "data.global_batch_size": GLOBAL_BATCH,
          "data.micro_batch_tokens": MICRO_BATCH_TOKENS, "data.seed": SEED,
          # The planner's step of trainer step s is s - 1 (see the module docstring).
@@ -125,7 +127,7 @@ def sim_overrides(placement: str, mixture: Path, first_trainer_step: int, steps:
          # A lengths-source knob that data.source=mixture does not use, but check_data still
          # validates against data.micro_batch_tokens (default 2048 > 1024).
          "data.sample_tokens": MICRO_BATCH_TOKENS, "sim.placements": "[" + ",".join(PLACEMENTS) + "]",
-         **model_overrides(placement)}
+         **model_overrides(placement), **(extra or {})}
     if calibration is not None:
         o["sim.calibration"] = calibration
     return [f"{k}={v}" for k, v in o.items()]
