@@ -8,8 +8,9 @@ plus the ``encoders/vision=vit_1b`` preset (SigLIP form, 1.14B parameters, 448 p
 to check the script's mechanics on the CPU (its numbers mean nothing).
 
 Batch: the simulator draws the step (``omni.sim.data.draw_steps``, the data plane's balancer
-under ``data.source=lengths`` with fixed sizes: ``--sample-tokens`` tokens per sample, half of
-them one image of ``--image-tokens`` patches, packed into ``--micro-batch-tokens`` rows), and
+under ``data.source=lengths`` with fixed sizes: ``--sample-tokens`` tokens per sample, each
+one image of ``--image-tokens`` patches and the rest text, packed into ``--micro-batch-tokens``
+rows), and
 this script builds exactly those micro-batches as the data plane would (random pixels through
 the encoder's own processor, ``dataloading.constructor.assemble``). So the measured step and
 the predicted one see the same documents and images.
@@ -79,6 +80,10 @@ def sim_overrides(args, preset: str) -> list[str]:
          "data.micro_batch_tokens": args.micro_batch_tokens, "data.sample_tokens": args.sample_tokens,
          "data.sample_tokens_sigma": 0, "data.image_ratio": args.image_tokens / args.sample_tokens,
          "data.image_tokens_min": args.image_tokens, "data.image_tokens_max": args.image_tokens,
+         # Every sample alike: one image and the rest text (the simulator's default mix draws
+         # text-only, multi-image and video-like samples instead).
+         "data.media_mix": "{image:1,multi_image:0,video:0,audio:0}",
+         "data.media_text_tokens": args.sample_tokens - args.image_tokens,
          "data.steps": 1, "sim.placements": "[colocated]", "multiplex.placement": "colocated"}
     return [f"{k}={v}" for k, v in o.items()]
 
