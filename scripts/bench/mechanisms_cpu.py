@@ -20,6 +20,7 @@ slow each other, which the simulator does not model).
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import sys
 import tempfile
@@ -65,7 +66,7 @@ def measure(root: Path, steps: int, worlds: list[int]) -> dict:
         variants = {"base": BASE[world], **{k: {**BASE[world], **v} for k, v in MECHANISMS[world].items()}}
         runs = {}
         for name, over in variants.items():
-            runs[name] = R.train("colocated", mixture, demo, root / f"w{world}" / name.replace(" ", "_"), steps, steps,
+            runs[name] = R.train("colocated", mixture, demo, root / f"w{world}" / re.sub(r"[^a-z0-9]+", "_", name), steps, steps,
                                  world=world, extra=over)
             print(f"{world} ranks, {name}: {runs[name].wall_s:.0f} s, other processes "
                   f"{100 * runs[name].foreign_cpu_share:.0f}% of the CPU", flush=True)
