@@ -256,24 +256,12 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                 progressed = True
         if not progressed:
             raise RuntimeError("simulated pipeline deadlocked (a bug in the simulator's schedule)")
-    # After the pipeline: the remaining encoder backwards (a collective), then each cell's tail.
-    if has_work(n_micro) and p2p_exchange:
+    # After the pipeline: the remaining encoder backwards (every cell has arrived: the same
+    # rule as at a cut), then each cell's tail.
+    if has_work(n_micro):
         for c in members:
             arrived.setdefault(n_micro, {})[c] = free[c]
-        ends = {}
-        for c in members:
-            need = partners(n_micro, c)
-            start = max(arrived[n_micro][p] for p in need)
-            cells[c].add("cut_wait", start - arrived[n_micro][c])
-            ends[c] = start + run_segment(n_micro, start, [c], sorted({i for p in need for i in encoder_cells[p]}))
-        free.update(ends)
-    elif has_work(n_micro):
-        start = max(free[c] for c in members)
-        for c in members:
-            cells[c].add("cut_wait", start - free[c])
-        end = start + run_segment(n_micro, start, members)
-        for c in members:
-            free[c] = end
+        free.update({c: collective(n_micro, c) for c in members})
     for c, tl in cells.items():
         tl.comm_s += tail_comm_s.get(c, 0.0)
         tl.llm_s += tail_s.get(c, 0.0)
