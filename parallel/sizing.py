@@ -64,6 +64,11 @@ class Sizes:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
+    def dp_group_rank(self, group: int, **coords: int) -> int:
+        """The rank of DP group ``group`` at ``coords`` along the other dimensions (default 0):
+        ``dp_group``'s inverse."""
+        return self.rank_of(**coords, dp_replicate=group // self.dp_shard, dp_shard=group % self.dp_shard)
+
     def rank_of(self, **coords: int) -> int:
         rank = 0
         for name in DIMS:

@@ -254,8 +254,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 eligible.setdefault(g, []).append(i)
         budget = _encoder_memory_budget(cfg, spec, sizes)
         # The node of each DP group's first-stage GPUs: its features' senders, its rows' receivers.
-        group_node = {g: sizes.rank_of(pp=0, dp_replicate=g // sizes.dp_shard, dp_shard=g % sizes.dp_shard)
-                      // cluster.gpus_per_node for g in range(sizes.dp)}
+        group_node = {g: sizes.dp_group_rank(g, pp=0) // cluster.gpus_per_node for g in range(sizes.dp)}
         chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, eligible, cluster.gpus_per_node, tp * cp,
                              budget, placement, member_ranks=members, group_node=group_node)
         for i, r in enumerate(members):

@@ -60,3 +60,13 @@ def test_sequence_must_split_into_2cp_chunks_and_tp_shards():
         check_sequence(Sizes(cp=3, tp=4), 1000)
     with pytest.raises(LayoutError, match=r"not divisible by tp = 4"):
         check_sequence(Sizes(tp=4), 1022)
+
+
+def test_dp_group_rank_inverts_dp_group():
+    from parallel.sizing import Sizes
+
+    sizes = Sizes(pp=2, dp_replicate=2, dp_shard=3, cp=2, tp=2)
+    for g in range(sizes.dp):
+        for pp in range(2):
+            r = sizes.dp_group_rank(g, pp=pp, tp=1)
+            assert sizes.dp_group(r) == g and sizes.coords(r)["pp"] == pp and sizes.coords(r)["tp"] == 1
