@@ -57,7 +57,7 @@ def check_config(cfg: OmniConfig, world_size: int | None = None) -> None:
     _data(cfg)
     arch = _model(cfg)
     _encoders(cfg)
-    _multiplex(cfg)
+    check_multiplex(cfg)
     _parallel(cfg, arch, world_size)
 
 
@@ -180,10 +180,10 @@ def _encoders(cfg: OmniConfig) -> None:
               slot.projector.hidden_mult, "must be > 0")
 
 
-def _multiplex(cfg: OmniConfig) -> None:
-    from omni.multiplex.rules import WEIGHT_MODES, check_shard_group_setting
-    from omni.multiplex.runtime import EXCHANGE_MODES
-    from omni.multiplex.rules import PLACEMENTS, memory_budget_setting
+def check_multiplex(cfg) -> None:
+    """The ``multiplex`` group on its own (training's config and ``omni simulate``'s share it)."""
+    from omni.multiplex.rules import PLACEMENTS, WEIGHT_MODES, check_shard_group_setting, memory_budget_setting
+    from parallel.reshard import EXCHANGE_MODES
 
     x = cfg.multiplex
     one_of("multiplex.placement", x.placement, PLACEMENTS)

@@ -12,10 +12,12 @@ from omegaconf import OmegaConf
 def load_sim_config(overrides: list[str]):
     """The composed ``conf/simulate.yaml`` as a SimConfig (typos in overrides name the key)."""
     from omni.sim.calibrate import apply_calibration
+    from recipes.checks import check_multiplex
     from recipes.compose import compose_config
 
     cfg = OmegaConf.to_object(compose_config(overrides, config_name="simulate"))
     cfg.parallel.gpus_per_node = cfg.cluster.gpus_per_node  # the cluster says how wide a node is
+    check_multiplex(cfg)  # training's own checks of the group, before any simulation
     if cfg.sim.calibration:
         cfg.cluster = apply_calibration(cfg.cluster, cfg.sim.calibration)
     return cfg

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from omni.errors import ConfigError
-from recipes.checks import _multiplex
+from recipes.checks import check_multiplex
 from recipes.schema import OmniConfig
 
 
@@ -18,7 +18,7 @@ def _with(**multiplex) -> OmniConfig:
 
 @pytest.mark.parametrize("value", ["all_to_all", "p2p"])
 def test_exchange_modes_pass(value):
-    _multiplex(_with(exchange=value))
+    check_multiplex(_with(exchange=value))
 
 
 @pytest.mark.parametrize("field,value,needles", [
@@ -28,6 +28,6 @@ def test_exchange_modes_pass(value):
 ])
 def test_bad_values_name_the_key(field, value, needles):
     with pytest.raises(ConfigError) as e:
-        _multiplex(_with(**{field: value}))
+        check_multiplex(_with(**{field: value}))
     line = str(e.value)
     assert "\n" not in line and all(n in line for n in needles), line

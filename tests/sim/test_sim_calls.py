@@ -108,7 +108,16 @@ def test_the_simulator_imports_no_process_group_code():
 
 @pytest.mark.parametrize("over,nodes", [([], 8), (["cluster=cpu"], 64), (["cluster.gpus_per_node=4"], 4)])
 def test_the_layouts_node_size_is_the_clusters(over, nodes):
-    """conf/simulate.yaml: parallel.gpus_per_node (layout checks, encoder shard groups) follows
-    the cluster preset's, so the two can never disagree."""
+    """load_sim_config: parallel.gpus_per_node (layout checks, encoder shard groups) follows the
+    cluster preset's, so the two can never disagree."""
     cfg = load_sim_config(over)
     assert cfg.parallel.gpus_per_node == cfg.cluster.gpus_per_node == nodes
+
+
+def test_simulate_checks_the_multiplex_group_as_training_does():
+    """A misspelt multiplex value is one clear error before any simulation (it would otherwise
+    be read as the default exchange)."""
+    from omni.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="multiplex.exchange='pp2'"):
+        load_sim_config([*SMALL, "multiplex.exchange=pp2"])
