@@ -115,6 +115,11 @@ class SimOptions:
     # simulated step (a ratio schedule's too): one pool for the whole run, as a real
     # disaggregated deployment has.
     encoder_gpus: int = 0
+    # colocated and stage0: run with the multiplex.chunks_per_cut chosen for the run (the
+    # fastest of 1, 2, 4, ... up to one call per step whose every simulated step fits in memory;
+    # the JSON's chunks_per_cut_search lists each), instead of the configured one. Training
+    # takes the chosen number as its multiplex.chunks_per_cut.
+    chunks_per_cut_search: bool = False
     # Bytes per parameter element of the optimizer state (AdamW: two fp32 moments).
     optimizer_bytes_per_param: int = 8
     # The efficiency factors fitted by `omni simulate --calibrate` (a YAML); None: the preset's.

@@ -47,6 +47,12 @@ def placement_table(result: dict[str, Any]) -> str:
         if name in places and places[name]["layout"]["micro_batches"] != mbs:
             lines.append(f"  {name}: {places[name]['layout']['micro_batches']} micro-batches per DP rank "
                          f"({'in-order packing' if name == 'megatron' else 'data.balance'})")
+    for name, p in places.items():
+        if "chunks_per_cut_search" in p:
+            tried = ", ".join(f"{g} {r['step_time_s']:.3f} s{'' if r['fits'] else ' (OOM)'}"
+                              for g, r in p["chunks_per_cut_search"].items())
+            lines.append(f"  {name}: multiplex.chunks_per_cut={p['layout']['chunks_per_cut']} chosen for the run "
+                         f"(sim.chunks_per_cut_search; tried {tried})")
     if "disaggregated" in places:
         lines.append(f"  disaggregated: {places['disaggregated']['layout']['encoder_gpus']} GPUs run only the "
                      f"encoders; the LLM runs {describe_layout(places['disaggregated']['layout'])}")

@@ -9,7 +9,9 @@ The search runs in three rounds so that thousands of layouts cost seconds, not h
 2. the rest are simulated for one step with colocated (or the chosen) placement; a layout
    whose worst GPU exceeds its memory is rejected as out of memory;
 3. the fastest few are re-simulated over every configured step, with the encoder SP sizes
-   and ``multiplex.chunks_per_cut`` tried on top; the final ranking is by tokens/s.
+   tried on top and ``multiplex.chunks_per_cut`` chosen for the run as ``omni simulate`` does
+   with ``sim.chunks_per_cut_search`` (the fastest group that fits); the final ranking is by
+   tokens/s.
 
 Every layout that lost says why, compared with the winner: out of memory, a larger pipeline
 bubble, more exposed communication, or more compute (recomputation).
@@ -32,7 +34,6 @@ from omni.sim.timing import Machine
 from parallel.sizing import LayoutError
 
 CHECKPOINTS = ("none", "selective", "full")
-GROUPS = (1, 2, 4)  # multiplex.chunks_per_cut tried in the last round
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -104,12 +105,15 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
         raise ConfigError(f"no layout of {cfg.cluster.num_gpus} GPUs passes the layout checks for this model; "
                           f"first reason: {rejected[0]['detail'] if rejected else 'none searched'}")
     one_step = dataclasses.replace(cfg.data, steps=1)
+    # Round 2 simulates the configured multiplex.chunks_per_cut; round 3 chooses it per layout.
+    fixed_groups = dataclasses.replace(cfg.sim, chunks_per_cut_search=False)
+    searched_groups = dataclasses.replace(cfg.sim, chunks_per_cut_search=True)
     caches: dict[int, dict[int, list[StepWork]]] = {}  # micro_batch_tokens -> dp -> steps
     scored = []
     for n, (layout, c) in enumerate(valid):
         if progress:
             progress(n, len(valid))
-        c1 = dataclasses.replace(c, data=one_step)
+        c1 = dataclasses.replace(c, data=one_step, sim=fixed_groups)
         res = simulate_placement(c1, spec, machine, placement, caches.setdefault(layout["micro_batch_tokens"], {}))
         if not res["fits"]:
             m = res["memory_gib"]
@@ -126,18 +130,17 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
     seen: set = set()
     full_caches: dict[int, dict[int, list[StepWork]]] = {}
     for _, layout, c, _ in scored[:first_round]:
-        variants = [(sp, g) for sp in _sp_sizes(spec, cfg.cluster.gpus_per_node)
-                    for g in (GROUPS if spec.encoders and placement in ("colocated", "stage0") else (1,))]
-        for sp, g in variants:
-            lay = {**layout, "encoder_sp": sp, "chunks_per_cut": g}
+        for sp in _sp_sizes(spec, cfg.cluster.gpus_per_node):
+            lay = {**layout, "encoder_sp": sp}
             try:
                 check_encoder_sp(with_layout(cfg, lay), llm_sizes(c.parallel, cfg.cluster.num_gpus, spec,
                                                                   lay["micro_batch_tokens"], cfg.cluster.gpus_per_node),
                                  placement)
             except ConfigError:
                 continue
-            res = simulate_placement(with_layout(cfg, lay), spec, machine, placement,
-                                     full_caches.setdefault(lay["micro_batch_tokens"], {}))
+            res = simulate_placement(dataclasses.replace(with_layout(cfg, lay), sim=searched_groups), spec, machine,
+                                     placement, full_caches.setdefault(lay["micro_batch_tokens"], {}))
+            lay["chunks_per_cut"] = res["layout"]["chunks_per_cut"]
             if sp > 1 and res["long_items"] == 0:
                 continue  # nothing to split: the same layout as sp=1
             key = (tuple(sorted((k, str(v)) for k, v in layout.items() if k not in ("encoder_sp", "chunks_per_cut"))),

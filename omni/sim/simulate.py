@@ -131,6 +131,8 @@ def pool_candidates(cfg: SimConfig) -> list[int]:
 
 def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
                        cache: dict[tuple[int, str], list[StepWork]] | None = None) -> dict[str, Any]:
+    if placement in CUT_PLACEMENTS and cfg.sim.chunks_per_cut_search and spec.encoders:
+        return _chunks_per_cut_for_run(cfg, spec, m, placement, cache)
     if placement != "disaggregated":
         return _simulate_placement(cfg, spec, m, placement, cache, 0)
     cache = {} if cache is None else cache
@@ -147,6 +149,45 @@ def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: s
     best = min(fitting, key=lambda e: tried[e]["step_time_s"])
     out = tried[best]
     out["encoder_pool_search"] = {str(e): {"step_time_s": r["step_time_s"], "fits": r["fits"]} for e, r in tried.items()}
+    return out
+
+
+# Placements whose encoder calls sit at cuts of the pipeline (multiplex.chunks_per_cut applies).
+CUT_PLACEMENTS = ("colocated", "stage0")
+
+
+def chunks_per_cut_candidates(micro_batches: int) -> list[int]:
+    """multiplex.chunks_per_cut values ``sim.chunks_per_cut_search`` tries: 1, 2, 4, ... below the
+    step's micro-batches per DP rank, and that count itself (one call per step)."""
+    out, g = [], 1
+    while g < micro_batches:
+        out.append(g)
+        g *= 2
+    return out + [max(micro_batches, 1)]
+
+
+def _chunks_per_cut_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
+                            cache: dict[tuple[int, str], list[StepWork]] | None) -> dict[str, Any]:
+    """``placement`` with the multiplex.chunks_per_cut chosen for the whole run, as a researcher
+    would fix it in the training config: the fastest candidate whose every simulated step fits
+    in memory (the fastest overall if none does). Fewer, larger calls pay the per-call fixed
+    cost (a full weight read, the launches, the sharded weights' gathers) fewer times but keep
+    more encoder activations alive; the trade is the workload's, so it is measured, not guessed."""
+    cache = {} if cache is None else cache
+
+    def run(g: int) -> dict[str, Any]:
+        mux = dataclasses.replace(cfg.multiplex, chunks_per_cut=g)
+        return _simulate_placement(dataclasses.replace(cfg, multiplex=mux), spec, m, placement, cache, 0)
+
+    first = run(1)
+    tried = {1: first}
+    for g in chunks_per_cut_candidates(first["layout"]["max_micro_batches"])[1:]:
+        tried[g] = run(g)
+    fitting = [g for g, r in tried.items() if r["fits"]] or list(tried)
+    best = min(fitting, key=lambda g: (tried[g]["step_time_s"], g))
+    out = tried[best]
+    out["chunks_per_cut_search"] = {str(g): {"step_time_s": r["step_time_s"], "fits": r["fits"]}
+                                    for g, r in tried.items()}
     return out
 
 
@@ -396,14 +437,16 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
     memories = [b for r in runs for b in r.memory] + [r.pool["memory"] for r in runs if r.pool]
     worst = max(memories, key=lambda b: b.total)
     limit = (cluster.hbm_gib - cluster.memory_reserve_gib) * GIB
-    over = sum(1 for b in runs[-1].memory if b.total > limit)
-    if runs[-1].pool and runs[-1].pool["memory"].total > limit:
+    # GPU groups over the limit in any simulated step (the worst step need not be the last).
+    over = sum(1 for cell in zip(*(r.memory for r in runs)) if max(b.total for b in cell) > limit)
+    if any(r.pool and r.pool["memory"].total > limit for r in runs):
         over += encoder_pool
     chunks = [c for r in runs for c in r.chunks]
     layout = {"dp_replicate": sizes.dp_replicate, "dp_shard": sizes.dp_shard, "tp": sizes.tp, "pp": sizes.pp,
               "cp": sizes.cp, "ep": sizes.ep, "pp_virtual_stages": cfg.parallel.pp_virtual_stages,
               "pp_schedule": cfg.parallel.pp_schedule, "micro_batches": max(len(g) for g in steps[-1].groups),
-              "encoder_gpus": encoder_pool}
+              "max_micro_batches": max(len(g) for s in steps for g in s.groups),
+              "encoder_gpus": encoder_pool, "chunks_per_cut": int(cfg.multiplex.chunks_per_cut)}
     return {
         "step_time_s": mean_step,
         "tokens_per_s": tokens / mean_step if mean_step > 0 else 0.0,

@@ -140,7 +140,7 @@ def acceptance(res: dict) -> tuple[list[list], bool | None]:
     fits. Returns the rows and the overall MFU verdict (>= TARGET_MFU on at least one workload)."""
     rows, mfus = [], []
     for w, runs in res["runs"].items():
-        oom, viol = [], []
+        oom, viol, ties = [], [], []
         for m, r in runs.items():
             c = r.get("colocated", {})
             if "step_time_s" not in c:
@@ -150,7 +150,11 @@ def acceptance(res: dict) -> tuple[list[list], bool | None]:
                 oom.append(f"{m} ({c['memory_gib']['total']:.0f} GiB)")
             for p in PLACES[1:]:
                 q = r.get(p, {})
-                if q.get("fits") and q["step_time_s"] <= c["step_time_s"]:
+                if not q.get("fits"):
+                    continue
+                if abs(q["step_time_s"] - c["step_time_s"]) <= 1e-9 * c["step_time_s"]:
+                    ties.append(f"{m} {p}")  # e.g. one encoder call per step: encoder_first's schedule
+                elif q["step_time_s"] < c["step_time_s"]:
                     viol.append(f"{m} {p} {q['step_time_s']:.3f} s vs {c['step_time_s']:.3f} s")
         cells = []
         for m, target in (("9:1", TARGET_91[w]), (SCHED, TARGET_SCHED)):
@@ -168,7 +172,9 @@ def acceptance(res: dict) -> tuple[list[list], bool | None]:
         if m is not None:
             mfus.append(m)
         rows.append([w, pf(not oom) + (": OOM at " + ", ".join(oom) if oom else ""),
-                     pf(not viol) + (": " + "; ".join(viol) if viol else ""), *cells,
+                     pf(not viol and not ties) + (": faster: " + "; ".join(viol) if viol else "")
+                     + ("; " if viol and ties else ": " if ties else "")
+                     + ("equal: " + ", ".join(ties) if ties else ""), *cells,
                      f"{100 * m:.1f}% ({mm}); {'>=' if m >= TARGET_MFU else '<'} {100 * TARGET_MFU:.0f}%"
                      if m is not None else "none fits"])
     return rows, (any(x >= TARGET_MFU for x in mfus) if res["runs"] else None)
@@ -223,6 +229,11 @@ def report(res: dict) -> str:
             if rs:
                 lines += [f"- {SCHED}: colocated's steps were drawn at image ratios "
                           + ", ".join(f"{x:.2f}" for x in rs if x is not None) + ".", ""]
+        chosen = [f"{m} {r['colocated']['layout']['chunks_per_cut']}" for m, r in runs.items()
+                  if "chunks_per_cut_search" in r.get("colocated", {})]
+        if chosen:
+            lines += ["- colocated's `multiplex.chunks_per_cut`, chosen for each run (`sim.chunks_per_cut_search`; "
+                      "the step's micro-batch count is one call per step): " + ", ".join(chosen) + ".", ""]
         notes = [f"{'¹' if 'fallback' in r[p] else 'error:'} {m} {p}: `{r[p]['error']}`"
                  + (f"; these figures are a rerun with `{r[p]['fallback']}`" if "fallback" in r[p] else "")
                  for m, r in runs.items() for p in PLACES if "error" in r[p]]

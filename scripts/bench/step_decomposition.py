@@ -22,7 +22,8 @@ from _common import git_state, parser, save, table, write_doc_section
 from recipes.simulate_cmd import load_sim_config
 
 SECTION = "## Step decomposition, workload C 9:1 (simulated)"
-BEFORE = ["multiplex.encoder_weights=sharded", "multiplex.chunks_per_cut=4", "multiplex.exchange=all_to_all"]
+BEFORE = ["multiplex.encoder_weights=sharded", "multiplex.chunks_per_cut=4", "multiplex.exchange=all_to_all",
+          "sim.chunks_per_cut_search=false"]
 LABELS = {"llm_compute": "LLM compute", "llm_comm": "LLM comm (TP/CP/EP, FSDP)", "encoder_compute": "encoder compute",
           "encoder_imbalance": "encoder imbalance", "encoder_weights": "encoder gather/reduce",
           "row_exchange": "row exchange", "cut_wait": "cut waits", "grad_sync": "grad sync (step end)",

@@ -121,3 +121,36 @@ def test_simulate_checks_the_multiplex_group_as_training_does():
 
     with pytest.raises(ConfigError, match="multiplex.exchange='pp2'"):
         load_sim_config([*SMALL, "multiplex.exchange=pp2"])
+
+
+def _placements(*over):
+    from omni.sim.simulate import simulate
+
+    return simulate(load_sim_config([*SMALL, "sim.placements=[colocated]", *over]))["placements"]["colocated"]
+
+
+def test_chunks_per_cut_search_takes_the_fastest_group_that_fits():
+    """sim.chunks_per_cut_search: colocated runs with the multiplex.chunks_per_cut of the
+    fastest candidate (1, 2, 4, ... up to one call per step) that fits at every simulated step,
+    exactly that candidate's simulation; with less memory a smaller group wins."""
+    from omni.sim.simulate import chunks_per_cut_candidates
+
+    assert chunks_per_cut_candidates(7) == [1, 2, 4, 7] and chunks_per_cut_candidates(4) == [1, 2, 4]
+    assert chunks_per_cut_candidates(1) == [1]
+    found = _placements("sim.chunks_per_cut_search=true")
+    each = {g: _placements(f"multiplex.chunks_per_cut={g}")
+            for g in chunks_per_cut_candidates(found["layout"]["max_micro_batches"])}
+    assert sorted(int(g) for g in found["chunks_per_cut_search"]) == sorted(each)
+    best = min((g for g in each if each[g]["fits"]), key=lambda g: each[g]["step_time_s"])
+    assert best > 1  # the fixed cost per call makes grouping pay here
+    assert found["layout"]["chunks_per_cut"] == best
+    assert found["step_time_s"] == each[best]["step_time_s"]
+    # Memory: a limit between the one-call-per-chunk run's peak and the best group's rules the
+    # latter (and every larger group, whose encoder activations live longer) out.
+    small, big = each[1]["memory_gib"]["total"], each[best]["memory_gib"]["total"]
+    assert big > small
+    tight = _placements("sim.chunks_per_cut_search=true", "cluster.memory_reserve_gib=0",
+                        f"cluster.hbm_gib={(small + big) / 2}")
+    chosen = tight["layout"]["chunks_per_cut"]
+    assert chosen < best and tight["fits"]
+    assert tight["chunks_per_cut_search"][str(best)]["fits"] is False
