@@ -32,7 +32,12 @@ Variants (the first is the reference of every ratio; speedup = its step time / t
   one reduce-scatter in the last chunk backward, instead of the all-reduce);
 - ``colocated+sp2``: ``colocated`` with ``multiplex.encoder_sp=2`` and
   ``multiplex.long_threshold`` (default 192 encoder tokens: images of 14x14 patches and more are
-  split over 2 ranks).
+  split over 2 ranks);
+- ``colocated+grouped``: ``colocated`` with ``multiplex.chunks_per_cut=4``: one encoder call per
+  modality for 4 micro-batches' items (the per-call fixed cost paid once per insertion point);
+- ``colocated+hybrid+p2p``: workloads A-D's multiplexing settings (issue 18) on two "nodes" of 4
+  ranks (``parallel.gpus_per_node=4``): ``multiplex.encoder_weights=hybrid`` (FSDP inside each
+  group of 4, replicated across the two), ``multiplex.exchange=p2p`` and ``chunks_per_cut=4``.
 
 For every mixture, every run trains ``--steps`` steps from the same seed on the same samples; the
 first ``--warmup`` steps are dropped. From ``<run_dir>/metrics.jsonl`` (written by rank 0; the
@@ -110,7 +115,10 @@ def variants(long_threshold: int) -> list[tuple[str, dict]]:
             ("encoder_first", {"multiplex.placement": "encoder_first"}),
             ("colocated", colocated),
             ("colocated+sharded", {**colocated, "multiplex.encoder_weights": "sharded"}),
-            ("colocated+sp2", {**colocated, "multiplex.encoder_sp": 2, "multiplex.long_threshold": long_threshold})]
+            ("colocated+sp2", {**colocated, "multiplex.encoder_sp": 2, "multiplex.long_threshold": long_threshold}),
+            ("colocated+grouped", {**colocated, "multiplex.chunks_per_cut": 4}),
+            ("colocated+hybrid+p2p", {**colocated, "multiplex.chunks_per_cut": 4, "multiplex.exchange": "p2p",
+                                      "multiplex.encoder_weights": "hybrid", "parallel.gpus_per_node": 4})]
 
 
 # ---- running -------------------------------------------------------------------------------
