@@ -22,7 +22,7 @@ def ref():
 
 
 @pytest.mark.parametrize("mux,calls_per_step", [
-    ({}, 4),  # a call per chunk
+    ({"chunks_per_cut": 1}, 4),  # a call per chunk
     ({"chunks_per_cut": 2}, 2),
     ({"chunks_per_cut": 3, "exchange": "p2p"}, 2),  # cuts 0 and 3: chunks 0-2, then 3
     ({"placement": "encoder_first", "chunks_per_cut": 2}, 1),  # one insertion point, before the pipeline

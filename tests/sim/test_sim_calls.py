@@ -44,7 +44,7 @@ def test_grouping_pays_the_fixed_cost_once_per_call():
 def test_lookahead_keeps_more_encoder_activations_alive():
     """Encoding a cut group one insertion point early (the runtime's encoder_segments) holds
     its activations longer: the encoder peak grows, the step's work does not change."""
-    plain, ahead = _run("multiplex.lookahead=0"), _run("multiplex.lookahead=1")
+    plain, ahead = (_run("multiplex.chunks_per_cut=1", f"multiplex.lookahead={n}") for n in (0, 1))
     assert len([c for c in plain.chunks if c.items]) >= 2
     peak = lambda run: max(tl.live_encoder_peak for tl in run.timeline.cells)  # noqa: E731
     assert peak(ahead) > peak(plain)
