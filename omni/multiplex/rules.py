@@ -9,6 +9,8 @@ from __future__ import annotations
 from parallel.sizing import LayoutError, Sizes, frees_after_backward
 
 PLACEMENTS = ("colocated", "stage0", "encoder_first")
+# The placements whose encoder calls sit at the pipeline's cuts (multiplex.chunks_per_cut applies).
+CUT_PLACEMENTS = ("colocated", "stage0")
 WEIGHT_MODES = ("replicated", "sharded", "hybrid")
 
 

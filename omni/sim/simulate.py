@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.multiplex.rules import encoder_actions, encoder_ranks, memory_budget_setting
+from omni.multiplex.rules import CUT_PLACEMENTS, encoder_actions, encoder_ranks, memory_budget_setting
 from omni.sim import megatron
 from omni.sim import memory as mem
 from omni.sim import sync
@@ -145,15 +145,17 @@ def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: s
     if not tried:
         raise ConfigError(f"disaggregated: no encoder pool of {pool_candidates(cfg)} GPUs leaves a valid LLM layout; "
                           f"set sim.encoder_gpus or drop disaggregated from sim.placements")
-    fitting = [e for e, r in tried.items() if r["fits"]] or list(tried)
-    best = min(fitting, key=lambda e: tried[e]["step_time_s"])
+    best = _fastest_fitting(tried)
     out = tried[best]
     out["encoder_pool_search"] = {str(e): {"step_time_s": r["step_time_s"], "fits": r["fits"]} for e, r in tried.items()}
     return out
 
 
-# Placements whose encoder calls sit at cuts of the pipeline (multiplex.chunks_per_cut applies).
-CUT_PLACEMENTS = ("colocated", "stage0")
+def _fastest_fitting(tried: dict[int, dict[str, Any]]) -> int:
+    """The key of the fastest result that fits in memory (of the fastest overall if none does;
+    ties: the smallest key), for the choices made for a whole run."""
+    fitting = [k for k, r in tried.items() if r["fits"]] or list(tried)
+    return min(fitting, key=lambda k: (tried[k]["step_time_s"], k))
 
 
 def chunks_per_cut_candidates(micro_batches: int) -> list[int]:
@@ -183,8 +185,7 @@ def _chunks_per_cut_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placeme
     tried = {1: first}
     for g in chunks_per_cut_candidates(first["layout"]["max_micro_batches"])[1:]:
         tried[g] = run(g)
-    fitting = [g for g, r in tried.items() if r["fits"]] or list(tried)
-    best = min(fitting, key=lambda g: (tried[g]["step_time_s"], g))
+    best = _fastest_fitting(tried)
     out = tried[best]
     out["chunks_per_cut_search"] = {str(g): {"step_time_s": r["step_time_s"], "fits": r["fits"]}
                                     for g, r in tried.items()}
