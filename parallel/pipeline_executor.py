@@ -18,6 +18,12 @@ by time rather than at the earliest consistent point lets each rank finish the w
 anyway before meeting the others (under 1F1B, stage s meets stage 0's F(0, k) while running its
 own forward of micro-batch k, not one tick earlier).
 
+**Tail cuts.** With ``tail_cuts`` the programs also hold the tail cuts of the bubble windows
+(``parallel.pipeline_schedule.bubble_windows``): consistent cuts placed the same way at the
+end of rank 0's backward of a micro-batch, in the cool-down, where the later ranks have
+finished their work and can take back encoder gradients and run encoder backwards without
+holding up stage 0 (``on_tail``).
+
 **Messages.** Activations travel on one process group, gradients on a second over the same
 pipeline ranks (``groups``). On each group and each ordered pair of ranks the messages are
 sent and received in the same order (the schedules below order a rank's forwards, and its
@@ -65,7 +71,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.pipeline_schedule import (  # noqa: F401  (re-exported: the programs are pure)
-    EXECUTOR_SCHEDULES, Action, _start_times, encoder_backward_cuts, place_cuts, rank_programs)
+    EXECUTOR_SCHEDULES, MARKERS, Action, _start_times, bubble_windows, encoder_backward_cuts, marker_times, place_cuts,
+    rank_programs)
 from parallel.sizing import frees_after_backward
 
 CHANNELS = ("act", "grad")  # the two process groups of ``PipelineExecutor``, in its ``groups`` order
@@ -128,21 +135,23 @@ def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, sh
     execution (``_start_times``); a rank issues its operations in key order. Before action a:
     on each group one batch of the sends due by a's start plus, on a's group, the receive a
     needs (that batch last and waited, the others not); then, unwaited, the sends due before
-    the next action or cut starts. Before cut k (at stage 0's F(0, k) start): the sends due
-    before it, then DRAIN. At the end: the rest, then DRAIN."""
+    the next action or cut starts. Before cut k (at stage 0's F(0, k) start) or a tail cut
+    (``place_cuts``): the sends due before it, then DRAIN. At the end: the rest, then DRAIN."""
     last = pp * virtual - 1
-    bare = [[a for a in prog if a[0] != "cut"] for prog in programs]
+    bare = [[a for a in prog if a[0] not in MARKERS] for prog in programs]
     start = _start_times(bare, pp, virtual)
     key: dict[tuple[str, int, int], float] = {}  # message -> start of the action receiving it
     for r, prog in enumerate(bare):
         for pos, (kind, c, i) in enumerate(prog):
             if (m := _message_in(kind, c * pp + r, i, last)) is not None:
                 key[m] = start[r][pos]
-    cut_time = {i: start[0][pos] for pos, (kind, c, i) in enumerate(bare[0]) if kind == "f" and c == 0}
+    n_micro = sum(1 for kind, c, _ in bare[0] if kind == "f" and c == 0)
+    tails = sorted({a[1] for a in programs[0] if a[0] == "tail"})
+    mark_time = {mark: t for t, mark in marker_times(bare, pp, virtual, n_micro, tails, start)}
     out = []
     for r, prog in enumerate(programs):
         times = iter(start[r])
-        at = [next(times) if a[0] != "cut" else cut_time[a[1]] for a in prog] + [float("inf")]
+        at = [next(times) if a[0] not in MARKERS else mark_time[a] for a in prog] + [float("inf")]
         items: list[Item] = []
         pending: list[tuple[str, int, int]] = []  # produced, not yet posted
         open_batches = False
@@ -168,7 +177,7 @@ def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, sh
 
         for pos, action in enumerate(prog):
             kind, c, i = action
-            if kind == "cut":
+            if kind in MARKERS:
                 post(at[pos], strict=True)
                 if open_batches:
                     items.append(DRAIN)
@@ -216,8 +225,12 @@ class PipelineExecutor:
         self.timeline = timeline
         self.defer_grad_sync = defer_grad_sync
         self.keep_gathered = keep_gathered
-        # Called at each cut k (see the module docstring); set by the caller.
+        # Called at each cut k and tail cut j (see the module docstring); set by the caller.
         self.on_cut: Optional[Callable[[int], None]] = None
+        self.on_tail: Optional[Callable[[int], None]] = None
+        # Tail cuts in the programs: those of the bubble windows (``bubble_windows``) when the
+        # caller fills them with encoder work; set before the first step.
+        self.tail_cuts = False
         self._programs: dict[int, list[list[Action]]] = {}
         self._p2p: OrderedDict[tuple[int, int], list[list[Item]]] = OrderedDict()
         self._connected = False
@@ -225,9 +238,15 @@ class PipelineExecutor:
     def programs(self, n_micro: int) -> list[list[Action]]:
         """Every rank's program with cuts, for ``n_micro`` micro-batches (cached)."""
         if n_micro not in self._programs:
+            tails = [w.tail for w in self.bubble_windows(n_micro) if w is not None] if self.tail_cuts else []
             self._programs[n_micro] = place_cuts(rank_programs(self.schedule, self.pp, self.virtual, n_micro),
-                                                 self.pp, self.virtual, n_micro)
+                                                 self.pp, self.virtual, n_micro, tails)
         return self._programs[n_micro]
+
+    def bubble_windows(self, n_micro: int):
+        """Where each pipeline rank idles before its first and after its last action
+        (``parallel.pipeline_schedule.bubble_windows``)."""
+        return bubble_windows(self.schedule, self.pp, self.virtual, n_micro)
 
     def encoder_backward_cuts(self, n_micro: int) -> list[Optional[int]]:
         return encoder_backward_cuts(self.programs(n_micro)[0], n_micro)
@@ -276,6 +295,10 @@ class PipelineExecutor:
             if kind == "cut":
                 if self.on_cut is not None:
                     self.on_cut(c)
+                continue
+            if kind == "tail":
+                if self.on_tail is not None:
+                    self.on_tail(c)
                 continue
             stage, module = self.stage_ids[c], self.modules[c]
             if kind == "f":

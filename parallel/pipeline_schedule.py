@@ -6,6 +6,7 @@ runtime and the simulator (``omni.sim``) read them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 EXECUTOR_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -61,24 +62,45 @@ def _interleaved(pp: int, v: int, n_micro: int, rank: int) -> list[Action]:
 FORWARD_TIME, BACKWARD_TIME = 1.0, 2.0  # the model time of place_cuts (a backward ~ two forwards)
 
 
-def place_cuts(programs: Sequence[Sequence[Action]], pp: int, virtual: int, n_micro: int) -> list[list[Action]]:
+MARKERS = ("cut", "tail")  # the insertion points a program with cuts holds besides its actions
+
+
+def place_cuts(programs: Sequence[Sequence[Action]], pp: int, virtual: int, n_micro: int,
+               tails: Sequence[int] = ()) -> list[list[Action]]:
     """Insert ("cut", k, -1) into every rank's program (see the module docstring): before its
     first action that would start no earlier than F(0, k) if every action started as soon as
-    its rank and its input allowed (forward 1, backward 2 time units)."""
+    its rank and its input allowed (forward 1, backward 2 time units). ``tails``: micro-batches
+    j that also get a *tail cut* ("tail", j, -1), placed the same way at the end of rank 0's
+    backward of j through model chunk 0 (where its embedding gradient is complete; in the
+    cool-down, where the other ranks have finished or idle). A tail cut and a cut at the same
+    moment come tail first, on every rank."""
     start = _start_times(programs, pp, virtual)
-    t = {i: start[0][pos] for pos, (kind, c, i) in enumerate(programs[0]) if kind == "f" and c == 0}
+    marks = marker_times(programs, pp, virtual, n_micro, tails, start)
     out = []
     for r, prog in enumerate(programs):
         with_cuts: list[Action] = []
-        k = 0
+        m = 0
         for pos, action in enumerate(prog):
-            while k < n_micro and start[r][pos] >= t[k]:
-                with_cuts.append(("cut", k, -1))
-                k += 1
+            while m < len(marks) and start[r][pos] >= marks[m][0]:
+                with_cuts.append(marks[m][1])
+                m += 1
             with_cuts.append(action)
-        with_cuts += [("cut", kk, -1) for kk in range(k, n_micro)]
+        with_cuts += [mark for _, mark in marks[m:]]
         out.append(with_cuts)
     return out
+
+
+def marker_times(programs: Sequence[Sequence[Action]], pp: int, virtual: int, n_micro: int,
+                 tails: Sequence[int] = (), start: Optional[list[list[float]]] = None) -> list[tuple[float, Action]]:
+    """Every cut and tail cut with its moment in the as-soon-as-possible execution of the
+    programs (without cuts), in the order every rank meets them."""
+    start = _start_times(programs, pp, virtual) if start is None else start
+    prog0 = programs[0]
+    cut_t = {i: start[0][pos] for pos, (kind, c, i) in enumerate(prog0) if kind == "f" and c == 0}
+    tail_t = {i: start[0][pos] + BACKWARD_TIME for pos, (kind, c, i) in enumerate(prog0) if kind == "b" and c == 0}
+    marks = [(cut_t[k], 1, ("cut", k, -1)) for k in range(n_micro)]
+    marks += [(tail_t[j], 0, ("tail", j, -1)) for j in sorted(set(tails))]
+    return [(t, mark) for t, _, mark in sorted(marks)]
 
 
 def _start_times(programs: Sequence[Sequence[Action]], pp: int, virtual: int) -> list[list[float]]:
@@ -112,6 +134,55 @@ def _start_times(programs: Sequence[Sequence[Action]], pp: int, virtual: int) ->
         if not progressed:
             raise RuntimeError("pipeline programs deadlock (a bug in the schedule)")
     return start
+
+
+@dataclass(frozen=True)
+class BubbleWindow:
+    """Where a pipeline rank other than 0 idles in the as-soon-as-possible execution of the
+    programs (time units: a forward through one model chunk 1, a backward 2), and the insertion
+    points around it: encoder work it runs there is off the pipeline's critical path.
+
+    Before its first action the rank waits for its first activation (``before`` units); the
+    last cut before that action is ``deliver_cut`` (stage 0 meets it after its forwards of
+    micro-batches 0 .. deliver_cut - 1). After its last action it waits for the step to end;
+    ``tail`` is the first micro-batch j whose rank-0 backward (model chunk 0) ends after that
+    action has started, so its tail cut lands at the end of the rank's program, where stage 0
+    has the embedding gradients of micro-batches 0 .. tail; ``after`` units remain from there
+    (or from the rank's end, if later) to the end of the step."""
+
+    rank: int
+    before: float
+    deliver_cut: int
+    tail: int
+    after: float
+
+    @property
+    def chunks(self) -> range:
+        """Micro-batches whose encoder work fits the window: needed by stage 0 no earlier than
+        the delivery cut, their embedding gradient complete by the tail cut."""
+        return range(self.deliver_cut, self.tail + 1)
+
+
+def bubble_windows(schedule: str, pp: int, virtual: int, n_micro: int) -> list[Optional[BubbleWindow]]:
+    """The ``BubbleWindow`` of every pipeline rank (None for rank 0, which idles only between
+    its own actions)."""
+    programs = rank_programs(schedule, pp, virtual, n_micro)
+    start = _start_times(programs, pp, virtual)
+
+    def end(r: int, pos: int) -> float:
+        return start[r][pos] + (FORWARD_TIME if programs[r][pos][0] == "f" else BACKWARD_TIME)
+
+    step_end = max(end(r, len(p) - 1) for r, p in enumerate(programs))
+    cut_t = {i: start[0][pos] for pos, (kind, c, i) in enumerate(programs[0]) if kind == "f" and c == 0}
+    tail_t = {i: end(0, pos) for pos, (kind, c, i) in enumerate(programs[0]) if kind == "b" and c == 0}
+    out: list[Optional[BubbleWindow]] = [None]
+    for r in range(1, pp):
+        first, last = start[r][0], start[r][-1]
+        deliver = max(k for k in range(n_micro) if cut_t[k] <= first)
+        tail = min((j for j in range(n_micro) if tail_t[j] > last), key=lambda j: tail_t[j])
+        out.append(BubbleWindow(r, first, deliver, tail, max(0.0, step_end - max(end(r, len(programs[r]) - 1),
+                                                                                tail_t[tail]))))
+    return out
 
 
 def encoder_backward_cuts(program0: Sequence[Action], n_micro: int) -> list[Optional[int]]:

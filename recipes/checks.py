@@ -182,7 +182,8 @@ def _encoders(cfg: OmniConfig) -> None:
 
 def check_multiplex(cfg) -> None:
     """The ``multiplex`` group on its own (training's config and ``omni simulate``'s share it)."""
-    from omni.multiplex.rules import PLACEMENTS, WEIGHT_MODES, check_shard_group_setting, memory_budget_setting
+    from omni.multiplex.rules import BUBBLE_SETTINGS, PLACEMENTS, WEIGHT_MODES, check_shard_group_setting, \
+        memory_budget_setting
     from parallel.reshard import EXCHANGE_MODES
 
     x = cfg.multiplex
@@ -202,6 +203,7 @@ def check_multiplex(cfg) -> None:
     one_of("multiplex.exchange", x.exchange, EXCHANGE_MODES)
     _need(isinstance(x.lookahead, int) and not isinstance(x.lookahead, bool) and x.lookahead >= 0,
           "multiplex.lookahead", x.lookahead, "must be a whole number of cut groups >= 0", "0 turns it off")
+    one_of("multiplex.fill_bubbles", str(x.fill_bubbles).lower(), BUBBLE_SETTINGS)
 
 
 def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:

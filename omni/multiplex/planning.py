@@ -103,6 +103,15 @@ class MediaManifest:
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     positions: dict[str, np.ndarray] = field(default_factory=dict)
     features: dict[str, tuple[int, str]] = field(default_factory=dict)  # modality -> (width, dtype name)
+    # The packed row's documents (the whole row's under CP): what its LLM work costs.
+    doc_lengths: list[int] = field(default_factory=list)
+
+
+def row_doc_lengths(mb: MicroBatch) -> list[int]:
+    """The document lengths of a host-side micro-batch's whole packed row (under context
+    parallelism, of the row it was cut from), for the cost model's LLM term."""
+    cu = mb.cp.global_cu_seqlens if mb.cp is not None and mb.cp.cp_size > 1 else mb.cu_seqlens
+    return [int(x) for x in (cu[1:] - cu[:-1]).tolist()]
 
 
 def describe_media(mb: MicroBatch, units_of: Mapping[str, Callable[[object], Sequence[int]]],
@@ -129,6 +138,7 @@ def describe_media(mb: MicroBatch, units_of: Mapping[str, Callable[[object], Seq
             pos, rows = pos[keep] - tp_rank * shard, rows[keep]
         out.rows[m], out.positions[m] = rows, pos
         out.features[m] = (int(media.features.shape[1]), str(media.features.dtype).replace("torch.", ""))
+    out.doc_lengths = row_doc_lengths(mb)
     return out
 
 
@@ -180,10 +190,13 @@ def assign_items(
     memory_limit: float | None = None,
     base_loads: Sequence[float] | None = None,
     split_fixed_cost: float = 0.0,
+    pinned: Mapping[tuple, int] | None = None,
 ) -> Assignment:
     """The long-short split and the balancing of ``plan_chunk`` (its docstring has the
     arguments). ``base_loads``: cost each rank already carries (e.g. earlier chunks of the step)
-    that the balancing evens out too; None: zeros. ``split_fixed_cost``: see ``splits``."""
+    that the balancing evens out too; None: zeros. ``split_fixed_cost``: see ``splits``.
+    ``pinned``: item key -> the rank that encodes it whole, decided elsewhere (a bubble call's
+    items, ``omni.multiplex.bubbles``)."""
     if sp < 1 or world % sp:
         raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
     group_arr = np.asarray(group_of, dtype=np.int64)
@@ -198,8 +211,10 @@ def assign_items(
     n_blocks = world // sp
     memory = {it.key: _bytes(item_bytes, it) for it in items} if memory_limit is not None else {}
 
+    pinned = pinned or {}
+
     def is_long(it: ItemMeta) -> bool:
-        if sp == 1 or it.modality not in sp_modalities or it.tokens < sp:
+        if sp == 1 or it.modality not in sp_modalities or it.tokens < sp or it.key in pinned:
             return False
         if long_threshold is None:
             return (bool(memory) and memory[it.key] > memory_limit) or \
@@ -229,6 +244,9 @@ def assign_items(
             long_of_block.setdefault(b, []).append(it)
             block_of[it.key] = b
             loads[b * sp:(b + 1) * sp] += costs[it.key] / sp
+        elif it.key in pinned:
+            placed[it.key] = int(pinned[it.key])
+            loads[placed[it.key]] += costs[it.key]
         else:  # onto the least-loaded eligible rank, preferring one that holds the features
             cand = allowed[it.group]
             cl = loads[cand]
@@ -269,6 +287,8 @@ def plan_chunk(
     memory_limit: float | None = None,
     base_loads: Sequence[float] | None = None,
     split_fixed_cost: float = 0.0,
+    pinned: Mapping[tuple, int] | None = None,
+    busy: frozenset[int] | set[int] = frozenset(),
 ) -> ChunkPlan:
     """Plan one encoder chunk over ranks ``0..world-1`` (indices into the exchange group).
 
@@ -279,15 +299,18 @@ def plan_chunk(
     ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an item
     whose cost alone exceeds the chunk's balanced share per rank, or whose activations
     ``item_bytes(modality, tokens)`` exceed ``memory_limit`` bytes). Only ``sp_modalities``
-    can be split. ``base_loads``: see ``assign_items``. ``split_fixed_cost``: the SP pass's
-    fixed cost in the cost model's units (``splits``).
+    can be split. ``base_loads``, ``pinned``: see ``assign_items``. ``split_fixed_cost``: the SP
+    pass's fixed cost in the cost model's units (``splits``). ``busy``: ranks that send no
+    features to others (they are running other work; a group whose holders are all busy sends
+    from them anyway).
     """
     a = assign_items(items, group_of, world, cost, sp, long_threshold, sp_modalities, eligible, item_bytes,
-                     memory_limit, base_loads, split_fixed_cost)
+                     memory_limit, base_loads, split_fixed_cost, pinned)
     plans = [RankPlan() for _ in range(world)]
     holders: dict[int, list[int]] = {}
     for r, g in enumerate(group_of):
         holders.setdefault(g, []).append(r)
+    holders = {g: [r for r in hs if r not in busy] or hs for g, hs in holders.items()}
     placed, long_of_block, block_of, memory = a.placed, a.long_of_block, a.block_of, a.memory
     blocks = [a.block(b) for b in range(world // sp)]
 
@@ -399,6 +422,7 @@ def plan_cut(
     group_of: Sequence[int],
     world: int,
     cost: CostModel,
+    pinned: Mapping[tuple[int, str, int, int], int] | None = None,
     **kwargs,
 ) -> CutPlan:
     """Plan the chunks of one insertion point together: ``items_by_chunk[c]`` and
@@ -406,13 +430,17 @@ def plan_cut(
     relative to chunk c's micro-batches); ``kwargs`` are ``plan_chunk``'s. The items are
     balanced as one set (and the auto long threshold compares them with the cut's share per
     rank), and every rank gets one receive buffer for the cut, ``need_index`` saying where in it
-    each chunk's rows are. One chunk: the plan is ``plan_chunk``'s, indices unchanged."""
+    each chunk's rows are. One chunk: the plan is ``plan_chunk``'s, indices unchanged.
+    ``pinned``: (chunk position c, modality, group, index in chunk c) -> the rank that encodes
+    the item whole."""
     merged: list[ItemMeta] = []
     origin: dict[tuple[str, int, int], tuple[int, int]] = {}
     before: dict[tuple[str, int], tuple[int, int]] = {}  # (modality, group) -> (items, rows) of earlier chunks
     row_base: list[dict[tuple[str, int], int]] = []
+    before_of: list[dict[tuple[str, int], int]] = []  # per chunk: items of earlier chunks, per (modality, group)
     for c, items in enumerate(items_by_chunk):
         row_base.append({k: rows for k, (_, rows) in before.items()})
+        before_of.append({k: n_items for k, (n_items, _) in before.items()})
         seen = dict(before)
         for it in items:
             n_items, n_rows = before.get((it.modality, it.group), (0, 0))
@@ -431,7 +459,11 @@ def plan_cut(
                 needs.setdefault(q, {}).setdefault(m, []).append(rows + row_base[c].get((m, group_of[q]), 0))
                 lengths.setdefault(q, {}).setdefault(m, [0] * len(needs_by_chunk))[c] = rows.size
     flat = {q: {m: np.concatenate(parts) for m, parts in per.items()} for q, per in needs.items()}
-    plan = plan_chunk(merged, flat, group_of, world, cost, **kwargs)
+    renamed_pins = {}
+    for key, r in (pinned or {}).items():
+        c, m, g, i = key
+        renamed_pins[(m, g, i + before_of[c].get((m, g), 0))] = r
+    plan = plan_chunk(merged, flat, group_of, world, cost, pinned=renamed_pins, **kwargs)
     need_index = [[{} for _ in needs_by_chunk] for _ in range(world)]
     for q, per in lengths.items():
         for m, counts in per.items():

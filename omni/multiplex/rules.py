@@ -101,11 +101,70 @@ def encoder_segments(placement: str, n: int, backward_cuts: list[int | None], gr
     return segments
 
 
+def forward_insertion_points(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
+                             lookahead: int = 0) -> list[int]:
+    """The insertion point where each cut group's forward runs (``encoder_segments``;
+    ``BEFORE_PIPELINE`` counts as the first)."""
+    segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
+    size = max(n, 1) if placement == "encoder_first" else group
+    at: dict[int, int] = {}
+    for k in sorted(segments):
+        for kind, j in segments[k]:
+            if kind == "F":
+                at.setdefault(j // size, max(k, 0))
+    return [at.get(c, 0) for c in range(-(-n // size))]
+
+
+def chunks_backward_after_pipeline(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
+                                   lookahead: int = 0) -> list[int]:
+    """The chunks whose call runs its backward after the pipeline (``encoder_segments``' last
+    insertion point), on every encoder rank."""
+    segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
+    return sorted({j for kind, j in segments.get(n, []) if kind == "B"})
+
+
 def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], group: int = 1,
                     lookahead: int = 0) -> list[tuple[str, int]]:
     """``encoder_segments`` flattened in the order they run."""
     segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
     return [a for k in sorted(segments) for a in segments[k]]
+
+
+BUBBLE_SETTINGS = ("auto", "true", "false")
+
+
+def fills_bubbles(setting: str, placement: str, sizes: Sizes, weights: str, shard_group: int, exchange: str) -> bool:
+    """Whether a step gives the later pipeline ranks' idle time encoder work (bubble calls,
+    ``omni.multiplex.bubbles``): ``multiplex.fill_bubbles`` = auto (where it applies and the
+    exchanges are point to point, so a cut waits only for its partners), true (where it
+    applies, else an error naming why) or false.
+
+    It applies to ``colocated`` under pipeline parallelism when every collective of the
+    encoder weights stays inside one pipeline rank's GPUs, because a bubble call runs on those
+    alone: replicated weights (reduced after the step), or ``hybrid`` whose shard groups
+    (``shard_group`` consecutive ranks) divide a pipeline rank's ranks; not ``sharded``, whose
+    collectives span every encoder rank. ``sizes``: the LLM layout (``parallel.sizing.Sizes``)."""
+    text = str(setting).lower()
+    if text not in BUBBLE_SETTINGS:
+        raise LayoutError(f"multiplex.fill_bubbles={setting!r} is not one of {', '.join(BUBBLE_SETTINGS)}")
+    if text == "false":
+        return False
+    per_stage = sizes.world // sizes.pp
+    why = None
+    if placement != "colocated":
+        why = f"multiplex.placement={placement} (bubble calls are colocated's)"
+    elif sizes.pp < 2:
+        why = "no pipeline parallelism (parallel.pp=1 has no bubbles)"
+    elif weights == "sharded":
+        why = "multiplex.encoder_weights=sharded (its collectives span every pipeline rank)"
+    elif weights == "hybrid" and per_stage % shard_group:
+        why = (f"multiplex.encoder_weights=hybrid with shard groups of {shard_group} ranks that cross pipeline "
+               f"ranks of {per_stage} (set multiplex.encoder_shard_group to a divisor of {per_stage})")
+    if why is not None:
+        if text == "true":
+            raise LayoutError(f"multiplex.fill_bubbles=true cannot apply here: {why}; set multiplex.fill_bubbles=auto")
+        return False
+    return text == "true" or exchange == "p2p"
 
 
 def encoder_ranks(sizes: Sizes, placement: str) -> list[int]:

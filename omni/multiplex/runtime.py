@@ -44,12 +44,16 @@ from torch import nn
 
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
-from omni.multiplex.planning import CutPlan, ItemMeta, MediaManifest, describe_media, plan_cut
+from omni.multiplex.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
+                                    select_bubble_items, split_items, split_rows)
+from omni.multiplex.planning import CutPlan, ItemMeta, MediaManifest, describe_media, plan_cut, row_doc_lengths
 from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
-from omni.multiplex.rules import PLACEMENTS, BEFORE_PIPELINE, chunks_per_call, encoder_segments, encoder_ranks, memory_budget_setting
+from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, chunks_backward_after_pipeline, chunks_per_call,
+                                  encoder_segments, encoder_ranks, encoder_shard_group, fills_bubbles,
+                                  forward_insertion_points, memory_budget_setting)
 from parallel.layout import Layout, LayoutError, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
@@ -62,27 +66,42 @@ INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
 class _Cut:
     """One cut group's encoder call: chunks ``first .. first + len(chunks) - 1``."""
 
-    index: int  # the step's cut groups, in order
+    index: int  # the step's cut groups, in order (bubble calls: -1 - their pipeline rank)
     chunks: list[int]
     plan: CutPlan
     has_media: bool  # any item in any of its chunks, on any rank
     media_chunks: int  # of its chunks, those with media anywhere
+    # (chunk position in the call, modality, group, index in the call's numbering) -> the
+    # item's index in its micro-batch (the call may hold only some of a micro-batch's items)
+    original: dict = field(default_factory=dict)
+    exchange: str = "all_to_all"  # of its features, rows and gradients
+    bubble: BubbleCall | None = None
     send_idx: torch.Tensor | None = None  # device: table rows to send, in send order
     table: torch.Tensor | None = None  # this rank's encoder outputs (with the encoder graph)
     recv: torch.Tensor | None = None  # rows received for this rank's placeholders (the LLM's leaf)
+    returned: torch.Tensor | None = None  # gradients of the rows this rank sent, back from their users
     saved_bytes: int = 0  # activation bytes the encoder graph of this call keeps
     forward_done: bool = False
     backward_done: bool = False
 
 
 @dataclass
-class _Chunk:
-    """Micro-batch j's view of its cut group's call: where its rows are in the cut's receive
-    buffer. Device index tensors, built once per step (one host-to-device copy)."""
+class _Source:
+    """Where some of micro-batch j's rows are: in one call's receive buffer. Device index
+    tensors, built once per step (one host-to-device copy)."""
 
     cut: _Cut
     need_idx: dict = field(default_factory=dict)  # modality -> receive-buffer row per placeholder
     positions: dict = field(default_factory=dict)  # modality -> local placeholder positions
+
+
+@dataclass
+class _Chunk:
+    """Micro-batch j's view of the calls that encode its items: its cut group's, and the
+    bubble calls that took some of them."""
+
+    cut: _Cut
+    sources: list[_Source] = field(default_factory=list)
 
 
 @dataclass
@@ -148,10 +167,6 @@ class Multiplexer:
         # measured value exists yet, so long_threshold=auto counts none (as before).
         self.split_fixed_cost = 0.0
         self.exchange = cfg.exchange
-        if self.exchange == "p2p" and self.active and len(self.members) > 1:
-            # NCCL: a batch of point-to-point ops that is the first collective on its group needs
-            # every rank of the group in it; one small all-reduce here sets the group up.
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
         element = 2 if layout.device.type == "cuda" else 4  # bf16 activations on the GPU
         self._item_bytes = (lambda m, tokens: encoders[m].activation_bytes(tokens, element)) if encoders else None
         # n -> for each chunk j, the cut at which its backward can run (stage 0 then has j's
@@ -161,6 +176,21 @@ class Multiplexer:
         # Sharded weights: reduce-scatter a modality's gradients once, in its last backward of
         # the step, unless the LLM reduces every micro-batch too.
         self.reduce_every_chunk = reduces_every_microbatch(pcfg, layout.sizes.pp)
+        # Bubble calls (omni.multiplex.bubbles): the later pipeline ranks' idle time. n -> every
+        # pipeline rank's bubble window; set from the pipeline executor, which then places the
+        # windows' tail cuts in its programs.
+        shard = encoder_shard_group(cfg.encoder_weights, int(cfg.encoder_shard_group), pcfg.gpus_per_node,
+                                    len(self.members))
+        self.fill_bubbles = fills_bubbles(cfg.fill_bubbles, cfg.placement, sizes, cfg.encoder_weights, shard,
+                                          cfg.exchange)
+        self.bubble_windows = lambda n: []
+        if (self.exchange == "p2p" or self.fill_bubbles) and self.active and len(self.members) > 1:
+            # NCCL: a batch of point-to-point ops that is the first collective on its group needs
+            # every rank of the group in it; one small all-reduce here sets the group up (bubble
+            # calls always exchange point to point).
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        self.member_stage = [sizes.coords(r)["pp"] for r in self.members]
+        self.gpus_per_cell = sizes.tp * sizes.cp
         self.consumer = layout.pp_rank == 0
         self.announcer = layout.rank == layout.peer_source
         self._chunks: dict[int, _Chunk] = {}
@@ -170,6 +200,7 @@ class Multiplexer:
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
         self._last_backward: dict[str, int] = {}  # modality -> its last cut group of the step
+        self._bubbles: list[_Cut] = []  # this step's bubble calls
         self.media: StepMedia | None = None
         self.stats = _StepStats()
         self._trainable = tower is not None and bool(tower.trainable())
@@ -191,7 +222,7 @@ class Multiplexer:
         """The host-side manifest of one of this rank's micro-batches (padded and CP-sliced,
         not yet on the device): what ``begin_step`` plans from."""
         if self.tower is None or not mb.media:
-            return MediaManifest()
+            return MediaManifest(doc_lengths=row_doc_lengths(mb))
         units = {m: enc.input_units for m, enc in self.tower.encoders.items()}
         return describe_media(mb, units, self.layout.sizes.tp, self.layout.tp_rank)
 
@@ -200,10 +231,11 @@ class Multiplexer:
         and plan every chunk. Returns the number of micro-batches every rank must run (the
         largest count of any group; the caller pads with empty ones)."""
         self._local = prepared
-        mine = {"n": len(prepared), "items": None, "needs": None, "feat": {}}
+        mine = {"n": len(prepared), "items": None, "needs": None, "feat": {}, "llm": None}
         if self.announcer and self.tower is not None:
             mine["items"] = [mf.items for mf in manifests]
             mine["feat"] = {m: f for mf in manifests for m, f in mf.features.items()}
+            mine["llm"] = [float(self.cost.llm_cost(mf.doc_lengths).sum()) for mf in manifests]
         if self.consumer:
             mine["needs"] = [mf.rows for mf in manifests]
         everyone = [mine]
@@ -213,7 +245,7 @@ class Multiplexer:
                 dist.all_gather_object(everyone, mine, group=self.host_group)
         n = max(e["n"] for e in everyone)
         self.media = self._collect(everyone, n)
-        self._chunks, self._cuts = {}, []
+        self._chunks, self._cuts, self._bubbles = {}, [], []
         self.stats = _StepStats()
         if self.active:
             self._plan(everyone, n, manifests)
@@ -221,6 +253,7 @@ class Multiplexer:
         return n
 
     def _plan(self, everyone: list, n: int, manifests: list[MediaManifest]) -> None:
+        items = self.media.items
         needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
                            if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
                           for j in range(n)]
@@ -229,39 +262,125 @@ class Multiplexer:
             eligible = {}
             for i, g in enumerate(self.group_of):
                 eligible.setdefault(g, []).append(i)
+        size = self._cut_size(n)
+        bubbles = self._bubble_calls(everyone, n, size) if self.fill_bubbles else []
+        owner = {key: b for b, call in enumerate(bubbles) for key in call.placed}
+        parts = split_items(items, lambda j, it: owner.get((j, it.modality, it.group, it.index), "cut"))
+        regular = parts.get("cut")
         indices = _IndexUpload(self.device)
         self._last_backward = {}
         # Each cut group is balanced on top of the step's earlier ones, so that the same ranks do
         # not take the first items of every call (their encoder activations would pile up until
         # the backwards).
         carried = np.zeros(len(self.members))
-        size = self._cut_size(n)
+        forward_at = forward_insertion_points(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,
+                                              self.lookahead)
         for c, first in enumerate(range(0, n, size)):
             js = list(range(first, min(first + size, n)))
-            cut_plan = plan_cut([self.media.items[j] for j in js], [needs_by_chunk[j] for j in js], self.group_of,
-                                len(self.members), self.cost, sp=self.sp, long_threshold=self.long_threshold,
-                                sp_modalities=self.sp_modalities, eligible=eligible, item_bytes=self._item_bytes,
-                                memory_limit=self.memory_limit, base_loads=carried,
-                                split_fixed_cost=self.split_fixed_cost)
+            sub = [regular.items[j] if regular is not None else [] for j in js]
+            busy = busy_ranks(bubbles, self.member_stage, forward_at[c])
+            allowed = eligible
+            if busy:
+                allowed = {g: [i for i in (eligible or {}).get(g, range(len(self.members))) if i not in busy]
+                           for g in set(self.group_of) | {it.group for its in sub for it in its}}
+            cut_plan = plan_cut(sub, [self._source_needs(needs_by_chunk[j], j, "cut", owner) for j in js],
+                                self.group_of, len(self.members), self.cost, sp=self.sp,
+                                long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
+                                eligible=allowed, item_bytes=self._item_bytes, memory_limit=self.memory_limit,
+                                base_loads=carried, split_fixed_cost=self.split_fixed_cost, busy=busy)
             plan = cut_plan.plan
             carried = carried + np.asarray([rp.load for rp in plan.ranks])
-            cut = _Cut(c, js, cut_plan, has_media=any(self.media.items[j] for j in js),
-                       media_chunks=sum(1 for j in js if self.media.items[j]))
+            cut = _Cut(c, js, cut_plan, has_media=any(sub), media_chunks=sum(1 for x in sub if x),
+                       original={(js.index(key[0]),) + key[1:]: i
+                                 for key, i in (regular.original if regular else {}).items() if key[0] in js},
+                       exchange=self.exchange)
             self._cuts.append(cut)
-            rp = plan.ranks[self.index]
-            indices.add(cut, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
-            for pos_in_cut, j in enumerate(js):
-                chunk = self._chunks[j] = _Chunk(cut)
-                if self.consumer and j < len(manifests):
-                    for m, pos in manifests[j].positions.items():
-                        indices.add(chunk.need_idx, m, cut_plan.need_index[self.index][pos_in_cut][m])
-                        indices.add(chunk.positions, m, pos)
-            self.stats.long_items += plan.long_items
-            self.stats.over_memory += plan.over_memory
-            self.stats.balance = max(self.stats.balance, plan.max_over_mean)
+            self._add_routes(cut, indices, manifests, "cut", owner)
             for it in cut_plan.items:
                 self._last_backward[it.modality] = c
+        for b, call in enumerate(bubbles):
+            sub = parts[b]
+            js = call.chunks
+            pins = {(js.index(j), m, g, k): call.placed[(j, m, g, sub.original[(j, m, g, k)])]
+                    for (j, m, g, k) in sub.original}
+            cut_plan = plan_cut([sub.items[j] for j in js], [self._source_needs(needs_by_chunk[j], j, b, owner)
+                                                             for j in js],
+                                self.group_of, len(self.members), self.cost, pinned=pins)
+            cut = _Cut(-1 - call.stage, js, cut_plan, has_media=True, media_chunks=sum(1 for j in js if sub.items[j]),
+                       original={(js.index(key[0]),) + key[1:]: i for key, i in sub.original.items()},
+                       exchange="p2p", bubble=call)
+            self._bubbles.append(cut)
+            self._add_routes(cut, indices, manifests, b, owner)
+        for j in range(n):
+            self._chunks.setdefault(j, _Chunk(self._cuts[j // size]))
+        plan_stats = [c.plan.plan for c in self._cuts + self._bubbles]
+        self.stats.long_items += sum(p.long_items for p in plan_stats)
+        self.stats.over_memory += sum(p.over_memory for p in plan_stats)
+        self.stats.balance = max([self.stats.balance] + [c.plan.plan.max_over_mean for c in self._cuts])
+        self.stats.bubble_items = sum(len(call.placed) for call in bubbles)
         indices.upload()
+
+    def _bubble_calls(self, everyone: list, n: int, size: int) -> list[BubbleCall]:
+        """This step's bubble calls (``omni.multiplex.bubbles``), the same on every rank."""
+        windows = [w for w in self.bubble_windows(n) if w is not None]
+        if not windows:
+            return []
+        sizes = self.layout.sizes
+        llm: dict[int, list[float]] = {}
+        for r, e in enumerate(everyone):
+            if e["llm"] is not None:
+                llm[sizes.dp_group(r)] = e["llm"]
+        virtual = self.layout.config.pp_virtual_stages if sizes.pp > 1 else 1
+        unit = {g: forward_unit_cost(costs, sizes.pp, virtual, self.gpus_per_cell) for g, costs in llm.items()}
+        modalities = None
+        if self.cfg.encoder_weights != "replicated":
+            end_chunks = chunks_backward_after_pipeline(self.cfg.placement, n, self.backward_cuts(n), size,
+                                                        self.lookahead)
+            modalities = closing_modalities(self.media.items, end_chunks)
+        return select_bubble_items(self.media.items, windows, self.member_stage, self.group_of, unit, self.cost,
+                                   modalities, self._item_bytes, self.memory_limit)
+
+    def _source_needs(self, needs: dict, j: int, source, owner: dict) -> dict:
+        """The rows each consumer asked for in chunk j that ``source`` (a bubble call's index,
+        or "cut") produces, renumbered over that source's items."""
+        out = {}
+        for q, per in needs.items():
+            g = self.group_of[q]
+            out[q] = {}
+            for m, rows in per.items():
+                mine = sorted((it for it in self.media.items[j] if it.group == g and it.modality == m),
+                              key=lambda it: it.index)
+                keep = [owner.get((j, m, g, it.index), "cut") == source for it in mine]
+                out[q][m] = split_rows(rows, [it.tokens for it in mine], keep)[1]
+        return out
+
+    def _add_routes(self, cut: _Cut, indices: "_IndexUpload", manifests: list[MediaManifest], source,
+                    owner: dict) -> None:
+        """This rank's send order for ``cut``, and, on a consumer, where each of its chunks'
+        rows from it land."""
+        rp = cut.plan.plan.ranks[self.index]
+        indices.add(cut, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
+        if not self.consumer:
+            return
+        g = self.group_of[self.index]
+        for pos_in_cut, j in enumerate(cut.chunks):
+            if j >= len(manifests):
+                continue
+            chunk = self._chunks.setdefault(j, _Chunk(cut)) if source == "cut" else self._chunks[j]
+            src = _Source(cut)
+            routed = source == "cut"  # (the index views arrive at upload)
+            for m, pos in manifests[j].positions.items():
+                mine = sorted((it for it in self.media.items[j] if it.group == g and it.modality == m),
+                              key=lambda it: it.index)
+                keep = [owner.get((j, m, g, it.index), "cut") == source for it in mine]
+                mask, _ = split_rows(manifests[j].rows[m], [it.tokens for it in mine], keep)
+                if not mask.any() and source != "cut":  # (the cut group's source lists every modality)
+                    continue
+                indices.add(src.need_idx, m, cut.plan.need_index[self.index][pos_in_cut][m])
+                indices.add(src.positions, m, np.asarray(pos)[mask])
+                routed = True
+            if routed:
+                chunk.sources.append(src)
 
     def _cut_size(self, n: int) -> int:
         return chunks_per_call(self.cfg.placement, n, self.chunks_per_cut)
@@ -290,10 +409,31 @@ class Multiplexer:
     # -- insertion points ----------------------------------------------------------------
     def cut(self, k: int) -> None:
         """At cut k of the LLM pipeline (``parallel.pipeline_executor``; without pipeline
-        parallelism: before micro-batch k's forward): the actions of k's cut group's insertion
-        point (``encoder_segments``; already done past a group's first cut)."""
-        if self.active and self.cfg.placement != "encoder_first" and self.media.n_chunks:
-            self._run_to(self._segment_end[(k // self.chunks_per_cut) * self.chunks_per_cut])
+        parallelism: before micro-batch k's forward): the deliveries of the bubble calls whose
+        window closes here, then the actions of k's cut group's insertion point
+        (``encoder_segments``; already done past a group's first cut); after cut 0's, the
+        bubble call of this rank's pipeline rank."""
+        if not (self.active and self.cfg.placement != "encoder_first" and self.media.n_chunks):
+            return
+        for cut in self._bubbles:
+            if cut.bubble.window.deliver_cut == k:
+                self._deliver(cut)
+        self._run_to(self._segment_end[(k // self.chunks_per_cut) * self.chunks_per_cut])
+        if k == 0:
+            for cut in self._bubbles:
+                if cut.bubble.stage == self.layout.pp_rank:
+                    self._encode(cut)
+
+    def tail(self, j: int) -> None:
+        """At tail cut j (in the pipeline's cool-down): the bubble calls whose window ends here
+        take back their rows' gradients, and this rank's runs its backward."""
+        if not (self.active and self.media is not None and self.media.n_chunks):
+            return
+        for cut in self._bubbles:
+            if cut.bubble.window.tail == j:
+                self._return_gradients(cut)
+                if cut.bubble.stage == self.layout.pp_rank:
+                    self._encoder_backward(cut, last_of_step=False)
 
     def before_pipeline(self) -> None:
         if self.active and self.cfg.placement == "encoder_first" and self.media.n_chunks:
@@ -304,6 +444,9 @@ class Multiplexer:
         while self._cursor < len(self._actions):
             self._run(self._actions[self._cursor])
             self._cursor += 1
+        if any(cut.table is not None or cut.recv is not None for cut in self._bubbles):
+            raise RuntimeError("a bubble call's backward did not run (its tail cut is missing from the pipeline "
+                               "programs: a bug)")
         self._local = []
 
     def _run_to(self, end: int) -> None:
@@ -327,11 +470,15 @@ class Multiplexer:
     def embeddings(self, j: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """modality -> (rows [n, H], local positions [n]) for micro-batch j on this rank."""
         chunk = self._ran(j)
-        return {m: (chunk.cut.recv.index_select(0, idx), chunk.positions[m]) for m, idx in chunk.need_idx.items()}
+        rows: dict[str, list] = {}
+        for src in chunk.sources:
+            for m, idx in src.need_idx.items():
+                rows.setdefault(m, []).append((src.cut.recv.index_select(0, idx), src.positions[m]))
+        return {m: (torch.cat([r for r, _ in parts]), torch.cat([p for _, p in parts])) for m, parts in rows.items()}
 
     def _ran(self, j: int) -> _Chunk:
         chunk = self._chunks.get(j)
-        if chunk is None or chunk.cut.recv is None:
+        if chunk is None or any(src.cut.recv is None for src in chunk.sources):
             raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
                                f"placement {self.cfg.placement})")
         return chunk
@@ -339,24 +486,31 @@ class Multiplexer:
     def write_embeddings(self, j: int, embeds: torch.Tensor) -> torch.Tensor:
         """``embeds`` [T, H] (this rank's row or TP shard of micro-batch j) with the received
         encoder rows written at their placeholders: one fused gather-and-scatter per modality
-        (``omni.kernels.reshard.scatter_rows``; its PyTorch reference off the GPU)."""
+        and call (``omni.kernels.reshard.scatter_rows``; its PyTorch reference off the GPU)."""
         chunk = self._ran(j)
-        for m, idx in chunk.need_idx.items():
-            embeds = scatter_rows(embeds, chunk.cut.recv, idx, chunk.positions[m])
+        for src in chunk.sources:
+            for m, idx in src.need_idx.items():
+                embeds = scatter_rows(embeds, src.cut.recv, idx, src.positions[m])
         return embeds
 
-    # -- one cut group's forward / backward ----------------------------------------------------
+    # -- one call's forward / backward ----------------------------------------------------------
     def _forward(self, cut: _Cut) -> None:
         if not cut.has_media:
             cut.recv = torch.zeros(0, self.hidden_size, device=self.device)
             return
+        self._encode(cut)
+        self._deliver(cut)
+
+    def _encode(self, cut: _Cut) -> None:
+        """Features to the ranks that encode them, and one encoder pass per modality of the call
+        (the rows stay in this rank's table until ``_deliver``)."""
         rp = cut.plan.plan.ranks[self.index]
         name = _call_name(cut)
         feats = self._exchange_features(cut, rp, name)
         with self._span("encoder", f"F{name}"), _CountSaved() as saved:
-            # Every encoder rank encodes every modality of the cut, with no items if it has
-            # none: sharded weights are gathered by all of them together. One call per
-            # modality for all the cut's chunks.
+            # Every encoder rank of the call encodes every modality of it, with no items if it
+            # has none: sharded weights are gathered by all of them together. One call per
+            # modality for all the call's chunks.
             parts = []
             for m in sorted(rp.short):
                 dim, dtype = self.media.feat[m]
@@ -370,12 +524,6 @@ class Multiplexer:
             table = torch.cat(parts)
         cut.saved_bytes = saved.bytes
         cut.table = table
-        with self._span("comm", f"F{name} outputs"):
-            recv = exchange_rows(table.detach().index_select(0, cut.send_idx), [len(s) for s in rp.out_send],
-                                 rp.out_recv_counts, self.group, self.exchange)
-        # The received rows come from other ranks' tables: they need a gradient whenever any
-        # encoder or projector trains, whether or not this rank encoded anything.
-        cut.recv = recv.requires_grad_(self._trainable)
         s = self.stats
         s.live_bytes += cut.saved_bytes
         s.max_chunk_bytes = max(s.max_chunk_bytes, cut.saved_bytes)
@@ -384,29 +532,56 @@ class Multiplexer:
         s.media_chunks += cut.media_chunks
         s.peak_live_chunks = max(s.peak_live_chunks, s.live_chunks)
 
+    def _deliver(self, cut: _Cut) -> None:
+        """Every output row of the call to the rank that embeds it (a rank that did not encode
+        in it, such as stage 0 for a bubble call, only receives)."""
+        rp = cut.plan.plan.ranks[self.index]
+        table = cut.table if cut.table is not None else torch.zeros(0, self.hidden_size, device=self.device)
+        with self._span("comm", f"F{_call_name(cut)} outputs"):
+            recv = exchange_rows(table.detach().index_select(0, cut.send_idx), [len(s) for s in rp.out_send],
+                                 rp.out_recv_counts, self.group, cut.exchange)
+        # The received rows come from other ranks' tables: they need a gradient whenever any
+        # encoder or projector trains, whether or not this rank encoded anything.
+        cut.recv = recv.requires_grad_(self._trainable)
+
     def _backward(self, cut: _Cut) -> None:
         if cut.table is None:  # no media in this cut anywhere
             return
+        self._return_gradients(cut)
+        self._encoder_backward(cut, last_of_step=None)
+
+    def _return_gradients(self, cut: _Cut) -> None:
+        """The inverse of ``_deliver``: every row's gradient back to the rank and table row that
+        produced it (kept for ``_encoder_backward``)."""
         rp = cut.plan.plan.ranks[self.index]
-        name = _call_name(cut)
-        # Every chunk of the cut has added its rows' gradients (the action list runs a cut's
-        # backward only once the last of them is complete).
+        # Every chunk of the call has added its rows' gradients (its backward runs only once the
+        # last of them is complete).
         grad = cut.recv.grad if cut.recv.grad is not None else torch.zeros_like(cut.recv)
-        with self._span("comm", f"B{name} gradients"):
-            back = exchange_rows(grad, rp.out_recv_counts, [len(s) for s in rp.out_send], self.group, self.exchange)
+        with self._span("comm", f"B{_call_name(cut)} gradients"):
+            cut.returned = exchange_rows(grad, rp.out_recv_counts, [len(s) for s in rp.out_send], self.group,
+                                         cut.exchange)
+        cut.recv = None
+
+    def _encoder_backward(self, cut: _Cut, last_of_step: bool | None) -> None:
+        """The encoder backward of this rank's part of the call (``last_of_step`` None: whether
+        it is its modality's last cut group of the step)."""
+        if cut.table is None:
+            return
+        rp = cut.plan.plan.ranks[self.index]
         if cut.table.requires_grad:
             for m in rp.short:
-                self.tower.before_backward(m, cut.index == self._last_backward[m], self.reduce_every_chunk)
-            g_table = torch.zeros_like(cut.table).index_add_(0, cut.send_idx, back.to(cut.table.dtype))
-            with self._span("encoder", f"B{name}"):
+                last = cut.index == self._last_backward.get(m) if last_of_step is None else last_of_step
+                self.tower.before_backward(m, last, self.reduce_every_chunk)
+            g_table = torch.zeros_like(cut.table).index_add_(0, cut.send_idx, cut.returned.to(cut.table.dtype))
+            with self._span("encoder", f"B{_call_name(cut)}"):
                 cut.table.backward(g_table)
-        cut.table = cut.recv = None
+        cut.table = cut.returned = None
         self.stats.live_bytes -= cut.saved_bytes
         self.stats.live_chunks -= cut.media_chunks
 
     def _exchange_features(self, cut: _Cut, rp, name: str) -> dict[tuple, torch.Tensor]:
-        """Every item this rank encodes in the cut's call, as its feature rows (received from a
-        holder, or local), by its key in the cut's plan (modality, group, cut index)."""
+        """Every item this rank encodes in the call, as its feature rows (received from a
+        holder, or local), by its key in the call's plan (modality, group, call index)."""
         origin = cut.plan.origin
         units = {it.key: it.units for it in cut.plan.items}
         starts: dict[tuple[int, str], np.ndarray] = {}  # (chunk, modality) -> this rank's feature offsets
@@ -414,14 +589,15 @@ class Multiplexer:
         def local_rows(m: str, g: int, i: int) -> torch.Tensor:
             c, index = origin[(m, g, i)]
             j = cut.chunks[c]
+            original = cut.original.get((c, m, g, index), index)
             media = self._local[j].mb.media[m]
             if (j, m) not in starts:
-                n_local = len(media.num_tokens)
-                # a holder sends only its own group's items: cut indices i - index + k of group g
-                starts[(j, m)] = np.concatenate([[0], np.cumsum([units[(m, g, i - index + k)]
-                                                                 for k in range(n_local)])])
+                # a holder sends only its own group's items, from its micro-batch's features
+                mine = sorted((it for it in self.media.items[j] if it.group == g and it.modality == m),
+                              key=lambda it: it.index)
+                starts[(j, m)] = np.concatenate([[0], np.cumsum([it.units for it in mine])])
             st = starts[(j, m)]
-            return media.features[int(st[index]):int(st[index + 1])]
+            return media.features[int(st[original]):int(st[original + 1])]
 
         out = {}
         for m in sorted(rp.feat_send):
@@ -433,7 +609,7 @@ class Multiplexer:
             send = torch.cat(pieces) if pieces else torch.zeros(0, dim, dtype=getattr(torch, dtype), device=self.device)
             recv_counts = [sum(units[(m, g, i)] for g, i in src_items) for src_items in rp.feat_recv[m]]
             with self._span("comm", f"F{name} {m} inputs"):
-                recv = exchange_rows(send, send_counts, recv_counts, self.group, self.exchange)
+                recv = exchange_rows(send, send_counts, recv_counts, self.group, cut.exchange)
             at = 0
             for src_items in rp.feat_recv[m]:
                 for g, i in src_items:
@@ -446,7 +622,7 @@ class Multiplexer:
         rows = []
         for g, i in items:
             c, index = cut.plan.origin[(m, g, i)]
-            rows.append(self.media.sizes[(cut.chunks[c], m, g, index)])
+            rows.append(self.media.sizes[(cut.chunks[c], m, g, cut.original.get((c, m, g, index), index))])
         width = len(rows[0]) if rows else next((len(v) for (jj, mm, _, _), v in self.media.sizes.items()
                                                 if mm == m), 1)
         return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
@@ -459,12 +635,14 @@ class Multiplexer:
         return {"encoder_long_items": float(s.long_items), "encoder_balance_max_over_mean": s.balance,
                 "encoder_peak_live_chunks": float(s.peak_live_chunks),
                 "encoder_peak_activation_mib": s.peak_live_bytes / 2**20,
-                "encoder_over_memory_items": float(s.over_memory)}
+                "encoder_over_memory_items": float(s.over_memory), "encoder_bubble_items": float(s.bubble_items)}
 
 
 def _call_name(cut: _Cut) -> str:
-    """Timeline name of a cut group's call: its chunk, or its first and last chunks."""
-    return str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
+    """Timeline name of a call: its chunk, or its first and last chunks (a bubble call: with
+    its pipeline rank)."""
+    chunks = str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
+    return f"{chunks} bubble{cut.bubble.stage}" if cut.bubble is not None else chunks
 
 
 def _memory_budget(setting: str, layout: Layout) -> float | None:
@@ -521,6 +699,7 @@ class _StepStats:
     peak_live_bytes: int = 0
     max_chunk_bytes: int = 0
     over_memory: int = 0  # items over the activation budget even where they are encoded
+    bubble_items: int = 0  # items encoded by bubble calls
 
 
 class _CountSaved:

@@ -117,6 +117,12 @@ class MultiplexConfig:
     exchange: str = "all_to_all"
     # Cut groups encoded ahead of the one the pipeline needs, where memory allows (0: off).
     lookahead: int = 0
+    # Encoder work in the pipeline's bubbles (colocated, pp > 1): the later pipeline ranks
+    # encode some of their data group's items while they wait for their first activation and
+    # run the backward after their last action (docs/multiplexing.md, "Bubble calls"). "auto":
+    # where it applies and multiplex.exchange=p2p; "true": where it applies (else an error);
+    # "false": never.
+    fill_bubbles: str = "auto"
     # Encoder chunks run together at one insertion point (colocated, stage0): at cut k (k a
     # multiple of it) the forwards of chunks k .. k + chunks_per_cut - 1, and the backwards that
     # became ready since the last such cut. Each insertion point is a collective over the

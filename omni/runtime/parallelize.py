@@ -232,6 +232,10 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
     if isinstance(pm.runner, PipelineExecutor):
         pm.runner.on_cut = mux.cut
         mux.backward_cuts = pm.runner.encoder_backward_cuts
+        if mux.fill_bubbles:
+            pm.runner.tail_cuts = True
+            pm.runner.on_tail = mux.tail
+            mux.bubble_windows = pm.runner.bubble_windows
     if layout.pp_rank == 0:
         pm.chunks[0].multiplexer = mux  # the chunk that embeds
     if active and not sharded:

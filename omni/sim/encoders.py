@@ -14,10 +14,12 @@ runtime and costs nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from omni.multiplex.bubbles import BubbleCall, select_bubble_items
 from omni.multiplex.planning import ItemMeta, assign_items
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.rules import chunks_per_call
@@ -66,10 +68,23 @@ def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
     return EncoderWork(launches / eff, backward)
 
 
+def chunk_items(mb: MicroBatchWork, group: int) -> list[ItemMeta]:
+    """One DP group's micro-batch's media items as the runtime's planner names them (an index
+    per modality, in the micro-batch's order)."""
+    counters: dict[str, int] = {}
+    out = []
+    for modality, tokens in mb.media:
+        k = counters.get(modality, 0)
+        counters[modality] = k + 1
+        out.append(ItemMeta(group, modality, k, int(tokens), int(tokens)))
+    return out
+
+
 def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
                 group_of: list[int], eligible: dict[int, list[int]] | None, gpus_per_node: int,
                 receivers: int, memory_limit: float | None, placement: str = "colocated",
-                member_ranks: list[int] | None = None, group_node: dict[int, int] | None = None) -> list[ChunkTimes]:
+                member_ranks: list[int] | None = None, group_node: dict[int, int] | None = None,
+                taken: frozenset | set = frozenset(), busy: Callable[[int], set[int]] | None = None) -> list[ChunkTimes]:
     """The step's encoder calls, one per cut group (``omni.multiplex.rules.chunks_per_call``:
     multiplex.chunks_per_cut chunks, or the whole step under encoder_first), each planned as
     one assignment as the runtime's ``plan_cut`` does (item indices continue over the group's
@@ -80,7 +95,10 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
     (None: 0..n-1) and ``group_node``: the node of each DP group's first-stage GPUs (the
     features' senders and the rows' receivers; None: the node of its first member), for the
     exchanges: ``multiplex.exchange=all_to_all`` is a collective over every member,
-    ``p2p`` sends over NVLink to a peer in the node and over the NIC share to one outside."""
+    ``p2p`` sends over NVLink to a peer in the node and over the NIC share to one outside.
+    ``taken``: items (chunk, modality, group, index) that bubble calls encode instead
+    (``plan_bubble_calls``); ``busy(c)``: the member GPUs still in a bubble call when call c's
+    forward runs, which take none of its items (as ``omni.multiplex.bubbles.busy_ranks``)."""
     n = max((len(g) for g in micro_batches), default=0)
     world = len(group_of)
     sp = int(mux.encoder_sp)
@@ -101,20 +119,27 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
 
     out = []
     carried = np.zeros(world)
-    for first in range(0, n, size):
+    for c, first in enumerate(range(0, n, size)):
         chunks = list(range(first, min(first + size, n)))
         items, counters = [], {}
         for j in chunks:
             for g, mbs in enumerate(micro_batches):
-                for modality, tokens in (mbs[j].media if j < len(mbs) else []):
-                    k = counters.get((g, modality), 0)
-                    counters[(g, modality)] = k + 1
-                    items.append(ItemMeta(g, modality, k, int(tokens), int(tokens)))
+                for it in chunk_items(mbs[j], g) if j < len(mbs) else []:
+                    if (j, it.modality, g, it.index) in taken:
+                        continue
+                    k = counters.get((g, it.modality), 0)
+                    counters[(g, it.modality)] = k + 1
+                    items.append(ItemMeta(g, it.modality, k, it.tokens, it.units))
         if not items:
             out.append(ChunkTimes(0.0, 0.0, [0.0] * world, [0.0] * world, [0.0] * world, chunks=chunks))
             continue
+        allowed = eligible
+        skip = busy(c) if busy is not None else set()
+        if skip:
+            allowed = {g: [i for i in (eligible or {}).get(g, range(world)) if i not in skip]
+                       for g in set(group_of) | {it.group for it in items}}
         a = assign_items(items, group_of, world, spec.cost, sp=sp, long_threshold=threshold,
-                         sp_modalities=sp_modalities, eligible=eligible, item_bytes=item_bytes,
+                         sp_modalities=sp_modalities, eligible=allowed, item_bytes=item_bytes,
                          memory_limit=memory_limit, base_loads=carried)
         carried = a.loads
         per_gpu: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]  # (modality, tokens, sp, group)
@@ -196,4 +221,89 @@ def call_actions(actions: list[tuple[str, int]], calls: list[ChunkTimes]) -> lis
     for kind, j in actions:
         if (kind, of[j]) not in out:
             out.append((kind, of[j]))
+    return out
+
+
+@dataclass
+class BubbleTimes:
+    """One bubble call (``omni.multiplex.bubbles``) on the GPUs of its pipeline rank: per cell
+    (DP group, pipeline rank) its forward and backward, on its slowest GPU (the cell's GPUs go
+    on to the LLM's work together) and on average, the activations its largest GPU keeps from
+    the forward to the backward; per DP group the transfer of its rows to the group's first
+    stage (at the window's delivery cut) and of their gradients back (at its tail cut)."""
+
+    call: BubbleCall
+    forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    backward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    mean_forward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    mean_backward_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    activation: dict[tuple[int, int], float] = field(default_factory=dict)
+    transfer_s: dict[int, float] = field(default_factory=dict)
+    modalities: list[str] = field(default_factory=list)
+    weights_backward_s: float = 0.0  # exposed weight collectives of each backward (hybrid)
+
+    @property
+    def stage(self) -> int:
+        return self.call.stage
+
+    @property
+    def deliver_cut(self) -> int:
+        return self.call.window.deliver_cut
+
+    @property
+    def tail(self) -> int:
+        return self.call.window.tail
+
+
+def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
+                      windows: list, member_ranks: list[int], member_stage: list[int], group_of: list[int],
+                      unit_cost: dict[int, float], gpus_per_node: int, receivers: int, memory_limit: float | None,
+                      group_node: dict[int, int], modalities: dict[str, int] | None) -> list[BubbleTimes]:
+    """The step's bubble calls, chosen by the runtime's own rule (``select_bubble_items``) and
+    timed per GPU as the cut groups' calls are (``encoder_work``; a GPU of the pipeline rank
+    without items still calls each of the call's modalities, as the runtime does)."""
+    n = max((len(g) for g in micro_batches), default=0)
+    items = [[it for g, mbs in enumerate(micro_batches) if j < len(mbs) for it in chunk_items(mbs[j], g)]
+             for j in range(n)]
+
+    def item_bytes(modality: str, tokens: int) -> float:
+        return spec.encoders[modality].activation_bytes_per_token * tokens
+
+    calls = select_bubble_items(items, windows, member_stage, group_of, unit_cost, spec.cost, modalities,
+                                item_bytes, memory_limit)
+    node = [r // gpus_per_node for r in member_ranks]
+    out = []
+    for call in calls:
+        times = BubbleTimes(call, modalities=sorted({m_ for (_, m_, _, _) in call.placed}))
+        per_gpu: dict[int, list[tuple[str, int, int]]] = {i: [] for i, s in enumerate(member_stage) if s == call.stage}
+        tokens_of = {(j, it.modality, it.group, it.index): it.tokens for j, its in enumerate(items) for it in its}
+        for key, i in call.placed.items():
+            per_gpu[i].append((key[1], tokens_of[key], key[2]))
+        cells: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
+        sent: dict[int, list[float]] = {}
+        crosses: dict[int, bool] = {}
+        for i, work in per_gpu.items():
+            w = encoder_work(m, spec, [(mod, t, 1) for mod, t, _ in work], gpus_per_node)
+            idle = [empty_call(m, spec, mod) for mod in times.modalities if mod not in {x[0] for x in work}]
+            fwd = w.forward_s + sum(x.forward_s for x in idle)
+            bwd = w.backward_s + sum(x.backward_s for x in idle)
+            act = sum(encoder_activation_bytes(spec, mod, t) for mod, t, _ in work)
+            cells.setdefault((group_of[i], call.stage), []).append((fwd, bwd, act))
+            rows = sum(t for _, t, _ in work) * spec.hidden * BF16
+            if rows:
+                far = node[i] != group_node[group_of[i]]
+                sent.setdefault(group_of[i], []).append(m.p2p(rows, far))
+                crosses[group_of[i]] = crosses.get(group_of[i], False) or far
+        for cell, vals in cells.items():
+            times.forward_s[cell] = max(v[0] for v in vals)
+            times.backward_s[cell] = max(v[1] for v in vals)
+            times.mean_forward_s[cell] = float(np.mean([v[0] for v in vals]))
+            times.mean_backward_s[cell] = float(np.mean([v[1] for v in vals]))
+            times.activation[cell] = max(v[2] for v in vals)
+        for g, sends in sent.items():
+            rows = sum(t for (j, m_, gg, k), _ in call.placed.items() if gg == g for t in [tokens_of[(j, m_, gg, k)]])
+            # the group's first-stage GPUs each take in their share of the rows
+            taken_in = m.p2p(rows * spec.hidden * BF16 / max(receivers, 1), crosses[g])
+            times.transfer_s[g] = max(max(sends), taken_in)
+        out.append(times)
     return out

@@ -18,10 +18,10 @@ disaggregated baseline, see ``omni.sim.simulate``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from omni.multiplex.rules import BEFORE_PIPELINE, encoder_segments
-from omni.sim.encoders import ChunkTimes
+from omni.sim.encoders import BubbleTimes, ChunkTimes
 from omni.sim.timing import StageWork
 from parallel.pipeline_schedule import Action, encoder_backward_cuts, place_cuts, rank_programs
 
@@ -67,12 +67,14 @@ class StepTimeline:
     cells: list[CellTimeline] = field(default_factory=list)
 
 
-def programs(schedule: str, pp: int, virtual: int, n: int) -> tuple[list[list[Action]], list[Optional[int]]]:
-    """Every pipeline rank's program with cuts, and the cut of each chunk's encoder backward."""
+def programs(schedule: str, pp: int, virtual: int, n: int,
+             tails: tuple[int, ...] = ()) -> tuple[list[list[Action]], list[Optional[int]]]:
+    """Every pipeline rank's program with cuts (and the tail cuts ``tails``, where bubble calls
+    end), and the cut of each chunk's encoder backward."""
     if pp == 1:
         prog = [a for k in range(n) for a in (("cut", k, -1), ("f", 0, k), ("b", 0, k))]
         return [prog], [j + 1 for j in range(n)]  # what the runtime uses without a pipeline
-    progs = place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n)
+    progs = place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n, tails)
     return progs, encoder_backward_cuts(progs[0], n)
 
 
@@ -82,7 +84,7 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
                   chunks_per_cut: int = 1, lookahead: int = 0, call_of: Optional[list[int]] = None,
-                  exchange: str = "all_to_all") -> StepTimeline:
+                  exchange: str = "all_to_all", bubbles: Sequence[BubbleTimes] = ()) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
     or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
@@ -92,8 +94,13 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
     ``chunks_per_cut``, ``lookahead``: multiplex.chunks_per_cut, multiplex.lookahead.
     ``chunks``: the step's encoder calls, ``call_of[j]`` the one that encodes chunk j (None:
     one call per chunk); a call's forward runs at its first chunk's F action, its backward at
-    its first B action (the runtime's Multiplexer runs a cut group as one call)."""
-    progs, bwd_cuts = programs(schedule, pp, virtual, n_micro)
+    its first B action (the runtime's Multiplexer runs a cut group as one call).
+    ``bubbles``: the step's bubble calls (``omni.multiplex.bubbles``), which run as the
+    runtime's Multiplexer runs them: each cell of their pipeline rank encodes right after
+    its cut 0, its rows go to its group's first-stage cell at the window's delivery cut and
+    their gradients come back at its tail cut, each a point-to-point exchange between the
+    two cells (either waits for the other), and the cell runs the backward there."""
+    progs, bwd_cuts = programs(schedule, pp, virtual, n_micro, tuple(sorted({b.tail for b in bubbles})))
     has_media = placement != "none" and any(c.items for c in chunks)
     call_of = list(range(n_micro)) if call_of is None else call_of
     p2p_exchange = exchange == "p2p"
@@ -205,6 +212,78 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         released[k] = start + run_segment(k, start, members)
         return released[k]
 
+    def marker_ops(kind: str, k: int, c) -> list[tuple]:
+        """What cell c runs at cut k (kind "cut") or tail cut k ("tail"), in the runtime's order
+        (``Multiplexer.cut`` / ``tail``)."""
+        g, s = c
+        ops: list[tuple] = []
+        for b in bubbles:
+            ends_here = b.deliver_cut == k if kind == "cut" else b.tail == k
+            if ends_here and g in b.transfer_s and s in (0, b.stage):
+                ops.append(("pair", "deliver" if kind == "cut" else "return", b))
+            if kind == "tail" and b.tail == k and s == b.stage and c in b.backward_s:
+                ops.append(("bubble", "B", b))
+        if kind == "cut":
+            ops.append(("regular", k))
+            if k == 0:
+                ops += [("bubble", "F", b) for b in bubbles if b.stage == s and c in b.forward_s]
+        return ops
+
+    paired: dict[tuple, dict] = {}
+
+    def pair(what: str, b: BubbleTimes, c) -> Optional[float]:
+        """A bubble call's exchange between cell c and its partner (its group's first-stage
+        cell, or the producing cell): the end once both have arrived."""
+        g = c[0]
+        key = (what, id(b), g)
+        arrived_at = paired.setdefault(key, {})
+        arrived_at.setdefault(c, free[c])
+        if len(arrived_at) < 2:
+            return None
+        start = max(arrived_at.values())
+        cells[c].add("cut_wait", start - arrived_at[c])
+        dur = b.transfer_s[g]
+        cells[c].add("row_exchange", dur)
+        cells[c].comm_s += dur
+        return start + dur
+
+    def bubble_work(kind: str, b: BubbleTimes, c) -> float:
+        dur = b.forward_s[c] if kind == "F" else b.backward_s[c]
+        mean = b.mean_forward_s[c] if kind == "F" else b.mean_backward_s[c]
+        weights = b.weights_backward_s if kind == "B" else 0.0
+        cells[c].encoder_s += mean
+        cells[c].comm_s += weights
+        cells[c].add("encoder_compute", mean)
+        cells[c].add("encoder_imbalance", dur - mean - weights)
+        cells[c].add("encoder_weights", weights)
+        live_enc[c] += b.activation[c] if kind == "F" else -b.activation[c]
+        _peak(cells[c], live_llm[c], live_enc[c])
+        if record:
+            cells[c].events.append(("encoder", f"{kind}bubble{b.stage}", free[c], free[c] + dur))
+        return free[c] + dur
+
+    op_at = {c: 0 for c in cells}
+
+    def run_marker(kind: str, k: int, c) -> bool:
+        """Run cell c's ops at a cut or tail cut from where it stopped; False: it waits."""
+        ops = marker_ops(kind, k, c)
+        while op_at[c] < len(ops):
+            op = ops[op_at[c]]
+            if op[0] == "pair":
+                end = pair(op[1], op[2], c)
+            elif op[0] == "bubble":
+                end = bubble_work(op[1], op[2], c)
+            elif has_work(k) and c in members and placement != "encoder_first":
+                end = collective(k, c)
+            else:
+                end = free[c]
+            if end is None:
+                return False
+            free[c] = end
+            op_at[c] += 1
+        op_at[c] = 0
+        return True
+
     if BEFORE_PIPELINE in at_cut:  # encoder_first: every forward before the pipeline
         t = run_segment(BEFORE_PIPELINE, 0.0, members)
         for c in members:
@@ -217,12 +296,9 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
             prog = progs[s]
             while cursor[c] < len(prog):
                 kind, chunk, i = prog[cursor[c]]
-                if kind == "cut":
-                    if has_work(chunk) and c in members and placement != "encoder_first":
-                        end = collective(chunk, c)
-                        if end is None:
-                            break
-                        free[c] = end
+                if kind in ("cut", "tail"):
+                    if not run_marker(kind, chunk, c):
+                        break
                     cursor[c] += 1
                     remaining -= 1
                     progressed = True

@@ -53,6 +53,14 @@ def placement_table(result: dict[str, Any]) -> str:
                               for g, r in p["chunks_per_cut_search"].items())
             lines.append(f"  {name}: multiplex.chunks_per_cut={p['layout']['chunks_per_cut']} chosen for the run "
                          f"(sim.chunks_per_cut_search; tried {tried})")
+        if "fill_bubbles_search" in p:
+            tried = ", ".join(f"{k} {r['step_time_s']:.3f} s{'' if r['fits'] else ' (OOM)'}"
+                              for k, r in p["fill_bubbles_search"].items())
+            lines.append(f"  {name}: multiplex.fill_bubbles={p['layout']['fill_bubbles']} chosen for the run "
+                         f"(tried {tried}; {p['bubble_items']:.0f} items per step in bubble calls)")
+        elif p.get("bubble_items"):
+            lines.append(f"  {name}: {p['bubble_items']:.0f} items per step encoded in the pipeline's bubbles "
+                         f"(multiplex.fill_bubbles)")
     if "disaggregated" in places:
         lines.append(f"  disaggregated: {places['disaggregated']['layout']['encoder_gpus']} GPUs run only the "
                      f"encoders; the LLM runs {describe_layout(places['disaggregated']['layout'])}")

@@ -22,20 +22,24 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.multiplex.rules import CUT_PLACEMENTS, encoder_actions, encoder_ranks, memory_budget_setting
+from omni.multiplex.bubbles import busy_ranks, closing_modalities, forward_unit_cost
+from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call, encoder_actions,
+                                  encoder_ranks, encoder_shard_group, fills_bubbles, forward_insertion_points,
+                                  memory_budget_setting)
 from omni.sim import megatron
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import PLACEMENTS, SimConfig
 from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
-from omni.sim.encoders import ChunkTimes, call_actions, call_of_chunks, plan_chunks
+from omni.sim.encoders import (BubbleTimes, ChunkTimes, call_actions, call_of_chunks, chunk_items, plan_bubble_calls,
+                               plan_chunks)
 from omni.sim.engine import DECOMPOSITION, StepTimeline, programs, simulate_step
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
 from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
 from parallel.pipeline import microbatch_count, split_layers
-from parallel.pipeline_schedule import EXECUTOR_SCHEDULES
+from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
 
 GIB = 2.0**30
 
@@ -170,6 +174,27 @@ def chunks_per_cut_candidates(micro_batches: int) -> list[int]:
 
 def _chunks_per_cut_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
                             cache: dict[tuple[int, str], list[StepWork]] | None) -> dict[str, Any]:
+    """``_groups_for_run``; with ``multiplex.fill_bubbles=auto`` under colocated, once with the
+    bubble calls and once without, and the faster that fits (bubble calls keep their items'
+    activations from the step's start to its cool-down: where memory is tight they may not
+    fit, as a researcher would find and turn them off). The JSON's ``fill_bubbles_search``
+    holds both."""
+    with_bubbles = _groups_for_run(cfg, spec, m, placement, cache)
+    if placement != "colocated" or str(cfg.multiplex.fill_bubbles).lower() != "auto" \
+            or not with_bubbles.get("bubble_items"):
+        return with_bubbles
+    off = dataclasses.replace(cfg, multiplex=dataclasses.replace(cfg.multiplex, fill_bubbles="false"))
+    without = _groups_for_run(off, spec, m, placement, cache)
+    tried = {0: with_bubbles, 1: without}
+    out = tried[_fastest_fitting(tried)]
+    out["fill_bubbles_search"] = {
+        name: {"step_time_s": r["step_time_s"], "fits": r["fits"], "chunks_per_cut": r["layout"]["chunks_per_cut"]}
+        for name, r in (("auto", with_bubbles), ("false", without))}
+    return out
+
+
+def _groups_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
+                    cache: dict[tuple[int, str], list[StepWork]] | None) -> dict[str, Any]:
     """``placement`` with the multiplex.chunks_per_cut chosen for the whole run, as a researcher
     would fix it in the training config: the fastest candidate whose every simulated step fits
     in memory (the fastest overall if none does). Fewer, larger calls pay the per-call fixed
@@ -224,6 +249,7 @@ class _Run:
     members: list[int] = dataclasses.field(default_factory=list)  # encoder GPUs (global ranks)
     tail_comm: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     pool: dict[str, float] | None = None
+    bubbles: list[BubbleTimes] = dataclasses.field(default_factory=list)
 
 
 def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str, step: StepWork,
@@ -255,12 +281,14 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
 
     cache: dict[tuple, StageWork] = {}
     work, act = {}, {}
+    llm_costs: dict[int, list[float]] = {}  # per DP group, each micro-batch's LLM cost (the runtime's manifests)
     for gi, mbs in enumerate(groups):
         for i, mb in enumerate(mbs):
             length = common[gi] or _round_up(max(mb.tokens, 1), tp)
             # The runtime pads a row with one more document (an empty micro-batch is one
             # document of padding): it attends like any other.
             docs = mb.docs + ([length - mb.tokens] if length > mb.tokens else [])
+            llm_costs.setdefault(gi, []).append(float(np.sum(spec.cost.llm_cost(docs))))
             for st in range(pp * v):
                 fsdp = (("f", st, i) in gathers, ("b", st, i) in gathers, reduce_per_mb)
                 key = (st, length, tuple(docs), fsdp)
@@ -283,6 +311,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
 
     # Encoder chunks: who encodes, planned by the runtime's planner.
     chunks: list[ChunkTimes] = []
+    bubbles: list[BubbleTimes] = []
     encoder_cells: dict[tuple[int, int], list[int]] = {}
     members: list[int] = []
     sim_placement = placement
@@ -297,8 +326,15 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         budget = _encoder_memory_budget(cfg, spec, sizes)
         # The node of each DP group's first-stage GPUs: its features' senders, its rows' receivers.
         group_node = {g: sizes.dp_group_rank(g, pp=0) // cluster.gpus_per_node for g in range(sizes.dp)}
+        bubbles = _bubble_calls(cfg, spec, m, sizes, placement, groups, members, group_of, llm_costs, backward_cuts,
+                                budget, group_node)
+        member_stage = [sizes.coords(r)["pp"] for r in members]
+        forward_at = forward_insertion_points(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut),
+                                              int(cfg.multiplex.lookahead))
         chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, eligible, cluster.gpus_per_node, tp * cp,
-                             budget, placement, member_ranks=members, group_node=group_node)
+                             budget, placement, member_ranks=members, group_node=group_node,
+                             taken={key for b in bubbles for key in b.call.placed},
+                             busy=lambda c: busy_ranks([b.call for b in bubbles], member_stage, forward_at[c]))
         for i, r in enumerate(members):
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
@@ -307,6 +343,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                                                int(cfg.multiplex.lookahead)), chunks)
         sync.add_encoder_grad_traffic(m, cfg, spec, chunks, len(members), reshard)
         sync.add_encoder_collectives(m, cfg, spec, chunks, actions, members, cluster.gpus_per_node, reshard)
+        sync.add_bubble_backward_costs(m, cfg, spec, bubbles, members, cluster.gpus_per_node, reshard)
     else:
         sim_placement = "none"
 
@@ -342,7 +379,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                              chunks_per_cut=int(cfg.multiplex.chunks_per_cut),
                              lookahead=int(cfg.multiplex.lookahead),
                              call_of=call_of_chunks(chunks) if chunks else None,
-                             exchange=str(cfg.multiplex.exchange))
+                             exchange=str(cfg.multiplex.exchange), bubbles=bubbles)
     if first_encoder:
         first_encoder.book(timeline)
     memory = []
@@ -377,10 +414,35 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         else:
             b.activations, b.transient = tl.peak_activations, transient
         memory.append(b)
-    run = _Run(timeline, memory, chunks, work, members, tail_comm)
+    run = _Run(timeline, memory, chunks, work, members, tail_comm, bubbles=bubbles)
     if encoder_pool:
         run.pool = _encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
     return run
+
+
+def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str,
+                  groups: list[list[MicroBatchWork]], members: list[int], group_of: list[int],
+                  llm_costs: dict[int, list[float]], backward_cuts: list, budget: float | None,
+                  group_node: dict[int, int]) -> list[BubbleTimes]:
+    """The step's bubble calls where ``multiplex.fill_bubbles`` applies (the runtime's rule,
+    ``fills_bubbles``), planned by the runtime's own selection."""
+    mux, par, cluster = cfg.multiplex, cfg.parallel, cfg.cluster
+    shard = encoder_shard_group(mux.encoder_weights, int(mux.encoder_shard_group), cluster.gpus_per_node, len(members))
+    if not fills_bubbles(mux.fill_bubbles, placement, sizes, mux.encoder_weights, shard, mux.exchange):
+        return []
+    pp, v = sizes.pp, par.pp_virtual_stages if sizes.pp > 1 else 1
+    n = len(groups[0]) if groups else 0
+    windows = bubble_windows(par.pp_schedule, pp, v, n)
+    unit = {g: forward_unit_cost(costs, pp, v, sizes.tp * sizes.cp) for g, costs in llm_costs.items()}
+    modalities = None
+    if mux.encoder_weights != "replicated":
+        items = [[it for g, mbs in enumerate(groups) for it in chunk_items(mbs[j], g)] for j in range(n)]
+        size = chunks_per_call(placement, n, int(mux.chunks_per_cut))
+        modalities = closing_modalities(items, chunks_backward_after_pipeline(
+            placement, n, backward_cuts, size, int(mux.lookahead)))
+    member_stage = [sizes.coords(r)["pp"] for r in members]
+    return plan_bubble_calls(m, spec, mux, groups, windows, members, member_stage, group_of, unit,
+                             cluster.gpus_per_node, sizes.tp * sizes.cp, budget, group_node, modalities)
 
 
 def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list[MicroBatchWork]], e: int,
@@ -447,7 +509,8 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
               "cp": sizes.cp, "ep": sizes.ep, "pp_virtual_stages": cfg.parallel.pp_virtual_stages,
               "pp_schedule": cfg.parallel.pp_schedule, "micro_batches": max(len(g) for g in steps[-1].groups),
               "max_micro_batches": max(len(g) for s in steps for g in s.groups),
-              "encoder_gpus": encoder_pool, "chunks_per_cut": int(cfg.multiplex.chunks_per_cut)}
+              "encoder_gpus": encoder_pool, "chunks_per_cut": int(cfg.multiplex.chunks_per_cut),
+              "fill_bubbles": str(cfg.multiplex.fill_bubbles).lower()}
     return {
         "step_time_s": mean_step,
         "tokens_per_s": tokens / mean_step if mean_step > 0 else 0.0,
@@ -466,6 +529,7 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
         "encoder_balance": float(np.mean([c.balance for c in chunks if c.items])) if any(c.items for c in chunks)
         else 1.0,
         "long_items": int(sum(c.long_items for c in chunks)),
+        "bubble_items": float(np.mean([sum(len(b.call.placed) for b in r.bubbles) for r in runs])),
         "decomposition_s": decomposition,
         "image_ratios": [None if s.image_ratio is None else float(s.image_ratio) for s in steps],
         "layout": layout,

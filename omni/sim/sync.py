@@ -315,3 +315,38 @@ def add_encoder_grad_traffic(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks
 
 def _pp(cfg: SimConfig) -> int:
     return int(cfg.parallel.pp)
+
+
+def add_bubble_backward_costs(m: Machine, cfg: SimConfig, spec: ModelSpec, bubbles: list, members: int | Sequence[int],
+                              gpus_per_node: int, reshard: bool) -> None:
+    """What a bubble call's backward adds beyond its matmuls, on every GPU of its pipeline
+    rank: the gradient bookkeeping of a backward that is not the step's last
+    (``grad_accumulation_bytes``; replicated weights add into the gradient, hybrid ones
+    reduce-scatter theirs inside the shard group, which the rule keeps inside the pipeline
+    rank), and the exposed part of that reduce-scatter (``encoder_backward_reduction``)."""
+    shard_n = encoder_shard(cfg, members if isinstance(members, int) else len(members))
+    sharded = shard_n > 1
+    shard, replicate = encoder_groups(cfg, members, gpus_per_node)
+    for b in bubbles:
+        extra = comm = 0.0
+        for modality in b.modalities:
+            e = spec.encoders[modality]
+            if not e.trainable:
+                continue
+            syncs = sharded and tower_syncs_gradients(False, reshard, reduces_every_microbatch(cfg.parallel, _pp(cfg)),
+                                                      cfg.multiplex.encoder_weights)
+            # Replicated: added into the step's gradient. Sharded weights that reduce here keep no
+            # unsharded accumulator (every backward of a hybrid tower reduce-scatters), and add the
+            # reduced shard into the shard of the step's earlier backwards.
+            accumulator = not sharded or not syncs
+            extra += m.memory(grad_accumulation_bytes(sharded, accumulator, syncs, syncs, shard_n) * e.params) \
+                / m.cluster.encoder_efficiency
+            if syncs:
+                comm += encoder_backward_reduction(m, cfg, FP32 * e.params, shard, replicate, False, reshard)
+        for cell in b.backward_s:
+            b.backward_s[cell] += extra
+            b.mean_backward_s[cell] += extra
+        slowest = max(b.backward_s.values(), default=0.0)
+        b.weights_backward_s = max(0.0, comm - slowest)
+        for cell in b.backward_s:
+            b.backward_s[cell] += b.weights_backward_s

@@ -8,7 +8,7 @@ gloo's, on the very batches ``PipelineExecutor.run`` issues (``p2p_programs``, w
 (b) rendezvous: replaying every rank's program where a send completes only when its peer's
     matching receive is posted, a batch completes when all its operations are matched, the
     operations of one group run in the order they were issued (nccl's stream order) and every
-    cut is a barrier over all ranks (the strictest collective a cut may run), every rank
+    cut (and tail cut) is a barrier over all ranks (the strictest collective a cut may run), every rank
     reaches its end.
 
 The replay is not blind: it deadlocks on the former executor's traffic (a blocking receive
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dist_helpers import run_ranks
-from parallel.pipeline_executor import DRAIN, Batch, P2P, p2p_programs, place_cuts, rank_programs
+from parallel.pipeline_executor import DRAIN, MARKERS, Batch, P2P, bubble_windows, p2p_programs, place_cuts, rank_programs
 
 SHAPE, DTYPE = (1, 5, 8), torch.bfloat16
 CASES = ([(s, pp, 1, n) for s in ("gpipe", "1f1b") for pp in (2, 4) for n in (1, 2, pp, pp + 1, 2 * pp, 3 * pp)]
@@ -34,7 +34,9 @@ IDS = [f"{s}-pp{p}-v{v}-m{m}" for s, p, v, m in CASES]
 
 
 def _programs(schedule, pp, virtual, n):
-    return p2p_programs(place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n), pp, virtual,
+    """With the tail cuts of every bubble window too: they are barriers like the cuts."""
+    tails = [w.tail for w in bubble_windows(schedule, pp, virtual, n) if w is not None]
+    return p2p_programs(place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n, tails), pp, virtual,
                         SHAPE, DTYPE)
 
 
@@ -103,9 +105,9 @@ def _replay(programs, pp):
                 elif item[0] == "wait":  # for the batch at position item[1] (torch's receives)
                     if item[1] not in finished[r]:
                         break
-                elif item[0] == "cut":
-                    arrived[item[1]].add(r)
-                    if len(arrived[item[1]]) < pp:
+                elif item[0] in MARKERS:
+                    arrived[item[:2]].add(r)
+                    if len(arrived[item[:2]]) < pp:
                         break
                 pc[r] += 1
                 progress = True
@@ -143,7 +145,7 @@ def test_sends_pair_and_cannot_deadlock_under_nccl_rules(schedule, pp, virtual, 
                 open_batches |= not item.wait
             elif item == DRAIN:
                 open_batches = False
-            elif item[0] == "cut":
+            elif item[0] in MARKERS:
                 assert not open_batches, items
         assert not open_batches
 

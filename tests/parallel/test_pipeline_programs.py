@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.pipeline_executor import encoder_backward_cuts, place_cuts, rank_programs
+from parallel.pipeline_executor import bubble_windows, encoder_backward_cuts, place_cuts, rank_programs
 
 CASES = [("gpipe", 2, 1, 4), ("gpipe", 4, 1, 6), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 2),
          ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 2, 8), ("interleaved_1f1b", 4, 2, 8),
@@ -115,3 +115,38 @@ def test_one_f_one_b_cut_is_stage_zeros_moment():
     cut = place_cuts(rank_programs("1f1b", 2, 1, 4), 2, 1, 4)
     text = " ".join(f"|{c}" if k == "cut" else f"{k}{i}" for k, c, i in cut[1])
     assert text == "|0 |1 f0 b0 f1 b1 |2 f2 b2 |3 f3 b3"
+
+
+@pytest.mark.parametrize("schedule,pp,virtual,n", CASES, ids=IDS)
+def test_tail_cuts_are_consistent_and_bubble_windows_are_idle(schedule, pp, virtual, n):
+    """Tail cuts (``place_cuts(tails=...)``) are consistent as cuts are, come on rank 0 right
+    after its backward of their micro-batch, and each bubble window is where its rank really
+    idles: its delivery cut precedes its first action, and its tail cut follows its last."""
+    windows = bubble_windows(schedule, pp, virtual, n)
+    assert windows[0] is None and all(w is not None and w.rank == r for r, w in enumerate(windows) if r)
+    tails = sorted({w.tail for w in windows if w is not None})
+    programs = rank_programs(schedule, pp, virtual, n)
+    cut = place_cuts(programs, pp, virtual, n, tails)
+    bounds = []  # per rank: marker -> position in the cut-free program
+    for r, prog in enumerate(cut):
+        seen, at = {}, 0
+        for a in prog:
+            if a[0] in ("cut", "tail"):
+                seen[a[:2]] = at
+            else:
+                at += 1
+        assert sorted(seen) == sorted([("cut", k) for k in range(n)] + [("tail", j) for j in tails])
+        bounds.append(seen)
+    orders = [[a[:2] for a in prog if a[0] in ("cut", "tail")] for prog in cut]
+    assert all(order == orders[0] for order in orders), "the same order of cuts on every rank"
+    for j in tails:  # rank 0: right after its backward of j through model chunk 0
+        assert programs[0][bounds[0][("tail", j)] - 1] == ("b", 0, j)
+    for (a, b) in _edges(programs, pp, virtual):
+        for mark in bounds[0]:
+            if b[1] < bounds[b[0]][mark]:
+                assert a[1] < bounds[a[0]][mark], (mark, a, b)
+    for w in windows[1:]:
+        assert bounds[w.rank][("cut", w.deliver_cut)] == 0, "the delivery cut comes before the rank's first action"
+        assert w.deliver_cut + 1 == n or bounds[w.rank][("cut", w.deliver_cut + 1)] > 0, "... and is the last such"
+        assert bounds[w.rank][("tail", w.tail)] == len(programs[w.rank]), "the tail cut comes after its last action"
+        assert w.before >= 1.0 and w.after >= 0.0

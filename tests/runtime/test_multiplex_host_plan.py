@@ -26,8 +26,8 @@ def _worker(rank, world, out_dir):
     manifests = [mux.describe(mb) for mb in rows]  # on the host, before the move
     prepared = [chunk.prepare(mb.to("meta")) for mb in rows]
     n = mux.begin_step(prepared, manifests)
-    placed = {j: {m: (tuple(idx.shape), str(idx.device)) for m, idx in mux._chunks[j].need_idx.items()}
-              for j in range(n)}
+    placed = {j: {m: (tuple(idx.shape), str(idx.device)) for src in mux._chunks[j].sources
+                  for m, idx in src.need_idx.items()} for j in range(n)}
     tokens = [{m: int(media.num_tokens.sum()) for m, media in mb.media.items()} for mb in rows]
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump({"n": n, "placed": placed, "tokens": tokens}, f)
