@@ -101,7 +101,8 @@ def build_meta_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_n
     encoders = {m: enc for m, (_, enc, _) in built.items()}
     with torch.device("meta"):
         projectors = {
-            m: Projector(enc.output_dim, llm.config.hidden_size, **_projector_kwargs(slots[name]))
+            m: Projector(enc.output_dim, llm.config.hidden_size, merge=enc.tokens_per_row,
+                         **_projector_kwargs(slots[name]))
             for m, (name, enc, _) in built.items()
         }
     frozen = {m for m, (name, _, _) in built.items() if slots[name].freeze}

@@ -1,4 +1,5 @@
 """The data plane's cost model from the model itself (forward FLOPs, attention vs. linear).
+A media item's n is its LLM placeholders (output rows), whatever its encoder tokens.
 
 ``dataloading`` never imports the model: the recipes compute the coefficients here and hand
 the plain numbers to the planner. All terms are forward FLOPs, so LLM and encoder costs add up
@@ -26,7 +27,11 @@ def default_cost_model(model: OmniModel) -> CostModel:
     encoders = {}
     for modality, enc in model.encoders.items():
         a, b = enc.cost_coefficients()
-        # The projector maps each encoder token into the LLM width: linear in n.
+        # Per LLM placeholder (n counts an item's output rows everywhere: the data plane's
+        # index, the planners): an encoder that emits k = tokens_per_row tokens per row
+        # (spatial merge) runs k*n tokens, alpha (k n)^2 + beta k n. The projector maps each row
+        # into the LLM width: linear in n.
+        k = enc.tokens_per_row
         proj = sum(p.numel() for p in model.projectors[modality].parameters() if p.dim() > 1)
-        encoders[modality] = (float(a), float(b) + 2.0 * proj)
+        encoders[modality] = (float(a) * k * k, float(b) * k + 2.0 * proj)
     return CostModel(alpha, beta, encoders)

@@ -142,16 +142,19 @@ def describe_media(mb: MicroBatch, units_of: Mapping[str, Callable[[object], Seq
     return out
 
 
-def piece_bounds(n_tokens: int, sp: int, member: int) -> tuple[int, int]:
+def piece_bounds(n_tokens: int, sp: int, member: int, granule: int = 1) -> tuple[int, int]:
     """The rows ``[lo, hi)`` of an item of ``n_tokens`` that SP member ``member`` of ``sp``
     holds: pieces of ceil(n/sp) rows (the last members of a short item may hold none, e.g. 3
-    tokens over 4 members: 1, 1, 1, 0)."""
-    if sp < 1 or not 0 <= member < sp or n_tokens < 0:
-        raise ValueError(f"piece_bounds: need sp >= 1, 0 <= member < sp and n_tokens >= 0, got sp={sp}, "
-                         f"member={member}, n_tokens={n_tokens}")
-    c = -(-n_tokens // sp)
-    lo = min(member * c, n_tokens)
-    return lo, min(lo + c, n_tokens)
+    tokens over 4 members: 1, 1, 1, 0). ``granule``: pieces are whole groups of that many rows
+    (an encoder whose projector merges ``granule`` tokens into one output row: its token pieces
+    are the output rows' pieces times the granule; ``n_tokens`` is then a multiple of it)."""
+    if sp < 1 or not 0 <= member < sp or n_tokens < 0 or granule < 1 or n_tokens % granule:
+        raise ValueError(f"piece_bounds: need sp >= 1, 0 <= member < sp, n_tokens >= 0 and a multiple of "
+                         f"granule >= 1, got sp={sp}, member={member}, n_tokens={n_tokens}, granule={granule}")
+    n = n_tokens // granule
+    c = -(-n // sp)
+    lo = min(member * c, n)
+    return lo * granule, min(lo + c, n) * granule
 
 
 @dataclass

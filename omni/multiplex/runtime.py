@@ -168,7 +168,9 @@ class Multiplexer:
         self.split_fixed_cost = 0.0
         self.exchange = cfg.exchange
         element = 2 if layout.device.type == "cuda" else 4  # bf16 activations on the GPU
-        self._item_bytes = (lambda m, tokens: encoders[m].activation_bytes(tokens, element)) if encoders else None
+        # (an item's size in the plan is its output rows; its encoder runs tokens_per_row x as many tokens)
+        self._item_bytes = (lambda m, rows: encoders[m].activation_bytes(rows * encoders[m].tokens_per_row, element)) \
+            if encoders else None
         # n -> for each chunk j, the cut at which its backward can run (stage 0 then has j's
         # embedding gradient; None: after the pipeline). Set from the pipeline executor; without
         # pipeline parallelism micro-batch j's backward is done before cut j + 1.

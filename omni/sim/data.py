@@ -42,11 +42,20 @@ EXPECTATION_SEED = 20240518
 
 
 def llm_tokens(spec: ModelSpec, modality: str, encoder_tokens):
-    """LLM tokens a media item of ``encoder_tokens`` encoder tokens occupies (ints or arrays).
+    """LLM tokens a media item of ``encoder_tokens`` encoder tokens occupies (ints or arrays):
+    one per ``tokens_per_row`` (the projector's spatial merge joins that many neighbours)."""
+    return encoder_tokens // spec.encoders[modality].tokens_per_row
 
-    Omni's projectors map every encoder token to one LLM token; the one place to change when a
-    patch-merging projector is added (``spec`` and ``modality`` will say by how much)."""
-    return encoder_tokens
+
+def encoder_tokens(spec: ModelSpec, modality: str, rows):
+    """The encoder tokens behind ``rows`` LLM placeholders (the inverse of ``llm_tokens``)."""
+    return rows * spec.encoders[modality].tokens_per_row
+
+
+def media_rows(spec: ModelSpec, media) -> list[tuple[str, int]]:
+    """(modality, encoder tokens) items as the shared cost model and the planners count them:
+    by their LLM placeholders."""
+    return [(m, int(llm_tokens(spec, m, n))) for m, n in media]
 
 
 @dataclass
@@ -344,6 +353,9 @@ class SampleModel:
             span = cfg.audio_tokens if kind == "audio" else (cfg.image_tokens_min, cfg.image_tokens_max)
             counts = rng.integers(lo, hi + 1, n)
             sizes = _log_uniform(rng, *span, (n, hi))
+        # whole merge groups (a processor's grid is a whole number of them)
+        k = self.spec.encoders[KINDS[kind]].tokens_per_row if KINDS[kind] in self.spec.encoders else 1
+        sizes = np.maximum(k, np.rint(sizes / k) * k)
         return self._fit(KINDS[kind], sizes, counts)
 
     def _media_llm(self, kind: str, sizes: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -363,14 +375,8 @@ class SampleModel:
 
 
 def _largest_fitting(spec: ModelSpec, modality: str, room: int) -> int:
-    """The most encoder tokens whose LLM tokens fit ``room`` (llm_tokens is non-decreasing)."""
-    lo, hi = 1, max(1, room)
-    while llm_tokens(spec, modality, hi + 1) <= room:  # a merging projector fits more encoder tokens
-        hi *= 2
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if llm_tokens(spec, modality, mid) <= room else (lo, mid - 1)
-    return lo
+    """The most encoder tokens whose LLM tokens fit ``room``: whole merge groups."""
+    return int(encoder_tokens(spec, modality, max(1, room)))
 
 
 def _log_uniform(rng: np.random.Generator, lo: int, hi: int, shape) -> np.ndarray:
@@ -383,7 +389,7 @@ def _lognormal_mu(mean: float, sigma: float) -> float:
 
 
 def _arrange(samples: list[MicroBatchWork], cfg: SimDataConfig, spec: ModelSpec, dp: int) -> StepWork:
-    costs = np.asarray([spec.cost.sample_cost(s.docs, s.media) for s in samples])
+    costs = np.asarray([spec.cost.sample_cost(s.docs, media_rows(spec, s.media)) for s in samples])
     tokens = np.asarray([s.tokens for s in samples], dtype=np.int64)
     arr = arrange(costs, tokens, dp, cfg.micro_batch_tokens, cfg.balance)
     groups = [[MicroBatchWork([d for i in mb for d in samples[i].docs], [it for i in mb for it in samples[i].media])
@@ -413,7 +419,9 @@ def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int) -> list[StepWor
     steps = []
     for i, step in enumerate(mixture_steps(cfg)):
         plan = planner.plan(step)
-        groups = [[MicroBatchWork([plan.unit_tokens[u] for u in mb], [it for u in mb for it in planner.unit_media(u)])
+        # the index counts an item by its placeholders; a simulated step by its encoder tokens
+        groups = [[MicroBatchWork([plan.unit_tokens[u] for u in mb],
+                                  [(m, int(encoder_tokens(spec, m, n))) for u in mb for m, n in planner.unit_media(u)])
                    for mb in rank] for rank in plan.ranks]
         work = StepWork(groups, float(plan.stats["max_over_mean"]))
         work.image_ratio = step_media_share(spec, work)

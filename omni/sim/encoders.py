@@ -23,7 +23,7 @@ from omni.multiplex.bubbles import BubbleCall, select_bubble_items
 from omni.multiplex.planning import ItemMeta, assign_items
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.rules import chunks_per_call
-from omni.sim.data import MicroBatchWork
+from omni.sim.data import MicroBatchWork, llm_tokens
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, CommGroup, EncoderWork, Machine, encoder_work
@@ -68,15 +68,16 @@ def empty_call(m: Machine, spec: ModelSpec, modality: str) -> EncoderWork:
     return EncoderWork(launches / eff, backward)
 
 
-def chunk_items(mb: MicroBatchWork, group: int) -> list[ItemMeta]:
-    """One DP group's micro-batch's media items as the runtime's planner names them (an index
-    per modality, in the micro-batch's order)."""
+def chunk_items(mb: MicroBatchWork, group: int, spec: ModelSpec) -> list[ItemMeta]:
+    """One DP group's micro-batch's media items as the runtime's planner names and counts them:
+    an index per modality, in the micro-batch's order; ``tokens`` its output rows (LLM
+    placeholders), ``units`` its encoder tokens (what the encoder runs)."""
     counters: dict[str, int] = {}
     out = []
     for modality, tokens in mb.media:
         k = counters.get(modality, 0)
         counters[modality] = k + 1
-        out.append(ItemMeta(group, modality, k, int(tokens), int(tokens)))
+        out.append(ItemMeta(group, modality, k, int(llm_tokens(spec, modality, tokens)), int(tokens)))
     return out
 
 
@@ -114,8 +115,9 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
     p2p = str(getattr(mux, "exchange", "all_to_all")) == "p2p"
     size = chunks_per_call(placement, n, int(mux.chunks_per_cut))
 
-    def item_bytes(modality: str, tokens: int) -> float:
-        return spec.encoders[modality].activation_bytes_per_token * tokens
+    def item_bytes(modality: str, rows: int) -> float:
+        e = spec.encoders[modality]
+        return e.activation_bytes_per_token * rows * e.tokens_per_row
 
     out = []
     carried = np.zeros(world)
@@ -124,7 +126,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
         items, counters = [], {}
         for j in chunks:
             for g, mbs in enumerate(micro_batches):
-                for it in chunk_items(mbs[j], g) if j < len(mbs) else []:
+                for it in chunk_items(mbs[j], g, spec) if j < len(mbs) else []:
                     if (j, it.modality, g, it.index) in taken:
                         continue
                     k = counters.get((g, it.modality), 0)
@@ -142,13 +144,14 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
                          sp_modalities=sp_modalities, eligible=allowed, item_bytes=item_bytes,
                          memory_limit=memory_limit, base_loads=carried)
         carried = a.loads
-        per_gpu: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]  # (modality, tokens, sp, group)
+        # (modality, encoder tokens, sp, group)
+        per_gpu: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]
         for it in items:
             if it.key in a.placed:
-                per_gpu[a.placed[it.key]].append((it.modality, it.tokens, 1, it.group))
+                per_gpu[a.placed[it.key]].append((it.modality, it.units, 1, it.group))
             else:
                 for r in a.block(a.block_of[it.key]):
-                    per_gpu[r].append((it.modality, it.tokens, sp, it.group))
+                    per_gpu[r].append((it.modality, it.units, sp, it.group))
         called = sorted({it.modality for it in items})
         fwd, bwd, act, sent, trades = [], [], [], [], []
         for r, work in enumerate(per_gpu):
@@ -160,7 +163,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
             act.append(sum(encoder_activation_bytes(spec, mod, t, sp=s_) for mod, t, s_, _ in work))
             # Features come from the item's own group unless this GPU holds them already.
             feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g in work if g != group_of[r])
-            rows = sum(t / s_ for _, t, s_, _ in work)
+            rows = sum(t / s_ / spec.encoders[mod].tokens_per_row for mod, t, s_, _ in work)
             sent.append((feat, rows * spec.hidden * BF16))
         if p2p:
             feat_s, out_s = _p2p_exchange(m, spec, per_gpu, node, group_node, receivers)
@@ -195,7 +198,7 @@ def _p2p_exchange(m: Machine, spec: ModelSpec, per_gpu: list[list[tuple[str, int
         for mod, t, s_, g in work:
             local = group_node[g] == node[r]
             fb = t / s_ * spec.encoders[mod].feature_bytes_per_token
-            ob = t / s_ * spec.hidden * BF16
+            ob = t / s_ / spec.encoders[mod].tokens_per_row * spec.hidden * BF16
             if local:
                 f_loc, o_loc = f_loc + fb, o_loc + ob
             else:
@@ -263,11 +266,12 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
     timed per GPU as the cut groups' calls are (``encoder_work``; a GPU of the pipeline rank
     without items still calls each of the call's modalities, as the runtime does)."""
     n = max((len(g) for g in micro_batches), default=0)
-    items = [[it for g, mbs in enumerate(micro_batches) if j < len(mbs) for it in chunk_items(mbs[j], g)]
+    items = [[it for g, mbs in enumerate(micro_batches) if j < len(mbs) for it in chunk_items(mbs[j], g, spec)]
              for j in range(n)]
 
-    def item_bytes(modality: str, tokens: int) -> float:
-        return spec.encoders[modality].activation_bytes_per_token * tokens
+    def item_bytes(modality: str, rows: int) -> float:
+        e = spec.encoders[modality]
+        return e.activation_bytes_per_token * rows * e.tokens_per_row
 
     calls = select_bubble_items(items, windows, member_stage, group_of, unit_cost, spec.cost, modalities,
                                 item_bytes, memory_limit)
@@ -276,7 +280,8 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
     for call in calls:
         times = BubbleTimes(call, modalities=sorted({m_ for (_, m_, _, _) in call.placed}))
         per_gpu: dict[int, list[tuple[str, int, int]]] = {i: [] for i, s in enumerate(member_stage) if s == call.stage}
-        tokens_of = {(j, it.modality, it.group, it.index): it.tokens for j, its in enumerate(items) for it in its}
+        rows_of = {(j, it.modality, it.group, it.index): it.tokens for j, its in enumerate(items) for it in its}
+        tokens_of = {(j, it.modality, it.group, it.index): it.units for j, its in enumerate(items) for it in its}
         for key, i in call.placed.items():
             per_gpu[i].append((key[1], tokens_of[key], key[2]))
         cells: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
@@ -289,7 +294,7 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
             bwd = w.backward_s + sum(x.backward_s for x in idle)
             act = sum(encoder_activation_bytes(spec, mod, t) for mod, t, _ in work)
             cells.setdefault((group_of[i], call.stage), []).append((fwd, bwd, act))
-            rows = sum(t for _, t, _ in work) * spec.hidden * BF16
+            rows = sum(t / spec.encoders[mod].tokens_per_row for mod, t, _ in work) * spec.hidden * BF16
             if rows:
                 far = node[i] != group_node[group_of[i]]
                 sent.setdefault(group_of[i], []).append(m.p2p(rows, far))
@@ -301,7 +306,7 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
             times.mean_backward_s[cell] = float(np.mean([v[1] for v in vals]))
             times.activation[cell] = max(v[2] for v in vals)
         for g, sends in sent.items():
-            rows = sum(t for (j, m_, gg, k), _ in call.placed.items() if gg == g for t in [tokens_of[(j, m_, gg, k)]])
+            rows = sum(rows_of[key] for key in call.placed if key[2] == g)
             # the group's first-stage GPUs each take in their share of the rows
             taken_in = m.p2p(rows * spec.hidden * BF16 / max(receivers, 1), crosses[g])
             times.transfer_s[g] = max(max(sends), taken_in)

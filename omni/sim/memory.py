@@ -382,5 +382,7 @@ def encoder_activation_bytes(spec: ModelSpec, modality: str, tokens: float, *, s
     hidden state and activation output."""
     e = spec.encoders[modality]
     per_token = e.activation_bytes_per_token if e.trainable else 0.0
-    per_token += 2 * (e.hidden + 2 * spec.hidden)
+    # the projector's input (and its norm's, with a spatial merge) per encoder token, its hidden
+    # state and output per row of tokens_per_row tokens
+    per_token += 2 * (e.hidden * (2 if e.tokens_per_row > 1 else 1) + 2 * spec.hidden / e.tokens_per_row)
     return per_token * tokens / sp

@@ -436,7 +436,7 @@ def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, pla
     unit = {g: forward_unit_cost(costs, pp, v, sizes.tp * sizes.cp) for g, costs in llm_costs.items()}
     modalities = None
     if mux.encoder_weights != "replicated":
-        items = [[it for g, mbs in enumerate(groups) for it in chunk_items(mbs[j], g)] for j in range(n)]
+        items = [[it for g, mbs in enumerate(groups) for it in chunk_items(mbs[j], g, spec)] for j in range(n)]
         size = chunks_per_call(placement, n, int(mux.chunks_per_cut))
         modalities = closing_modalities(items, chunks_backward_after_pipeline(
             placement, n, backward_cuts, size, int(mux.lookahead)))

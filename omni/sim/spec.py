@@ -21,11 +21,14 @@ class EncoderSpec:
     heads: int
     params: int  # encoder + projector
     trainable: bool
-    alpha: float  # forward FLOPs of one item of n tokens: alpha * n^2 + beta * n (shared cost model)
+    alpha: float  # forward FLOPs of one item of n encoder tokens: alpha * n^2 + beta * n
     beta: float
     activation_bytes_per_token: float  # bf16, what autograd keeps per encoder token (EncoderAnchor)
     feature_bytes_per_token: float  # input feature row (patch pixels / mel frame) in bf16
     supports_sp: bool = False  # long items may be split over multiplex.encoder_sp ranks
+    # Encoder tokens per LLM placeholder (the projector's spatial merge: 4 for 2x2). The shared
+    # cost model counts an item by its placeholders; alpha and beta here are per encoder token.
+    tokens_per_row: int = 1
 
 
 @dataclass
@@ -93,7 +96,11 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot]) -> ModelSp
     cost = default_cost_model(model)
     encoders = {}
     for modality, enc in model.encoders.items():
+        # The cost model's coefficients are per placeholder (k encoder tokens each): per token
+        # the encoder's own, and the projector's matmuls spread over the k tokens of a row.
+        k = enc.tokens_per_row
         a, b = cost.encoders[modality]
+        a, b = a / (k * k), b / k
         params = sum(p.numel() for p in enc.parameters()) + sum(p.numel() for p in model.projectors[modality].parameters())
         per_token = enc.activation_bytes(1024, element_bytes=2)
         heads = enc.attention_heads() if hasattr(enc, "attention_heads") else 1
@@ -102,7 +109,7 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot]) -> ModelSp
             params=int(params), trainable=any(p.requires_grad for p in enc.parameters()), alpha=float(a), beta=float(b),
             activation_bytes_per_token=(per_token or 0.0) / 1024.0,
             feature_bytes_per_token=2.0 * _feature_width(enc),
-            supports_sp=bool(getattr(enc, "supports_sequence_parallel", False)))
+            supports_sp=bool(getattr(enc, "supports_sequence_parallel", False)), tokens_per_row=int(k))
     return ModelSpec(c, cost, layer_params, active, expert, embed, head, norm, encoders, media_processors(model))
 
 

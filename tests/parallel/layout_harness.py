@@ -53,13 +53,15 @@ MEL_BINS = 8
 PLACEHOLDER = 95  # any id: the media rows overwrite its embedding
 
 
-def encoders(media: tuple) -> tuple[dict, dict]:
-    """Tiny SigLIP ("image") and Whisper ("audio") towers (4 heads: Ulysses over 2 or 4 ranks)."""
+def encoders(media: tuple, merge: int = 1) -> tuple[dict, dict]:
+    """Tiny SigLIP ("image") and Whisper ("audio") towers (4 heads: Ulysses over 2 or 4 ranks).
+    ``merge``: the vision tower's spatial merge (its projector joins merge x merge patches)."""
     enc, proj = {}, {}
     if "image" in media:
         enc["image"] = SiglipEncoder(SiglipEncoderConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                                         num_attention_heads=4, image_size=16, patch_size=2))
-        proj["image"] = Projector(16, 32)
+                                                         num_attention_heads=4, image_size=16, patch_size=2,
+                                                         spatial_merge=merge))
+        proj["image"] = Projector(16, 32, merge=merge * merge)
     if "audio" in media:
         enc["audio"] = WhisperEncoder(WhisperEncoderConfig(num_mel_bins=MEL_BINS, d_model=16, encoder_layers=2,
                                                            encoder_attention_heads=4, encoder_ffn_dim=32,
@@ -68,11 +70,12 @@ def encoders(media: tuple) -> tuple[dict, dict]:
     return enc, proj
 
 
-def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = ()) -> OmniModel:
-    """``frozen``: modalities whose encoder does not train (its projector still does)."""
+def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), merge: int = 1) -> OmniModel:
+    """``frozen``: modalities whose encoder does not train (its projector still does);
+    ``merge``: the vision tower's spatial merge."""
     torch.manual_seed(1234)
     llm = Decoder(model_config(moe, num_layers))
-    model = OmniModel(llm, *encoders(media), frozen=set(frozen))
+    model = OmniModel(llm, *encoders(media, merge), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -82,18 +85,21 @@ def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = ()) -> 
     return model
 
 
-def _media_item(gen: torch.Generator, modality: str, size: int):
-    """(features, sizes row, tokens) of one item: an image of a x b patches, an audio clip of
+def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1):
+    """(features, sizes row, tokens) of one item: an image of a x b patches (multiples of
+    ``merge``, whose projector joins merge x merge of them into one token), an audio clip of
     ``size`` mel frames."""
     if modality == "image":
         a = int(torch.randint(1, 4, (1,), generator=gen)) if size == 0 else size
         b = int(torch.randint(1, 5, (1,), generator=gen))
-        return torch.randn(a * b, PATCH_FEATURES, generator=gen), [a, b], a * b
+        a, b = a * merge, b * merge
+        return torch.randn(a * b, PATCH_FEATURES, generator=gen), [a, b], a * b // (merge * merge)
     frames = int(torch.randint(1, 9, (1,), generator=gen)) if size == 0 else size
     return torch.randn(frames, MEL_BINS, generator=gen), [frames], output_frames(frames)
 
 
-def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple, long_items: bool) -> MicroBatch:
+def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple, long_items: bool,
+                      merge: int = 1) -> MicroBatch:
     """A packed row of documents, each with up to two media items (inside the prompt, so the
     loss flows back into the encoders through the later tokens). ``long_items``: some items
     are much longer than the rest (what long-short SP splits)."""
@@ -107,7 +113,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
         for m in media:
             if float(torch.rand(1, generator=gen)) < 0.6:
                 big = long_items and float(torch.rand(1, generator=gen)) < 0.3
-                feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0)
+                feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge)
                 start = offset + sum(t.numel() for t in d_ids)
                 items[m].append((feats, size, tok, torch.arange(start, start + tok)))
                 d_ids.append(torch.full((tok,), PLACEHOLDER))
@@ -149,10 +155,10 @@ def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:
 
 def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text_only: bool = False,
                    only_group: int | None = None, dp: int = 1, steps: int = STEPS,
-                   micro: int = MICRO_PER_STEP) -> list[list[MicroBatch]]:
+                   micro: int = MICRO_PER_STEP, merge: int = 1) -> list[list[MicroBatch]]:
     """``media``: modalities the rows carry (``text_only``: none, for a model with encoders).
     ``only_group``: only data group ``only_group`` (of ``dp``) gets media. ``micro``:
-    micro-batches per global batch."""
+    micro-batches per global batch. ``merge``: images for a vision tower of that spatial merge."""
     gen = torch.Generator().manual_seed(99)
     if not media:
         return [[micro_batch(gen, vocab, s * micro + i) for i in range(micro)] for s in range(steps)]
@@ -161,7 +167,7 @@ def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text
         row = []
         for i in range(micro):
             kinds = () if text_only else media if only_group is None or i % dp == only_group else ()
-            row.append(media_micro_batch(gen, vocab, s * micro + i, kinds, long_items))
+            row.append(media_micro_batch(gen, vocab, s * micro + i, kinds, long_items, merge))
         out.append(row)
     return out
 
@@ -178,8 +184,9 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
     """The single-process run: same math as the Trainer with one rank (global-token-normalised
     CE, router losses averaged over the global batch's micro-batches, clipping, AdamW), with
     the encoders run inline. ``data``: keyword arguments of ``global_batches``. ``precision``:
-    "bf16" runs every forward under bf16 autocast (the GPU default, on the CPU)."""
-    model = build(moe, num_layers, media, frozen)
+    "bf16" runs every forward under bf16 autocast (the GPU default, on the CPU). ``data``'s
+    ``merge`` is also the vision tower's spatial merge."""
+    model = build(moe, num_layers, media, frozen, (data or {}).get("merge", 1))
     opt = build_optimizer(model, OPTIM)
     sched = build_scheduler(opt, OPTIM, 100)
     losses, grads, norms = [], {}, []
@@ -221,7 +228,8 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     from parallel.layout import init_layout
 
     layout = init_layout(ParallelConfig(**sizes), device="cpu")
-    pm = parallelize(build(moe, num_layers, media, frozen), layout, MultiplexConfig(**(multiplex or {})))
+    pm = parallelize(build(moe, num_layers, media, frozen, (data or {}).get("merge", 1)), layout,
+                     MultiplexConfig(**(multiplex or {})))
     run_dir = tempfile.mkdtemp(prefix="omni-layout-")
     trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=100, run_dir=run_dir, progress=False,
                                                       eval_at_end=False, precision=precision),

@@ -65,6 +65,16 @@ class EncoderAnchor(nn.Module):
     supports_sequence_parallel: ClassVar[bool] = False
     #: ``model.attn_backend`` (set by the model builder): how items attend within themselves.
     attn_backend: str = "auto"
+    #: Spatial merge: the projector concatenates ``spatial_merge`` x ``spatial_merge``
+    #: neighbouring patches into one LLM token (Qwen2-VL's patch merger), so the encoder emits
+    #: each item's tokens in groups of ``tokens_per_row`` = spatial_merge ** 2 neighbours and
+    #: an item of n tokens fills n / tokens_per_row LLM placeholders. 1: one token per row.
+    spatial_merge: int = 1
+
+    @property
+    def tokens_per_row(self) -> int:
+        """Encoder tokens per projected output row (LLM placeholder)."""
+        return self.spatial_merge ** 2
 
     def __init__(self, config: Any):
         super().__init__()
@@ -98,7 +108,8 @@ class EncoderAnchor(nn.Module):
         raise NotImplementedError
 
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        """features [sum n_units, feat_dim], sizes int64 [n_items, k] -> [sum num_tokens, output_dim].
+        """features [sum n_units, feat_dim], sizes int64 [n_items, k] -> [sum tokens, output_dim]
+        (tokens = num_tokens * tokens_per_row, in merge groups when ``spatial_merge`` > 1).
 
         Default: the three steps below with attention inside each item. A plugin may override
         ``forward`` alone instead (it then cannot run sequence-parallel)."""

@@ -86,7 +86,8 @@ def encode_long_items(
     sp, member = _size_and_rank(group)
     check_sequence_parallel(encoder, sp)
     out, tokens = _encode(encoder, features[:0], sizes[:0], features, sizes, group)
-    return out, [torch.arange(*piece_bounds(n, sp, member), dtype=torch.int64, device=out.device) for n in tokens]
+    g = encoder.tokens_per_row
+    return out, [torch.arange(*piece_bounds(n, sp, member, g), dtype=torch.int64, device=out.device) for n in tokens]
 
 
 def encode_chunk(
@@ -130,7 +131,7 @@ def _encode(encoder, features, sizes, long_features, long_sizes, group) -> Tuple
         x = _layer_input(encoder, xs)
         return encoder.finish(encoder.encode_tokens(x, encoder.item_attention(tokens, xs.device))), long_tokens
     check_sequence_parallel(encoder, sp)
-    src, dst, doc, pos, t_loc, _ = _local_layout(long_tokens, sp, member, xl.device)
+    src, dst, doc, pos, t_loc, _ = _local_layout(long_tokens, sp, member, xl.device, encoder.tokens_per_row)
     pieces = xl.new_zeros(t_loc, xl.shape[1]).index_copy(0, dst, xl.index_select(0, src))
     n_short = xs.shape[0]
     attention = _ShortAndLong(n_short, encoder.item_attention(tokens, xs.device),
@@ -176,8 +177,9 @@ def _size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.device):
-    """Where this member's real rows come from and go, and the mask inputs of its rows.
+def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.device, granule: int = 1):
+    """Where this member's real rows come from and go, and the mask inputs of its rows
+    (``granule``: the encoder's tokens per output row; pieces are whole groups of them).
 
     Returns (src: rows of the full token states, dst: their local rows, doc and pos per local
     row, T_loc, piece_bounds per item)."""
@@ -185,8 +187,8 @@ def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.dev
     start, t_loc = 0, 0
     pad_doc = len(tokens)  # one id past the items: padding attends only padding
     for i, n in enumerate(tokens):
-        c = -(-n // sp)
-        a, b = piece_bounds(n, sp, member)
+        c = -(-(n // granule) // sp) * granule
+        a, b = piece_bounds(n, sp, member, granule)
         bounds.append((a, b))
         src.append(torch.arange(start + a, start + b))
         dst.append(torch.arange(t_loc, t_loc + b - a))

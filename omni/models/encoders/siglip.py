@@ -49,6 +49,10 @@ class SiglipEncoderConfig:
     min_patches: int = 1  # smaller images are scaled up to at least this many patches
     image_mean: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     image_std: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    # Patches per side the projector merges into one LLM token (Qwen2-VL's 2x2 patch merger:
+    # 2). Grids are then multiples of it, and an image of h x w patches fills h*w/merge^2
+    # placeholders. 1: one LLM token per patch.
+    spatial_merge: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.image_size, (list, tuple)):
@@ -67,6 +71,9 @@ class SiglipEncoderConfig:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.max_patches is None:
             self.max_patches = (self.image_size // self.patch_size) ** 2
+        if self.spatial_merge < 1 or self.max_patches < self.spatial_merge ** 2:
+            raise ValueError(f"spatial_merge={self.spatial_merge} must be >= 1 with max_patches ({self.max_patches}) "
+                             f"at least spatial_merge^2")
         if not 1 <= self.min_patches <= self.max_patches:
             raise ValueError(f"need 1 <= min_patches ({self.min_patches}) <= max_patches ({self.max_patches})")
         self.image_mean = [float(v) for v in self.image_mean]
@@ -121,6 +128,7 @@ class SiglipProcessor:
         self.num_channels = config.num_channels
         self.max_patches = config.max_patches
         self.min_patches = config.min_patches
+        self.merge = config.spatial_merge
         self.resize = "fit"
         self.mean = np.asarray(config.image_mean, dtype=np.float32)
         self.std = np.asarray(config.image_std, dtype=np.float32)
@@ -143,14 +151,19 @@ class SiglipProcessor:
         return other
 
     def grid(self, height: int, width: int) -> Tuple[int, int]:
+        """The patch grid; with ``spatial_merge`` m both sides are multiples of m (the grid of
+        m x m blocks is chosen as a grid of patches of m times the size, then scaled back)."""
+        m = self.merge
         if self.resize == "square":
-            side = max(1, math.isqrt(self.max_patches))
-            return side, side
-        return patch_grid(int(height), int(width), self.patch_size, self.max_patches, self.min_patches)
+            side = max(1, math.isqrt(self.max_patches // (m * m)))
+            return side * m, side * m
+        gh, gw = patch_grid(int(height), int(width), self.patch_size * m, self.max_patches // (m * m),
+                            max(1, -(-self.min_patches // (m * m))))
+        return gh * m, gw * m
 
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
         gh, gw = self.grid(meta["height"], meta["width"])
-        return gh * gw
+        return gh * gw // (self.merge * self.merge)
 
     def __call__(self, raw: Any) -> MediaItem:
         img = np.asarray(raw)
@@ -171,9 +184,8 @@ class SiglipProcessor:
         x = (img.astype(np.float32) * np.float32(1 / 255) - self.mean) / self.std  # [H, W, C]
         c = self.num_channels
         patches = x.reshape(gh, p, gw, p, c).transpose(0, 2, 4, 1, 3).reshape(gh * gw, c * p * p)
-        return MediaItem(
-            features=torch.from_numpy(np.ascontiguousarray(patches)), size=(gh, gw), num_tokens=gh * gw
-        )
+        return MediaItem(features=torch.from_numpy(np.ascontiguousarray(patches)), size=(gh, gw),
+                         num_tokens=gh * gw // (self.merge * self.merge))
 
 
 class _Embeddings(nn.Module):
@@ -213,6 +225,13 @@ def sincos_2d(side: int, dim: int) -> torch.Tensor:
     if table.shape[1] < dim:  # dim not a multiple of 4: pad the rest with zeros
         table = torch.cat([table, table.new_zeros(table.shape[0], dim - table.shape[1])], dim=1)
     return table.float()
+
+
+def merge_order(grid_h: int, grid_w: int, m: int) -> torch.Tensor:
+    """[grid_h*grid_w] raster indices of an image's patches in merge order: the m x m blocks
+    in raster order, and inside each block its patches in raster order."""
+    idx = torch.arange(grid_h * grid_w, dtype=torch.int64).reshape(grid_h // m, m, grid_w // m, m)
+    return idx.permute(0, 2, 1, 3).reshape(-1)
 
 
 class _MLP(nn.Module):
@@ -274,6 +293,7 @@ class SiglipEncoder(EncoderAnchor):
     def __init__(self, config: SiglipEncoderConfig):
         super().__init__(config)
         self.output_dim = config.hidden_size
+        self.spatial_merge = config.spatial_merge
         self.embeddings = _Embeddings(config)
         self.encoder = _Stack(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -320,17 +340,33 @@ class SiglipEncoder(EncoderAnchor):
         return grid.permute(0, 2, 3, 1).reshape(grid_h * grid_w, d)
 
     def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
-        """Patch embedding plus each image's interpolated position table."""
+        """Patch embedding plus each image's interpolated position table; with
+        ``spatial_merge`` m, each image's tokens reordered so that every m x m block of
+        neighbouring patches is m^2 consecutive tokens (block after block, in raster order of
+        the blocks and inside each block), what the projector's merge takes. Attention within
+        an image does not depend on the order: the positions travel with the tokens."""
         if sizes.shape[0] == 0:
             return features.new_zeros(0, self.output_dim, dtype=self.post_layernorm.weight.dtype), []
         grids = [(int(h), int(w)) for h, w in sizes.tolist()]
+        m = self.spatial_merge
+        if any(h % m or w % m for h, w in grids):
+            bad = next((h, w) for h, w in grids if h % m or w % m)
+            raise ValueError(f"SiglipEncoder: an image of {bad[0]}x{bad[1]} patches does not split into "
+                             f"{m}x{m} blocks (spatial_merge={m}); its processor makes grids of multiples of {m}")
         tokens = check_sizes("SiglipEncoder", features, (h * w for h, w in grids))
         x = self.embeddings.patch_embedding(features.to(self.embeddings.patch_embedding.weight.dtype))
         cache: Dict[Tuple[int, int], torch.Tensor] = {}
         for g in grids:
             if g not in cache:
                 cache[g] = self.position_embeddings(*g)
-        return x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype), tokens
+        x = x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype)
+        if m > 1:
+            order, start = [], 0
+            for h, w in grids:
+                order.append(merge_order(h, w, m) + start)
+                start += h * w
+            x = x.index_select(0, torch.cat(order).to(x.device))
+        return x, tokens
 
     def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
         for layer in self.encoder.layers:

@@ -1,0 +1,32 @@
+"""A vision tower whose projector merges 2 x 2 neighbouring patches into one LLM token
+(``spatial_merge=2``, Qwen2-VL's patch merger) trains under multiplexing like the
+single-process run with inline encoders (losses, gradient norms, every first-step gradient to
+1e-5, fp32): items split over an SP block (pieces are whole merge groups), bubble calls under
+pp=2, and tp=2. The plan counts an item by its output rows; the encoder runs four times as
+many tokens."""
+from __future__ import annotations
+
+from layout_harness import check_named_layouts, run_named_layouts
+
+BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
+IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
+MERGED = {"steps": 3, "merge": 2}
+LAYOUTS = [
+    ("dp_shard=2, long items split over sp=2", dict(dp_shard=2), BOTH, {**MERGED, "long_items": True},
+     {"encoder_sp": 2, "long_threshold": "2"}),
+    ("pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), BOTH, MERGED,
+     {"fill_bubbles": "true", "exchange": "p2p"}),
+    ("tp=2 colocated", dict(tp=2), IMAGE, MERGED, {}),
+]
+
+
+def _long_items(pm, result):
+    result["long_items"] = result.get("long_items", 0) + pm.multiplexer.stats.long_items
+
+
+def _worker(rank, world, layouts, out_dir):
+    run_named_layouts(rank, layouts, out_dir, probe=_long_items)
+
+
+def test_merged_patches_equal_single_process(tmp_path):
+    check_named_layouts(2, LAYOUTS, tmp_path, _worker)
