@@ -24,6 +24,9 @@ class ParallelConfig:
     cp_impl: str = "ring"
     # none | selective (keep matmul outputs, recompute the rest) | full (recompute every block).
     activation_checkpoint: str = "none"
+    # The same for the encoders' layers (what an encoder call keeps until its backward):
+    # none | selective | full.
+    encoder_activation_checkpoint: str = "none"
     # FSDP parameter dtype: auto (bf16 params / fp32 reduce on GPU, fp32 on CPU) | bf16 | fp32.
     mixed_precision: str = "auto"
     # Keep sharded parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy).

@@ -132,6 +132,8 @@ def check_options(cfg: ParallelConfig) -> None:
     """The rules on the options (not the sizes) of ``cfg``: they need no launch to check."""
     for key, value, allowed in (("pp_schedule", cfg.pp_schedule, PP_SCHEDULES), ("cp_impl", cfg.cp_impl, CP_IMPLS),
                                 ("activation_checkpoint", cfg.activation_checkpoint, CHECKPOINT_MODES),
+                                ("encoder_activation_checkpoint", cfg.encoder_activation_checkpoint,
+                                 CHECKPOINT_MODES),
                                 ("mixed_precision", cfg.mixed_precision, PRECISIONS)):
         if value not in allowed:
             raise LayoutError(f"parallel.{key}={value} is not one of {', '.join(allowed)}")

@@ -214,6 +214,7 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
     one_of("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     one_of("parallel.cp_impl", p.cp_impl, CP_IMPLS)
     one_of("parallel.activation_checkpoint", p.activation_checkpoint, CHECKPOINT_MODES)
+    one_of("parallel.encoder_activation_checkpoint", p.encoder_activation_checkpoint, CHECKPOINT_MODES)
     one_of("parallel.mixed_precision", p.mixed_precision, PRECISIONS)
     one_of("parallel.reshard_after_forward", str(p.reshard_after_forward).lower(), RESHARD_CHOICES)
     one_of("parallel.fsdp_reduce_every_microbatch", str(p.fsdp_reduce_every_microbatch).lower(), RESHARD_CHOICES)

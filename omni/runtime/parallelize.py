@@ -159,6 +159,8 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     if has_media:  # the encoders leave the model: the multiplexing runtime runs them
         cost = cost or default_cost_model(model)
         tower = MediaTower.take_from(model)
+        for enc in tower.encoders.values():
+            enc.activation_checkpoint = pcfg.encoder_activation_checkpoint
     c = model.llm.config
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,

@@ -28,8 +28,9 @@ other placements), so with no images ``megatron`` takes the LLM-only step of ``s
 
 Two simplifications, both in Megatron's favour: Megatron's ViT runs without sequence
 parallelism, so its norms and residual adds (and the activations they keep) are replicated over
-TP, where this model splits every roofline term and every activation over tp; and the encoder is
-not recomputed (``--recompute-vision`` is off by default), as the other placements assume.
+TP, where this model splits every roofline term and every activation over tp. The encoder is
+recomputed as ``parallel.encoder_activation_checkpoint`` says for every placement (Megatron's
+``--recompute-vision``; off by default).
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def micro_batch_passes(m: Machine, spec: ModelSpec, mb: MicroBatchWork, tp: int,
         tokens = sum(n for mod, n in mb.media if mod == modality)  # one batched call per encoder
         comm = e.num_layers * tp_layer_comm(m, BF16 * tokens * e.hidden, tp_group)
         fwd_comm += comm
-        bwd_comm += comm if e.trainable else 0.0  # a frozen encoder runs no backward
+        # a frozen encoder runs no backward; a recomputed one reruns the forward's collectives
+        bwd_comm += comm * (2 if e.recompute == "full" else 1) if e.trainable else 0.0
     return EncoderPass(fwd_compute, fwd_comm), EncoderPass(bwd_compute, bwd_comm)
 
 

@@ -245,7 +245,7 @@ def _layer(r: _Run, i: int) -> float:
 
 
 def _selective(r: _Run, i: int) -> float:
-    """Selective recompute (layers._SAVE_OPS): the block input plus every matmul output and the
+    """Selective recompute (omni.models.recompute.SAVE_OPS): the block input plus every matmul output and the
     aten SDPA outputs; norms, activations, rotary and indexing are recomputed (so are the
     varlen kernels: they are not aten ops). Row-parallel outputs (o_proj, down_proj) are kept
     before their reduce-scatter: whole rows."""

@@ -84,7 +84,7 @@ def train_overrides(layout: dict[str, Any]) -> list[str]:
 
 def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None = None,
                  progress: Callable[[int, int], None] | None = None, first_round: int = 12) -> dict[str, Any]:
-    spec = model_spec(cfg.model, cfg.encoders)
+    spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
     machine = Machine(cfg.cluster)
     top_k = top_k or cfg.sim.top_k
     rejected: list[dict[str, Any]] = []

@@ -46,7 +46,7 @@ GIB = 2.0**30
 
 def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every placement of ``cfg.sim.placements``, as one JSON-able object."""
-    spec = model_spec(cfg.model, cfg.encoders)
+    spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
     machine = Machine(cfg.cluster)
     for p in cfg.sim.placements:
         if p not in PLACEMENTS:
@@ -234,7 +234,7 @@ def _simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: 
 
 def one_step_for_calibration(cfg: SimConfig) -> tuple["_Run", Sizes]:
     """The first simulated step of ``cfg.multiplex.placement`` with its per-event predictions."""
-    spec = model_spec(cfg.model, cfg.encoders)
+    spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, cfg.cluster.gpus_per_node)
     step = draw_steps(cfg.data, spec, sizes.dp)[0]
     return _one_step(cfg, spec, Machine(cfg.cluster), sizes, cfg.multiplex.placement, step, 0), sizes

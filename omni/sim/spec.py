@@ -29,6 +29,9 @@ class EncoderSpec:
     # Encoder tokens per LLM placeholder (the projector's spatial merge: 4 for 2x2). The shared
     # cost model counts an item by its placeholders; alpha and beta here are per encoder token.
     tokens_per_row: int = 1
+    # parallel.encoder_activation_checkpoint: none | selective | full (activation_bytes_per_token
+    # is what is kept under it; the backward recomputes the rest).
+    recompute: str = "none"
 
 
 @dataclass
@@ -77,8 +80,9 @@ class ModelSpec:
         return total
 
 
-def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot]) -> ModelSpec:
-    """Build the model on the meta device and read its structure."""
+def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot], encoder_recompute: str = "none") -> ModelSpec:
+    """Build the model on the meta device and read its structure. ``encoder_recompute``:
+    ``parallel.encoder_activation_checkpoint``, which sets what the encoders keep."""
     from omni.models.build import build_model, media_processors
     from omni.models.cost import default_cost_model
 
@@ -99,6 +103,7 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot]) -> ModelSp
         # The cost model's coefficients are per placeholder (k encoder tokens each): per token
         # the encoder's own, and the projector's matmuls spread over the k tokens of a row.
         k = enc.tokens_per_row
+        enc.activation_checkpoint = encoder_recompute
         a, b = cost.encoders[modality]
         a, b = a / (k * k), b / k
         params = sum(p.numel() for p in enc.parameters()) + sum(p.numel() for p in model.projectors[modality].parameters())
@@ -109,7 +114,8 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot]) -> ModelSp
             params=int(params), trainable=any(p.requires_grad for p in enc.parameters()), alpha=float(a), beta=float(b),
             activation_bytes_per_token=(per_token or 0.0) / 1024.0,
             feature_bytes_per_token=2.0 * _feature_width(enc),
-            supports_sp=bool(getattr(enc, "supports_sequence_parallel", False)), tokens_per_row=int(k))
+            supports_sp=bool(getattr(enc, "supports_sequence_parallel", False)), tokens_per_row=int(k),
+            recompute=encoder_recompute)
     return ModelSpec(c, cost, layer_params, active, expert, embed, head, norm, encoders, media_processors(model))
 
 

@@ -339,12 +339,16 @@ def encoder_work(m: Machine, spec: ModelSpec, items: list[tuple[str, int, int]],
         e = spec.encoders[modality]
         mine = [(n, sp) for mod, n, sp in items if mod == modality]
         tokens = sum(n / sp for n, sp in mine)
+        elementwise = m.memory(BF16 * 16 * tokens * e.hidden * e.num_layers)
         compute = (m.gemm(sum(e.beta * n / sp for n, sp in mine), BF16 * e.params)
                    + m.attention(sum(e.alpha * n * n / sp for n, sp in mine))
-                   + m.memory(BF16 * 16 * tokens * e.hidden * e.num_layers)
-                   + m.overhead(12 * e.num_layers)) / m.cluster.encoder_efficiency
+                   + elementwise + m.overhead(12 * e.num_layers)) / m.cluster.encoder_efficiency
         comm = sum(4 * e.num_layers * m.all_to_all(BF16 * n / sp * e.hidden * (sp - 1) / sp, sp, sp > gpus_per_node)
                    for n, sp in mine if sp > 1)
         fwd += compute + comm
-        bwd += 2.0 * compute + comm if e.trainable else 0.0
+        # Activation checkpointing (parallel.encoder_activation_checkpoint): full reruns the
+        # forward, its Ulysses all-to-alls included; selective reruns the elementwise ops.
+        again = {"none": 0.0, "selective": elementwise / m.cluster.encoder_efficiency,
+                 "full": compute + comm}[e.recompute]
+        bwd += 2.0 * compute + comm + again if e.trainable else 0.0
     return EncoderWork(fwd, bwd)

@@ -261,7 +261,7 @@ def main() -> None:
 
     preset = cluster_preset(args.device, args.cluster)
     sim_cfg = load_sim_config(sim_overrides(args, preset))
-    spec = model_spec(sim_cfg.model, sim_cfg.encoders)
+    spec = model_spec(sim_cfg.model, sim_cfg.encoders, sim_cfg.parallel.encoder_activation_checkpoint)
     (work,) = draw_steps(sim_cfg.data, spec, 1)
     flops = spec.mfu_flops(work.docs(), work.media())
     predicted = simulate(sim_cfg)["placements"]["colocated"]

@@ -3,7 +3,9 @@
 single-process run with inline encoders (losses, gradient norms, every first-step gradient to
 1e-5, fp32): items split over an SP block (pieces are whole merge groups), bubble calls under
 pp=2, and tp=2. The plan counts an item by its output rows; the encoder runs four times as
-many tokens."""
+many tokens. Also with the encoders' layers recomputed in the backward
+(parallel.encoder_activation_checkpoint full, with SP-split items and sharded weights; selective
+under pp=2)."""
 from __future__ import annotations
 
 from layout_harness import check_named_layouts, run_named_layouts
@@ -17,6 +19,11 @@ LAYOUTS = [
     ("pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), BOTH, MERGED,
      {"fill_bubbles": "true", "exchange": "p2p"}),
     ("tp=2 colocated", dict(tp=2), IMAGE, MERGED, {}),
+    # the encoders recompute their layers in the backward (parallel.encoder_activation_checkpoint)
+    ("dp_shard=2, encoder layers recomputed (full), sharded weights", dict(dp_shard=2, encoder_activation_checkpoint="full"),
+     BOTH, {**MERGED, "long_items": True}, {"encoder_sp": 2, "long_threshold": "2", "encoder_weights": "sharded"}),
+    ("pp=2, encoder layers recomputed (selective)", dict(dp_shard=1, pp=2, pp_schedule="1f1b",
+                                                        encoder_activation_checkpoint="selective"), BOTH, MERGED, {}),
 ]
 
 

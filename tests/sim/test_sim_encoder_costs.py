@@ -200,7 +200,11 @@ def test_workload_c_at_9_to_1_colocated_holds_the_vit_gradients_and_does_not_fit
     """Flat sharded ViT weights kept gathered under PP: the whole fp32 ViT gradient lives until
     the step's last backward and colocated does not fit; hybrid weights (the workload's
     default) reduce-scatter it inside the node after every call and fit."""
-    over = ["workload=C", "data.image_ratio=0.9", "data.steps=1", "sim.placements=[colocated]"]
+    # (workload C as issue 18 found it: one LLM token per patch, the ViT's activations kept)
+    over = ["workload=C", "data.image_ratio=0.9", "data.steps=1", "sim.placements=[colocated]",
+            "encoders.vision.params.spatial_merge=1", "encoders.vision.params.max_patches=1024",
+            "data.image_tokens_min=256", "data.image_tokens_max=1024", "data.frame_tokens=[128,256]",
+            "parallel.encoder_activation_checkpoint=none"]
     p = _simulate([*over, "multiplex.encoder_weights=sharded"])["colocated"]
     spec_vit = model_spec(load_sim_config(["workload=C"]).model, load_sim_config(["workload=C"]).encoders)
     vit = sum(e.params for e in spec_vit.encoders.values()) * 4 / GIB  # fp32, whole

@@ -12,9 +12,10 @@ from omni.sim.simulate import one_step_for_calibration
 from omni.sim.spec import model_spec
 from recipes.simulate_cmd import load_sim_config
 
-BASE = ["workload=A", "cluster.num_gpus=16", "data.global_batch_size=32", "data.steps=2", "data.image_ratio=0.6",
+BASE = ["workload=A", "encoders.vision.params.spatial_merge=1", "encoders.vision.params.max_patches=1024",
+        "cluster.num_gpus=16", "data.global_batch_size=32", "data.steps=2", "data.image_ratio=0.6",
         "multiplex.placement=colocated", "sim.chunks_per_cut_search=false"]
-MERGED = [*BASE, "+encoders.vision.params.spatial_merge=2"]
+MERGED = [*BASE, "encoders.vision.params.spatial_merge=2"]
 
 
 def _spec_and_steps(over):

@@ -30,6 +30,7 @@ from torch import nn
 from omni.models.attention import (PackedSegments, segment_attention, segment_ids_from_cu_seqlens,
                                    uses_varlen_kernels)
 from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
+from omni.models.recompute import recompute
 
 
 class HostSizes:
@@ -65,6 +66,9 @@ class EncoderAnchor(nn.Module):
     supports_sequence_parallel: ClassVar[bool] = False
     #: ``model.attn_backend`` (set by the model builder): how items attend within themselves.
     attn_backend: str = "auto"
+    #: ``parallel.encoder_activation_checkpoint`` (set by ``parallelize``): what each layer of
+    #: ``encode_tokens`` keeps for backward (``omni.models.recompute``): none | selective | full.
+    activation_checkpoint: str = "none"
     #: Spatial merge: the projector concatenates ``spatial_merge`` x ``spatial_merge``
     #: neighbouring patches into one LLM token (Qwen2-VL's patch merger), so the encoder emits
     #: each item's tokens in groups of ``tokens_per_row`` = spatial_merge ** 2 neighbours and
@@ -135,6 +139,13 @@ class EncoderAnchor(nn.Module):
         for a single item) or an object with ``attend(q, k, v, scale)`` that replaces local
         attention (see :func:`packed_self_attention`)."""
         raise NotImplementedError(self._missing_step("encode_tokens"))
+
+    def run_layers(self, layers, x: torch.Tensor, attention: "AttentionSpec") -> torch.Tensor:
+        """``encode_tokens``' loop: each layer ``layer(x, attention)`` under the encoder's
+        activation checkpointing."""
+        for layer in layers:
+            x = recompute(layer, x, attention, mode=self.activation_checkpoint)
+        return x
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         """The per-token tail after the layers (e.g. the final layernorm): [T, D] -> [T, output_dim]."""
@@ -348,13 +359,18 @@ def transformer_flops(num_layers: int, d: int, ffn: int) -> Tuple[float, float]:
     return float(4 * num_layers * d), float(num_layers * (8 * d * d + 4 * d * ffn))
 
 
-def transformer_activation_bytes(num_layers: int, d: int, ffn: int, tokens: int, element_bytes: int) -> float:
+def transformer_activation_bytes(num_layers: int, d: int, ffn: int, tokens: int, element_bytes: int,
+                                 recompute: str = "none") -> float:
     """Activation bytes a pre-norm transformer stack saves for backward on ``tokens`` tokens,
     with memory-efficient attention (no n^2 score matrix kept): per layer and token about
     10*d values (the two norms' inputs, q, k, v, the attention output and its projection's
     input, the residuals) and 2*ffn (the MLP's hidden state before and after the activation).
-    Checked against what autograd actually saves in tests/models/test_encoder_memory.py."""
-    return float(num_layers * tokens * (10 * d + 2 * ffn) * element_bytes)
+    Under activation checkpointing (``recompute``, ``omni.models.recompute``): ``full`` keeps
+    each layer's input (d), ``selective`` its input and the matmul and attention outputs (q, k,
+    v, the attention output, o_proj's, fc1's and fc2's: 7*d + ffn with the input). Checked
+    against what autograd actually saves in tests/models/test_encoder_memory.py."""
+    per_token = {"none": 10 * d + 2 * ffn, "selective": 7 * d + ffn, "full": d}[recompute]
+    return float(num_layers * tokens * per_token * element_bytes)
 
 
 def check_sizes(name: str, features: torch.Tensor, units_per_item: Iterable[int]) -> List[int]:

@@ -369,9 +369,7 @@ class SiglipEncoder(EncoderAnchor):
         return x, tokens
 
     def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        for layer in self.encoder.layers:
-            x = layer(x, attention)
-        return x
+        return self.run_layers(self.encoder.layers, x, attention)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_layernorm(x)
@@ -388,7 +386,8 @@ class SiglipEncoder(EncoderAnchor):
 
     def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
         c = self.config
-        return transformer_activation_bytes(c.num_hidden_layers, c.hidden_size, c.intermediate_size, tokens, element_bytes)
+        return transformer_activation_bytes(c.num_hidden_layers, c.hidden_size, c.intermediate_size, tokens, element_bytes,
+                                            self.activation_checkpoint)
 
     def cost_coefficients(self) -> Tuple[float, float]:
         c = self.config

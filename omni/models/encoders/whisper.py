@@ -341,9 +341,7 @@ class WhisperEncoder(EncoderAnchor):
         return h.index_select(0, out_idx) + self.embed_positions(pos), tokens
 
     def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, attention)
-        return x
+        return self.run_layers(self.layers, x, attention)
 
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(x)
@@ -360,7 +358,8 @@ class WhisperEncoder(EncoderAnchor):
 
     def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
         c = self.config
-        return transformer_activation_bytes(c.encoder_layers, c.d_model, c.encoder_ffn_dim, tokens, element_bytes)
+        return transformer_activation_bytes(c.encoder_layers, c.d_model, c.encoder_ffn_dim, tokens, element_bytes,
+                                            self.activation_checkpoint)
 
     def cost_coefficients(self) -> Tuple[float, float]:
         c = self.config

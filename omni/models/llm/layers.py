@@ -6,15 +6,14 @@ column-wise and o/down row-wise without splitting fused weights.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..attention import ContextParallelSegments, PackedSegments, segment_attention
+from ..recompute import recompute
 from .config import DecoderConfig
 from .moe import MoE
 from .rope import apply_rotary
@@ -131,30 +130,6 @@ def attach_aux_loss(hidden: torch.Tensor, aux: torch.Tensor, weight: float) -> t
     return _AttachAuxLoss.apply(hidden, aux, weight)
 
 
-# Outputs worth keeping under selective recompute: the matmuls (costly to redo); norms,
-# activations, rotary and softmax are recomputed. Attention kernels are kept too.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._grouped_mm.default,  # the MoE experts' matmuls (omni.models.llm.moe)
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def run_block(block: DecoderBlock, h, cos_sin, segments, token_mask, mode: str = "none"):
     """One block, with activation checkpointing ``mode``: none | selective | full."""
-    if mode == "none" or not torch.is_grad_enabled():
-        return block(h, cos_sin, segments, token_mask)
-    if mode == "full":
-        return checkpoint(block, h, cos_sin, segments, token_mask, use_reentrant=False)
-    if mode == "selective":
-        context = partial(create_selective_checkpoint_contexts, _selective_policy)
-        return checkpoint(block, h, cos_sin, segments, token_mask, use_reentrant=False, context_fn=context)
-    raise ValueError(f"activation checkpoint mode {mode!r} is not one of none, selective, full")
+    return recompute(block, h, cos_sin, segments, token_mask, mode=mode)
