@@ -50,6 +50,7 @@ class MediaTower(nn.Module):
         self.encoders = nn.ModuleDict(encoders)
         self.projectors = nn.ModuleDict(projectors)
         self.sharded = False
+        self.compute_dtype: Optional[torch.dtype] = None  # FSDP's parameter dtype once sharded
 
     @classmethod
     def take_from(cls, model: nn.Module) -> "MediaTower":
@@ -61,6 +62,16 @@ class MediaTower(nn.Module):
     @property
     def modalities(self) -> list[str]:
         return list(self.encoders.keys())
+
+    def output_dtype(self, device_type: str) -> torch.dtype:
+        """The dtype of ``encode``'s rows: autocast's where it is on, else the projectors'
+        compute dtype (FSDP's parameter dtype when sharded). A rank that encodes nothing in a
+        call still exchanges its rows, and every rank must agree on their size in bytes."""
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return next((p.dtype for p in self.projectors.parameters()), torch.float32)
 
     def trainable(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -81,6 +92,7 @@ class MediaTower(nn.Module):
         parameters, whose gradients FSDP averages over the whole mesh (the caller turns them
         back into sums)."""
         sharded = []
+        self.compute_dtype = precision.param_dtype
         self.reshard_after_forward = reshard_after_forward
         self.weights = weights
         for m, enc in self.encoders.items():

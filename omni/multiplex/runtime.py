@@ -538,7 +538,8 @@ class Multiplexer:
         """Every output row of the call to the rank that embeds it (a rank that did not encode
         in it, such as stage 0 for a bubble call, only receives)."""
         rp = cut.plan.plan.ranks[self.index]
-        table = cut.table if cut.table is not None else torch.zeros(0, self.hidden_size, device=self.device)
+        table = cut.table if cut.table is not None else \
+            torch.zeros(0, self.hidden_size, dtype=self.tower.output_dtype(self.device.type), device=self.device)
         with self._span("comm", f"F{_call_name(cut)} outputs"):
             recv = exchange_rows(table.detach().index_select(0, cut.send_idx), [len(s) for s in rp.out_send],
                                  rp.out_recv_counts, self.group, cut.exchange)

@@ -106,7 +106,7 @@ class MultiplexConfig:
     # "sharded" (FSDP2 over all encoder ranks: weights, gradients and optimizer state split,
     # each encoder layer gathered when it runs) or "hybrid" (FSDP2 inside each shard group of
     # encoder_shard_group ranks, replicated across groups: HSDP).
-    encoder_weights: str = "replicated"
+    encoder_weights: str = "hybrid"
     # encoder_weights=hybrid: ranks per FSDP shard group (the weights are sharded inside a group,
     # replicated across groups, gradients reduce-scattered inside then all-reduced across).
     # 0: a node (parallel.gpus_per_node).
@@ -114,7 +114,7 @@ class MultiplexConfig:
     # How encoder inputs and output rows move between the ranks that trade them: "all_to_all"
     # (one collective over every encoder rank per insertion point) or "p2p" (point-to-point
     # sends between the pairs that trade rows only).
-    exchange: str = "all_to_all"
+    exchange: str = "p2p"
     # Cut groups encoded ahead of the one the pipeline needs, where memory allows (0: off).
     lookahead: int = 0
     # Encoder work in the pipeline's bubbles (colocated, pp > 1): the later pipeline ranks

@@ -101,6 +101,12 @@ class ParallelModel:
         """After backward: every gradient becomes the sum over the ranks that share it."""
         for params, size in self.averaged:
             undo_gradient_average(params, size)
+            for p in params:
+                # A sharded encoder that ran no backward in the step (a text-only step, or no
+                # item of its modality anywhere: then no rank did) has no gradient; zeros, as for
+                # an unused replica below, so AdamW decays it as the single process does.
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         for p in self.parameters():
             # DTensor gradients can come back in another placement than their parameter:
             # partial sums for replicated TP weights used on sequence shards (norm gains), a
@@ -212,9 +218,11 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
     sharded inside shard groups and replicated across them (FSDP2's HSDP on a 2-D mesh)."""
     members = encoder_ranks(layout.sizes, cfg.placement)
     active = layout.rank in members
-    sharded = cfg.encoder_weights in ("sharded", "hybrid")
     shard = encoder_shard_group(cfg.encoder_weights, cfg.encoder_shard_group, layout.config.gpus_per_node,
                                 len(members))
+    # A single encoder rank (one process) holds whole weights whatever the mode: no FSDP on a
+    # mesh of one.
+    sharded = cfg.encoder_weights in ("sharded", "hybrid") and len(members) > 1
     # A single shard group is plain FSDP (a 1-D mesh: no all-reduce over a group of one).
     two_d = cfg.encoder_weights == "hybrid" and shard < len(members)
     # Every rank builds the mesh (it creates process groups), encoder rank or not.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
@@ -119,6 +120,14 @@ class Trainer:
         self._global_tokens = 0.0
         self.trace_step = trace_step
         self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
+        # Autocast keeps the bf16 copy of an fp32 weight for the whole autocast region (the
+        # step). For fp32 DTensor parameters (FSDP's, TP's) used by several forwards before
+        # their backwards (pipeline micro-batches, encoder calls at the cuts), that shared copy
+        # gave wrong gradients (sharded encoder weights under pp=2: 30-80% off; tests/parallel/
+        # test_multiplex_equal_single.py). So they are cast at every use instead; bf16 FSDP
+        # parameters (the GPU default) need no cast at all.
+        self._autocast_cache = not any(isinstance(p, DTensor) and p.dtype == torch.float32
+                                       for p in self.pm.parameters())
 
     @property
     def model(self) -> OmniModel:
@@ -128,7 +137,7 @@ class Trainer:
     def _autocast(self):
         if not self.bf16:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, cache_enabled=self._autocast_cache)
 
     def _counts(self, batch: StepBatch) -> tuple[float, float, float]:
         """(target tokens, real micro-batches, tokens) of the whole global batch, from host

@@ -9,8 +9,9 @@ whether it fits.
 The disaggregated baseline gives ``sim.encoder_gpus`` GPUs (default: the pool size, in whole
 LLM model-parallel groups up to half the cluster, that is fastest over the run's simulated
 steps: one pool for the whole run) to the encoders alone; the LLM keeps its layout on the rest, with fewer
-DP ranks. Its encoders work one step ahead of the LLM, perfectly overlapped (a best case for
-the baseline): a step takes as long as the slower side. The Megatron-LM baselines (``megatron``,
+DP ranks. Its calls overlap the LLM's work, but synchronous training makes the LLM wait for the
+pool's first call and the step wait for its last backward and gradient sync (``_encoder_pool``;
+a frozen encoder may run a step ahead). The Megatron-LM baselines (``megatron``,
 ``megatron_balanced``) are described in ``omni.sim.megatron``.
 """
 from __future__ import annotations
@@ -248,6 +249,7 @@ class _Run:
     work: dict[tuple[int, int, int], StageWork] = dataclasses.field(default_factory=dict)
     members: list[int] = dataclasses.field(default_factory=list)  # encoder GPUs (global ranks)
     tail_comm: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    tail: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # optimizer, per cell
     pool: dict[str, float] | None = None
     bubbles: list[BubbleTimes] = dataclasses.field(default_factory=list)
 
@@ -414,7 +416,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         else:
             b.activations, b.transient = tl.peak_activations, transient
         memory.append(b)
-    run = _Run(timeline, memory, chunks, work, members, tail_comm, bubbles=bubbles)
+    run = _Run(timeline, memory, chunks, work, members, tail_comm, tail, bubbles=bubbles)
     if encoder_pool:
         run.pool = _encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
     return run
@@ -447,13 +449,28 @@ def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, pla
 
 def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list[MicroBatchWork]], e: int,
                   sizes: Sizes) -> dict[str, float]:
-    """The disaggregated encoders: every chunk on the pool's GPUs, forward and backward."""
+    """The disaggregated encoders: every chunk on the pool's GPUs, forward and backward, as
+    ``multiplex.chunks_per_cut`` chunks per call (a pool feeds the LLM's pipeline call by call).
+
+    Training the encoders synchronously, the pool cannot encode the next step while the LLM
+    runs this one: that step's forward needs the weights this step's encoder backward updates,
+    and that backward needs the LLM's embedding gradients of this step. So within a step the
+    LLM's first forward waits for the pool's first call (``fill_s``) and the pool's last
+    backward, after the LLM's last, plus its gradient sync (``drain_s``) ends the step unless
+    the LLM's own sync and optimizer take longer; in between, the pool's calls overlap the
+    LLM's work. A frozen encoder has no backward: the pool may encode a whole step ahead, and
+    only its throughput counts."""
     group_of = [r % sizes.dp for r in range(e)]
-    # The pool encodes a whole step ahead of the LLM: one call for the step's chunks.
+    # The pool's GPUs are not the LLM's: every group's rows leave the pool's nodes.
     chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, None, cfg.cluster.gpus_per_node,
-                         sizes.tp * sizes.cp, None, placement="encoder_first")
+                         sizes.tp * sizes.cp, None, placement="colocated",
+                         group_node={g: -1 for g in range(sizes.dp)})
     compute = sum(c.forward_s + c.backward_s for c in chunks)
     grad_sync = sync.encoder_grad_sync(m, cfg, spec, e, cfg.cluster.gpus_per_node)
+    trains = any(enc.trainable for enc in spec.encoders.values())
+    calls = [c for c in chunks if c.items]
+    fill = calls[0].forward_s if calls and trains else 0.0
+    drain = calls[-1].backward_s + grad_sync if calls and trains else 0.0
     static = mem.MemoryBreakdown()
     for modality in spec.encoders:
         static = _add(static, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, e),
@@ -462,7 +479,16 @@ def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list
     static.activations = max((sum(c.gpu_activation_bytes[r] for c in chunks) for r in range(e)), default=0.0)
     busy = [sum(c.gpu_forward_s[r] + c.gpu_backward_s[r] for c in chunks) for r in range(e)]
     return {"time_s": compute + grad_sync, "busy_mean_s": float(np.mean(busy)) if busy else 0.0,
-            "comm_s": compute - float(np.max(busy) if busy else 0.0) + grad_sync, "memory": static}
+            "comm_s": compute - float(np.max(busy) if busy else 0.0) + grad_sync, "memory": static,
+            "fill_s": fill, "drain_s": drain}
+
+
+def _with_pool(llm_step: float, run: "_Run") -> float:
+    """The step of a disaggregated run: the LLM's, plus the pool's fill and what of its drain
+    outlasts the LLM's own tail (``_encoder_pool``), and never shorter than the pool's work."""
+    pool = run.pool
+    tail = max((run.tail_comm.get(c, 0.0) + run.tail.get(c, 0.0) for c in run.tail_comm), default=0.0)
+    return max(pool["time_s"], llm_step + pool["fill_s"] + max(0.0, pool["drain_s"] - tail))
 
 
 def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, steps: list[StepWork],
@@ -470,7 +496,7 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
     cluster = cfg.cluster
     world = cluster.num_gpus
     llm_step = [r.timeline.step_s for r in runs]
-    step_s = [max(t, r.pool["time_s"]) if r.pool else t for t, r in zip(llm_step, runs)]
+    step_s = [_with_pool(t, r) if r.pool else t for t, r in zip(llm_step, runs)]
     mean_step = float(np.mean(step_s))
     tokens = float(np.mean([s.tokens() for s in steps]))
     flops = float(np.mean([spec.mfu_flops(s.docs(), s.media()) for s in steps]))

@@ -1,6 +1,7 @@
 """Issue 18's multiplexing mechanisms measured on CPU ranks and predicted by the simulator, as
 ratios side by side: one encoder call per cut group vs one per chunk (multiplex.chunks_per_cut
-4 vs 1), p2p vs all_to_all exchanges, and hybrid vs flat sharded encoder weights. A benchmark,
+4 vs 1), p2p vs all_to_all exchanges, hybrid vs flat sharded encoder weights, and bubble calls
+(multiplex.fill_bubbles). A benchmark,
 not a test: timings move with the machine's load, nothing is asserted.
 
 Each world size has a base run (colocated, the demo with an image-heavy mixture and the bigger
@@ -33,12 +34,16 @@ sys.path.insert(0, str(REPO / "tests" / "sim"))
 import _runs as R  # noqa: E402
 
 SECTION = "## Multiplexing mechanisms, measured on CPU ranks and predicted"
-BASE = {2: {"multiplex.chunks_per_cut": 1, "multiplex.exchange": "all_to_all", "multiplex.encoder_weights": "replicated"},
+BASE = {2: {"multiplex.chunks_per_cut": 1, "multiplex.exchange": "all_to_all", "multiplex.encoder_weights": "replicated",
+            "multiplex.fill_bubbles": "false"},
         4: {"parallel.dp_shard": 2, "parallel.gpus_per_node": 2, "multiplex.chunks_per_cut": 1,
-            "multiplex.exchange": "all_to_all", "multiplex.encoder_weights": "sharded"}}
-MECHANISMS = {2: {"one call per cut (4 chunks)": {"multiplex.chunks_per_cut": 4}, "p2p": {"multiplex.exchange": "p2p"}},
+            "multiplex.exchange": "all_to_all", "multiplex.encoder_weights": "sharded", "multiplex.fill_bubbles": "false"}}
+MECHANISMS = {2: {"one call per cut (4 chunks)": {"multiplex.chunks_per_cut": 4}, "p2p": {"multiplex.exchange": "p2p"},
+                  "bubble calls (p2p)": {"multiplex.exchange": "p2p", "multiplex.fill_bubbles": "true"}},
               4: {"hybrid (2 groups of 2)": {"multiplex.encoder_weights": "hybrid"},
-                  "one call per cut (4 chunks)": {"multiplex.chunks_per_cut": 4}, "p2p": {"multiplex.exchange": "p2p"}}}
+                  "one call per cut (4 chunks)": {"multiplex.chunks_per_cut": 4}, "p2p": {"multiplex.exchange": "p2p"},
+                  "bubble calls (hybrid, p2p)": {"multiplex.encoder_weights": "hybrid", "multiplex.exchange": "p2p",
+                                                 "multiplex.fill_bubbles": "true"}}}
 
 
 def sim_cluster(world: int) -> dict:

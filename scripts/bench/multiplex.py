@@ -110,15 +110,24 @@ LONG_THRESHOLD = 192
 
 
 def variants(long_threshold: int) -> list[tuple[str, dict]]:
-    colocated = {"multiplex.placement": "colocated"}
-    return [("stage0", {"multiplex.placement": "stage0"}),
-            ("encoder_first", {"multiplex.placement": "encoder_first"}),
+    # Pinned to the settings before issue 18 changed the defaults (hybrid weights, p2p exchanges,
+    # bubble calls), so that each name means what the earlier tables in docs/benchmarks.md measured.
+    before = {"multiplex.encoder_weights": "replicated", "multiplex.exchange": "all_to_all",
+              "multiplex.fill_bubbles": "false"}
+    colocated = {**before, "multiplex.placement": "colocated"}
+    # Nodes of 4: a pipeline rank's 4 GPUs, so hybrid shard groups stay inside one (bubble calls apply).
+    hybrid = {**colocated, "multiplex.chunks_per_cut": 4, "multiplex.exchange": "p2p",
+              "multiplex.encoder_weights": "hybrid", "parallel.gpus_per_node": 4}
+    return [("stage0", {**before, "multiplex.placement": "stage0"}),
+            ("encoder_first", {**before, "multiplex.placement": "encoder_first"}),
             ("colocated", colocated),
             ("colocated+sharded", {**colocated, "multiplex.encoder_weights": "sharded"}),
             ("colocated+sp2", {**colocated, "multiplex.encoder_sp": 2, "multiplex.long_threshold": long_threshold}),
             ("colocated+grouped", {**colocated, "multiplex.chunks_per_cut": 4}),
-            ("colocated+hybrid+p2p", {**colocated, "multiplex.chunks_per_cut": 4, "multiplex.exchange": "p2p",
-                                      "multiplex.encoder_weights": "hybrid", "parallel.gpus_per_node": 4})]
+            ("colocated+hybrid+p2p", hybrid),
+            ("colocated+hybrid+p2p+bubbles", {**hybrid, "multiplex.fill_bubbles": "true"}),
+            # the built-in defaults (colocated, hybrid, p2p, fill_bubbles=auto, one chunk per cut)
+            ("defaults", {"multiplex.placement": "colocated", "parallel.gpus_per_node": 4})]
 
 
 # ---- running -------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ and run the backward there. Every layout trains like the single-process run with
 encoders (losses, gradient norms and every first-step gradient to 1e-5, fp32), on 2, 4 and 8
 ranks: 1F1B and interleaved 1F1B, replicated and hybrid encoder weights (shard groups inside
 a pipeline rank), p2p and all_to_all cut-group exchanges, grouped calls (whose forwards before
-a delivery cut leave the busy ranks out), a frozen encoder; and every layout really gave the
+a delivery cut leave the busy ranks out), a frozen encoder, bf16 autocast; and every layout really gave the
 bubbles items (a layout that fills nothing tests nothing)."""
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ LAYOUTS = {
     2: [
         ("pp=2 1f1b, replicated, p2p", PP2, BOTH, SHORT, REPLICATED),
         ("pp=2 1f1b, replicated, frozen vision tower", PP2, FROZEN, SHORT, REPLICATED),
+        # bf16 autocast: a rank that encodes nothing in a bubble call still receives bf16 rows
+        ("pp=2 1f1b, replicated, bf16 autocast", PP2, {**BOTH, "precision": "bf16"}, SHORT, REPLICATED),
     ],
     4: [
         ("pp=2 x dp_shard=2, hybrid (a shard group per pipeline rank)", PP2_DP2, BOTH, MANY,

@@ -13,6 +13,7 @@ import pickle
 
 import pytest
 
+from omni.runtime.config import MultiplexConfig
 from layout_harness import MICRO_PER_STEP, check_named_layouts, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
@@ -61,8 +62,16 @@ LAYOUTS = {
         ("dp_shard=2 colocated, frozen vision + trainable audio, sharded encoders", dict(dp_shard=2), FROZEN_VISION,
          SHORT, SHARDED),
         *[(f"pp=2 text only {p}", PP2, IMAGE, TEXT, {"placement": p}) for p in PLACEMENTS],
+        # sharded encoder weights that run no backward in a step still get (zero) gradients:
+        # AdamW then decays them as the single process does
+        ("pp=2 text only colocated, sharded encoders", PP2, IMAGE, TEXT, {"placement": "colocated", **SHARDED}),
         # the GPU default on the CPU: bf16 autocast, fp32 weights (no FSDP on the LLM)
         ("pp=2 1f1b colocated bf16 autocast", PP2, {**IMAGE, "precision": "bf16"}, SHORT, {}),
+        # ... with replicated encoder weights, and with sharded ones (fp32 DTensors on the CPU:
+        # autocast must not share one bf16 copy of them over the step's calls, trainer._autocast)
+        ("pp=2 1f1b colocated bf16 autocast, replicated encoders", PP2, {**IMAGE, "precision": "bf16"}, SHORT,
+         {"encoder_weights": "replicated"}),
+        ("pp=2 1f1b colocated bf16 autocast, sharded encoders", PP2, {**IMAGE, "precision": "bf16"}, SHORT, SHARDED),
     ],
     # stage0 with its encoder weights sharded over the first stage's ranks only
     4: [(f"pp=2 x dp_shard=2 media on one data group only, {p}{', sharded encoders' if p == 'stage0' else ''}",
@@ -233,7 +242,7 @@ def _weights_held(result, mux, sizes) -> list[str]:
     whole on every encoder rank."""
     if "encoder_sharded" not in result:  # a later stage under stage0 holds no encoders
         return [] if mux.get("placement") == "stage0" else ["no encoder weights on an encoder rank"]
-    weights = mux.get("encoder_weights", "replicated")
+    weights = mux.get("encoder_weights", MultiplexConfig().encoder_weights)
     if weights == "replicated":
         return [] if not result["encoder_sharded"] else ["replicated encoder weights are DTensors"]
     ranks = 1

@@ -17,7 +17,7 @@ LAYOUTS = [
     ("dp_shard=2, long items split over sp=2", dict(dp_shard=2), BOTH, {**MERGED, "long_items": True},
      {"encoder_sp": 2, "long_threshold": "2"}),
     ("pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), BOTH, MERGED,
-     {"fill_bubbles": "true", "exchange": "p2p"}),
+     {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
     ("tp=2 colocated", dict(tp=2), IMAGE, MERGED, {}),
     # the encoders recompute their layers in the backward (parallel.encoder_activation_checkpoint)
     ("dp_shard=2, encoder layers recomputed (full), sharded weights", dict(dp_shard=2, encoder_activation_checkpoint="full"),

@@ -27,7 +27,9 @@ def _worker(rank, world, sizes, out_dir, mux_options=None):
     layout = init_layout(ParallelConfig(**sizes), device="cpu")
     model = build(False, 4, ("image", "audio"))
     reference = build(False, 4, ("image", "audio"))  # the same weights, inline
-    pm = parallelize(model, layout, MultiplexConfig(encoder_sp=2, long_threshold="5", **(mux_options or {})))
+    # replicated encoder weights: their gradients are whole tensors to compare with the inline model's
+    pm = parallelize(model, layout, MultiplexConfig(encoder_sp=2, long_threshold="5", encoder_weights="replicated",
+                                                    **(mux_options or {})))
     mux, chunk = pm.multiplexer, pm.chunks[0]
     mbs = global_batches(96, ("image", "audio"), long_items=True)[0]
     mine = mbs[layout.dp_rank::layout.dp_size]

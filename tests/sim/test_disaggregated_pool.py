@@ -10,7 +10,8 @@ from recipes.simulate_cmd import load_sim_config
 
 BASE = ["workload=none", "cluster=h100", "cluster.num_gpus=32", "parallel.pp=2", "parallel.tp=2",
         "data.global_batch_size=64", "data.micro_batch_tokens=1024", "data.sample_tokens=256",
-        "data.image_tokens_min=16", "data.image_tokens_max=64", "data.steps=2", "sim.placements=[disaggregated]"]
+        "data.image_tokens_min=16", "data.image_tokens_max=64", "data.steps=2", "sim.placements=[disaggregated]",
+        "multiplex.encoder_weights=replicated"]  # (hybrid groups of a node would rule out the 12-GPU pool)
 
 
 def test_candidates_are_whole_model_parallel_groups_up_to_half_the_cluster():
@@ -36,3 +37,23 @@ def test_a_schedule_run_keeps_one_pool_for_all_its_steps():
     ratios = res["image_ratios"]
     assert len(ratios) == 4 and ratios[0] < 0.3 < 0.7 < ratios[-1]  # the steps span the schedule
     assert isinstance(res["layout"]["encoder_gpus"], int)  # one pool, scored on all four steps
+
+
+def test_a_training_pool_adds_its_fill_and_drain_to_the_step():
+    """Synchronous training: the LLM's first forward waits for the pool's first call, and the
+    step for the pool's last backward and gradient sync where they outlast the LLM's tail; a
+    frozen encoder may run a step ahead (only the pool's throughput counts)."""
+    from omni.sim.simulate import _Run, _with_pool
+
+    run = _Run(timeline=None, memory=[], chunks=[], tail_comm={(0, 0): 0.2, (0, 1): 0.1}, tail={(0, 0): 0.05})
+    run.pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.6}
+    assert _with_pool(5.0, run) == pytest.approx(5.0 + 0.4 + (0.6 - 0.25))
+    run.pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.1}  # the drain hides behind the LLM's tail
+    assert _with_pool(5.0, run) == pytest.approx(5.4)
+    run.pool = {"time_s": 7.0, "fill_s": 0.4, "drain_s": 0.1}  # the pool is the bottleneck
+    assert _with_pool(5.0, run) == pytest.approx(7.0)
+    # end to end: the fill and drain come from the pool's own calls; none when the tower is frozen
+    res = simulate(load_sim_config([*BASE, "data.image_ratio=0.8", "sim.encoder_gpus=8", "data.steps=1"]))
+    frozen = simulate(load_sim_config([*BASE, "data.image_ratio=0.8", "sim.encoder_gpus=8", "data.steps=1",
+                                       "encoders.vision.freeze=true"]))
+    assert res["placements"]["disaggregated"]["step_time_s"] > frozen["placements"]["disaggregated"]["step_time_s"]

@@ -25,7 +25,7 @@ C = ["workload=C"]
 SMALL = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",
          "data.global_batch_size=32", "data.micro_batch_tokens=1024", "data.sample_tokens=256",
          "data.image_tokens_min=16", "data.image_tokens_max=64", "data.steps=1",
-         "multiplex.placement=colocated"]
+         "multiplex.placement=colocated", "multiplex.encoder_weights=replicated", "multiplex.exchange=all_to_all"]
 HYBRID_4 = [*SMALL, "multiplex.encoder_weights=hybrid", "multiplex.encoder_shard_group=4"]
 
 
