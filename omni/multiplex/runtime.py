@@ -29,6 +29,12 @@ actions of their own, and ``placement`` decides where they go:
 - ``encoder_first``: every F before the LLM pipeline, every B after it: one insertion point,
   so the whole step's chunks are one call.
 
+Under ``colocated`` with pipeline parallelism, *bubble calls* (``omni.multiplex.bubbles``)
+take some items off the cut groups: the later pipeline ranks encode them right after cut 0,
+the rows reach stage 0 at the window's delivery cut, and the gradients come back at a tail
+cut in the cool-down, where those ranks run the backward. ``omni.multiplex.step_plan`` plans
+every call of a step; this module runs them.
+
 Every rank runs the same action list in the same order, so the collectives always match
 (under ``exchange=p2p`` every rank posts the sends and receives of the same global plan).
 """
@@ -44,74 +50,20 @@ from torch import nn
 
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
-from omni.multiplex.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
-                                    select_bubble_items, split_items, split_rows)
-from omni.multiplex.planning import CutPlan, ItemMeta, MediaManifest, describe_media, plan_cut, row_doc_lengths
+from omni.multiplex.planning import MediaManifest, describe_media, row_doc_lengths
+from omni.multiplex.step_plan import Call, ChunkView, StepMedia, StepPlanner
 from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
-from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, chunks_backward_after_pipeline, chunks_per_call,
-                                  encoder_segments, encoder_ranks, encoder_shard_group, fills_bubbles,
-                                  forward_insertion_points, memory_budget_setting)
+from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, encoder_segments, encoder_ranks, encoder_shard_group,
+                                  fills_bubbles, memory_budget_setting)
 from parallel.layout import Layout, LayoutError, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
 from parallel.sizing import reduces_every_microbatch
 
 INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
-
-
-@dataclass
-class _Cut:
-    """One cut group's encoder call: chunks ``first .. first + len(chunks) - 1``."""
-
-    index: int  # the step's cut groups, in order (bubble calls: -1 - their pipeline rank)
-    chunks: list[int]
-    plan: CutPlan
-    has_media: bool  # any item in any of its chunks, on any rank
-    media_chunks: int  # of its chunks, those with media anywhere
-    # (chunk position in the call, modality, group, index in the call's numbering) -> the
-    # item's index in its micro-batch (the call may hold only some of a micro-batch's items)
-    original: dict = field(default_factory=dict)
-    exchange: str = "all_to_all"  # of its features, rows and gradients
-    bubble: BubbleCall | None = None
-    send_idx: torch.Tensor | None = None  # device: table rows to send, in send order
-    table: torch.Tensor | None = None  # this rank's encoder outputs (with the encoder graph)
-    recv: torch.Tensor | None = None  # rows received for this rank's placeholders (the LLM's leaf)
-    returned: torch.Tensor | None = None  # gradients of the rows this rank sent, back from their users
-    saved_bytes: int = 0  # activation bytes the encoder graph of this call keeps
-    forward_done: bool = False
-    backward_done: bool = False
-
-
-@dataclass
-class _Source:
-    """Where some of micro-batch j's rows are: in one call's receive buffer. Device index
-    tensors, built once per step (one host-to-device copy)."""
-
-    cut: _Cut
-    need_idx: dict = field(default_factory=dict)  # modality -> receive-buffer row per placeholder
-    positions: dict = field(default_factory=dict)  # modality -> local placeholder positions
-
-
-@dataclass
-class _Chunk:
-    """Micro-batch j's view of the calls that encode its items: its cut group's, and the
-    bubble calls that took some of them."""
-
-    cut: _Cut
-    sources: list[_Source] = field(default_factory=list)
-
-
-@dataclass
-class StepMedia:
-    """What the exchange at the start of a step tells every rank."""
-
-    n_chunks: int
-    items: list[list[ItemMeta]]  # per chunk
-    sizes: dict = field(default_factory=dict)  # (chunk, modality, group, index) -> sizes row
-    feat: dict = field(default_factory=dict)  # modality -> (feature dim, dtype name)
 
 
 class Multiplexer:
@@ -191,18 +143,25 @@ class Multiplexer:
             # every rank of the group in it; one small all-reduce here sets the group up (bubble
             # calls always exchange point to point).
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
-        self.member_stage = [sizes.coords(r)["pp"] for r in self.members]
-        self.gpus_per_cell = sizes.tp * sizes.cp
         self.consumer = layout.pp_rank == 0
         self.announcer = layout.rank == layout.peer_source
-        self._chunks: dict[int, _Chunk] = {}
-        self._cuts: list[_Cut] = []
+        self.planner = StepPlanner(
+            placement=cfg.placement, members=self.members, group_of=self.group_of,
+            member_stage=[sizes.coords(r)["pp"] for r in self.members], sizes=sizes,
+            virtual=pcfg.pp_virtual_stages if sizes.pp > 1 else 1, cost=cost, sp=sp,
+            long_threshold=self.long_threshold, sp_modalities=self.sp_modalities, item_bytes=self._item_bytes,
+            memory_limit=self.memory_limit, split_fixed_cost=self.split_fixed_cost,
+            chunks_per_cut=self.chunks_per_cut, lookahead=self.lookahead, exchange=self.exchange,
+            fill_bubbles=self.fill_bubbles, closing_rule=cfg.encoder_weights != "replicated", index=self.index,
+            consumer=self.consumer, device=self.device)
+        self._chunks: dict[int, ChunkView] = {}
+        self._cuts: list[Call] = []
         self._actions: list[tuple[str, int]] = []
         self._segment_end: dict[int, int] = {}  # insertion point -> end of its actions in _actions
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
         self._last_backward: dict[str, int] = {}  # modality -> its last cut group of the step
-        self._bubbles: list[_Cut] = []  # this step's bubble calls
+        self._bubbles: list[Call] = []  # this step's bubble calls
         self.media: StepMedia | None = None
         self.stats = _StepStats()
         self._trainable = tower is not None and bool(tower.trainable())
@@ -246,159 +205,18 @@ class Multiplexer:
             with self._span("comm", "media metadata"):
                 dist.all_gather_object(everyone, mine, group=self.host_group)
         n = max(e["n"] for e in everyone)
-        self.media = self._collect(everyone, n)
-        self._chunks, self._cuts, self._bubbles = {}, [], []
+        self.media = StepPlanner.collect(everyone, n, self.layout.sizes)
+        self._chunks, self._cuts, self._bubbles, self._last_backward = {}, [], [], {}
         self.stats = _StepStats()
         if self.active:
-            self._plan(everyone, n, manifests)
+            plan = self.planner.plan(self.media, everyone, manifests, self.backward_cuts(n), self.bubble_windows(n))
+            self._chunks, self._cuts, self._bubbles = plan.chunks, plan.calls, plan.bubbles
+            self._last_backward = plan.last_backward
+            s = self.stats
+            s.long_items, s.over_memory, s.balance, s.bubble_items = (plan.long_items, plan.over_memory, plan.balance,
+                                                                      plan.bubble_items)
         self._set_actions(n)
         return n
-
-    def _plan(self, everyone: list, n: int, manifests: list[MediaManifest]) -> None:
-        items = self.media.items
-        needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
-                           if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
-                          for j in range(n)]
-        eligible = None
-        if self.cfg.placement == "stage0":
-            eligible = {}
-            for i, g in enumerate(self.group_of):
-                eligible.setdefault(g, []).append(i)
-        size = self._cut_size(n)
-        bubbles = self._bubble_calls(everyone, n, size) if self.fill_bubbles else []
-        owner = {key: b for b, call in enumerate(bubbles) for key in call.placed}
-        parts = split_items(items, lambda j, it: owner.get((j, it.modality, it.group, it.index), "cut"))
-        regular = parts.get("cut")
-        indices = _IndexUpload(self.device)
-        self._last_backward = {}
-        # Each cut group is balanced on top of the step's earlier ones, so that the same ranks do
-        # not take the first items of every call (their encoder activations would pile up until
-        # the backwards).
-        carried = np.zeros(len(self.members))
-        forward_at = forward_insertion_points(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,
-                                              self.lookahead)
-        for c, first in enumerate(range(0, n, size)):
-            js = list(range(first, min(first + size, n)))
-            sub = [regular.items[j] if regular is not None else [] for j in js]
-            busy = busy_ranks(bubbles, self.member_stage, forward_at[c])
-            allowed = eligible
-            if busy:
-                allowed = {g: [i for i in (eligible or {}).get(g, range(len(self.members))) if i not in busy]
-                           for g in set(self.group_of) | {it.group for its in sub for it in its}}
-            cut_plan = plan_cut(sub, [self._source_needs(needs_by_chunk[j], j, "cut", owner) for j in js],
-                                self.group_of, len(self.members), self.cost, sp=self.sp,
-                                long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
-                                eligible=allowed, item_bytes=self._item_bytes, memory_limit=self.memory_limit,
-                                base_loads=carried, split_fixed_cost=self.split_fixed_cost, busy=busy)
-            plan = cut_plan.plan
-            carried = carried + np.asarray([rp.load for rp in plan.ranks])
-            cut = _Cut(c, js, cut_plan, has_media=any(sub), media_chunks=sum(1 for x in sub if x),
-                       original={(js.index(key[0]),) + key[1:]: i
-                                 for key, i in (regular.original if regular else {}).items() if key[0] in js},
-                       exchange=self.exchange)
-            self._cuts.append(cut)
-            self._add_routes(cut, indices, manifests, "cut", owner)
-            for it in cut_plan.items:
-                self._last_backward[it.modality] = c
-        for b, call in enumerate(bubbles):
-            sub = parts[b]
-            js = call.chunks
-            pins = {(js.index(j), m, g, k): call.placed[(j, m, g, sub.original[(j, m, g, k)])]
-                    for (j, m, g, k) in sub.original}
-            cut_plan = plan_cut([sub.items[j] for j in js], [self._source_needs(needs_by_chunk[j], j, b, owner)
-                                                             for j in js],
-                                self.group_of, len(self.members), self.cost, pinned=pins)
-            cut = _Cut(-1 - call.stage, js, cut_plan, has_media=True, media_chunks=sum(1 for j in js if sub.items[j]),
-                       original={(js.index(key[0]),) + key[1:]: i for key, i in sub.original.items()},
-                       exchange="p2p", bubble=call)
-            self._bubbles.append(cut)
-            self._add_routes(cut, indices, manifests, b, owner)
-        for j in range(n):
-            self._chunks.setdefault(j, _Chunk(self._cuts[j // size]))
-        plan_stats = [c.plan.plan for c in self._cuts + self._bubbles]
-        self.stats.long_items += sum(p.long_items for p in plan_stats)
-        self.stats.over_memory += sum(p.over_memory for p in plan_stats)
-        self.stats.balance = max([self.stats.balance] + [c.plan.plan.max_over_mean for c in self._cuts])
-        self.stats.bubble_items = sum(len(call.placed) for call in bubbles)
-        indices.upload()
-
-    def _bubble_calls(self, everyone: list, n: int, size: int) -> list[BubbleCall]:
-        """This step's bubble calls (``omni.multiplex.bubbles``), the same on every rank."""
-        windows = [w for w in self.bubble_windows(n) if w is not None]
-        if not windows:
-            return []
-        sizes = self.layout.sizes
-        llm: dict[int, list[float]] = {}
-        for r, e in enumerate(everyone):
-            if e["llm"] is not None:
-                llm[sizes.dp_group(r)] = e["llm"]
-        virtual = self.layout.config.pp_virtual_stages if sizes.pp > 1 else 1
-        unit = {g: forward_unit_cost(costs, sizes.pp, virtual, self.gpus_per_cell) for g, costs in llm.items()}
-        modalities = None
-        if self.cfg.encoder_weights != "replicated":
-            end_chunks = chunks_backward_after_pipeline(self.cfg.placement, n, self.backward_cuts(n), size,
-                                                        self.lookahead)
-            modalities = closing_modalities(self.media.items, end_chunks)
-        return select_bubble_items(self.media.items, windows, self.member_stage, self.group_of, unit, self.cost,
-                                   modalities, self._item_bytes, self.memory_limit)
-
-    def _source_needs(self, needs: dict, j: int, source, owner: dict) -> dict:
-        """The rows each consumer asked for in chunk j that ``source`` (a bubble call's index,
-        or "cut") produces, renumbered over that source's items."""
-        out = {}
-        for q, per in needs.items():
-            g = self.group_of[q]
-            out[q] = {}
-            for m, rows in per.items():
-                mine = sorted((it for it in self.media.items[j] if it.group == g and it.modality == m),
-                              key=lambda it: it.index)
-                keep = [owner.get((j, m, g, it.index), "cut") == source for it in mine]
-                out[q][m] = split_rows(rows, [it.tokens for it in mine], keep)[1]
-        return out
-
-    def _add_routes(self, cut: _Cut, indices: "_IndexUpload", manifests: list[MediaManifest], source,
-                    owner: dict) -> None:
-        """This rank's send order for ``cut``, and, on a consumer, where each of its chunks'
-        rows from it land."""
-        rp = cut.plan.plan.ranks[self.index]
-        indices.add(cut, "send_idx", np.concatenate(rp.out_send) if rp.out_send else np.zeros(0, np.int64))
-        if not self.consumer:
-            return
-        g = self.group_of[self.index]
-        for pos_in_cut, j in enumerate(cut.chunks):
-            if j >= len(manifests):
-                continue
-            chunk = self._chunks.setdefault(j, _Chunk(cut)) if source == "cut" else self._chunks[j]
-            src = _Source(cut)
-            routed = source == "cut"  # (the index views arrive at upload)
-            for m, pos in manifests[j].positions.items():
-                mine = sorted((it for it in self.media.items[j] if it.group == g and it.modality == m),
-                              key=lambda it: it.index)
-                keep = [owner.get((j, m, g, it.index), "cut") == source for it in mine]
-                mask, _ = split_rows(manifests[j].rows[m], [it.tokens for it in mine], keep)
-                if not mask.any() and source != "cut":  # (the cut group's source lists every modality)
-                    continue
-                indices.add(src.need_idx, m, cut.plan.need_index[self.index][pos_in_cut][m])
-                indices.add(src.positions, m, np.asarray(pos)[mask])
-                routed = True
-            if routed:
-                chunk.sources.append(src)
-
-    def _cut_size(self, n: int) -> int:
-        return chunks_per_call(self.cfg.placement, n, self.chunks_per_cut)
-
-    def _collect(self, everyone: list, n: int) -> StepMedia:
-        media = StepMedia(n, [[] for _ in range(n)])
-        for r, e in enumerate(everyone):
-            media.feat.update(e["feat"])
-            if e["items"] is None:
-                continue
-            g = self.layout.sizes.dp_group(r)
-            for j, per in enumerate(e["items"]):
-                for m, i, tok, units, size in per:
-                    media.items[j].append(ItemMeta(g, m, i, tok, units))
-                    media.sizes[(j, m, g, i)] = size
-        return media
 
     def _set_actions(self, n: int) -> None:
         segments = (encoder_segments(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,
@@ -460,7 +278,7 @@ class Multiplexer:
         """F j / B j run chunk j's cut group's call, once: the action list keeps a group's
         forwards together, and its backwards together (``encoder_actions``)."""
         kind, j = action
-        cut = self._chunks[j].cut
+        cut = self._chunks[j].call
         if kind == "F" and not cut.forward_done:
             cut.forward_done = True
             self._forward(cut)
@@ -475,12 +293,12 @@ class Multiplexer:
         rows: dict[str, list] = {}
         for src in chunk.sources:
             for m, idx in src.need_idx.items():
-                rows.setdefault(m, []).append((src.cut.recv.index_select(0, idx), src.positions[m]))
+                rows.setdefault(m, []).append((src.call.recv.index_select(0, idx), src.positions[m]))
         return {m: (torch.cat([r for r, _ in parts]), torch.cat([p for _, p in parts])) for m, parts in rows.items()}
 
-    def _ran(self, j: int) -> _Chunk:
+    def _ran(self, j: int) -> ChunkView:
         chunk = self._chunks.get(j)
-        if chunk is None or any(src.cut.recv is None for src in chunk.sources):
+        if chunk is None or any(src.call.recv is None for src in chunk.sources):
             raise RuntimeError(f"micro-batch {j}: its encoder chunk has not run on this rank (multiplexing "
                                f"placement {self.cfg.placement})")
         return chunk
@@ -492,18 +310,18 @@ class Multiplexer:
         chunk = self._ran(j)
         for src in chunk.sources:
             for m, idx in src.need_idx.items():
-                embeds = scatter_rows(embeds, src.cut.recv, idx, src.positions[m])
+                embeds = scatter_rows(embeds, src.call.recv, idx, src.positions[m])
         return embeds
 
     # -- one call's forward / backward ----------------------------------------------------------
-    def _forward(self, cut: _Cut) -> None:
+    def _forward(self, cut: Call) -> None:
         if not cut.has_media:
             cut.recv = torch.zeros(0, self.hidden_size, device=self.device)
             return
         self._encode(cut)
         self._deliver(cut)
 
-    def _encode(self, cut: _Cut) -> None:
+    def _encode(self, cut: Call) -> None:
         """Features to the ranks that encode them, and one encoder pass per modality of the call
         (the rows stay in this rank's table until ``_deliver``)."""
         rp = cut.plan.plan.ranks[self.index]
@@ -534,7 +352,7 @@ class Multiplexer:
         s.media_chunks += cut.media_chunks
         s.peak_live_chunks = max(s.peak_live_chunks, s.live_chunks)
 
-    def _deliver(self, cut: _Cut) -> None:
+    def _deliver(self, cut: Call) -> None:
         """Every output row of the call to the rank that embeds it (a rank that did not encode
         in it, such as stage 0 for a bubble call, only receives)."""
         rp = cut.plan.plan.ranks[self.index]
@@ -547,13 +365,13 @@ class Multiplexer:
         # encoder or projector trains, whether or not this rank encoded anything.
         cut.recv = recv.requires_grad_(self._trainable)
 
-    def _backward(self, cut: _Cut) -> None:
+    def _backward(self, cut: Call) -> None:
         if cut.table is None:  # no media in this cut anywhere
             return
         self._return_gradients(cut)
         self._encoder_backward(cut, last_of_step=None)
 
-    def _return_gradients(self, cut: _Cut) -> None:
+    def _return_gradients(self, cut: Call) -> None:
         """The inverse of ``_deliver``: every row's gradient back to the rank and table row that
         produced it (kept for ``_encoder_backward``)."""
         rp = cut.plan.plan.ranks[self.index]
@@ -565,7 +383,7 @@ class Multiplexer:
                                          cut.exchange)
         cut.recv = None
 
-    def _encoder_backward(self, cut: _Cut, last_of_step: bool | None) -> None:
+    def _encoder_backward(self, cut: Call, last_of_step: bool | None) -> None:
         """The encoder backward of this rank's part of the call (``last_of_step`` None: whether
         it is its modality's last cut group of the step)."""
         if cut.table is None:
@@ -582,7 +400,7 @@ class Multiplexer:
         self.stats.live_bytes -= cut.saved_bytes
         self.stats.live_chunks -= cut.media_chunks
 
-    def _exchange_features(self, cut: _Cut, rp, name: str) -> dict[tuple, torch.Tensor]:
+    def _exchange_features(self, cut: Call, rp, name: str) -> dict[tuple, torch.Tensor]:
         """Every item this rank encodes in the call, as its feature rows (received from a
         holder, or local), by its key in the call's plan (modality, group, call index)."""
         origin = cut.plan.origin
@@ -620,7 +438,7 @@ class Multiplexer:
                     at += units[(m, g, i)]
         return out
 
-    def _sizes(self, cut: _Cut, m: str, items: list[tuple[int, int]]) -> torch.Tensor:
+    def _sizes(self, cut: Call, m: str, items: list[tuple[int, int]]) -> torch.Tensor:
         """Host tensor: encoders read item sizes as numbers (a device copy would be read back)."""
         rows = []
         for g, i in items:
@@ -641,7 +459,7 @@ class Multiplexer:
                 "encoder_over_memory_items": float(s.over_memory), "encoder_bubble_items": float(s.bubble_items)}
 
 
-def _call_name(cut: _Cut) -> str:
+def _call_name(cut: Call) -> str:
     """Timeline name of a call: its chunk, or its first and last chunks (a bubble call: with
     its pipeline rank)."""
     chunks = str(cut.chunks[0]) if len(cut.chunks) == 1 else f"{cut.chunks[0]}-{cut.chunks[-1]}"
@@ -660,35 +478,6 @@ def _memory_budget(setting: str, layout: Layout) -> float | None:
     if layout.world_size > 1:  # every rank must plan with the same number
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     return float(budget)
-
-
-class _IndexUpload:
-    """Collects a step's small index arrays and moves them to the device in one copy (from
-    pinned memory, asynchronous on CUDA), handing out views."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._parts: list[tuple[object, str, np.ndarray]] = []
-
-    def add(self, target, key: str, values: np.ndarray) -> None:
-        """``target[key]`` (a dict) or ``target.key`` (an object) becomes the device copy of ``values``."""
-        self._parts.append((target, key, np.asarray(values, dtype=np.int64)))
-
-    def upload(self) -> None:
-        if not self._parts:
-            return
-        flat = torch.from_numpy(np.concatenate([a for _, _, a in self._parts]))
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        at = 0
-        for target, key, a in self._parts:
-            view = flat[at:at + a.size]
-            at += a.size
-            if isinstance(target, dict):
-                target[key] = view
-            else:
-                setattr(target, key, view)
-        self._parts = []
 
 
 @dataclass

@@ -3,10 +3,12 @@
 encoder compute, encoder imbalance (the slowest GPU of a call over the mean), exposed encoder
 weight collectives, row exchange, cut waits, gradient sync, optimizer, bubble). SIMULATED.
 
-Two settings side by side, both with the current simulator: ``before``, the multiplexing
-settings workload C shipped with before issue 18 (flat FSDP of the ViT over all GPUs, four
-chunks per insertion point, all-to-all exchanges), and ``after``, the current defaults of
-``conf/workload/C.yaml``. Writes ``--out``/step_decomposition.json and, with ``--doc``, the
+Three settings side by side, all with the current simulator: ``before``, workload C as it
+shipped before issue 18 (one LLM token per patch, the ViT's activations kept, flat FSDP of the
+ViT over all GPUs, four chunks per insertion point, all-to-all exchanges); ``after, 1:1 tokens``,
+the current multiplexing settings on that same data and model; and ``after``, the current
+``conf/workload/C.yaml`` (the ViT merges 2 x 2 patches, four encoder tokens per LLM token, and
+recomputes its layers). Writes ``--out``/step_decomposition.json and, with ``--doc``, the
 ``## Step decomposition, workload C 9:1 (simulated)`` section of that file.
 
     python scripts/bench/step_decomposition.py [--doc docs/benchmarks.md] [HYDRA_OVERRIDE ...]
@@ -22,8 +24,12 @@ from _common import git_state, parser, save, table, write_doc_section
 from recipes.simulate_cmd import load_sim_config
 
 SECTION = "## Step decomposition, workload C 9:1 (simulated)"
-BEFORE = ["multiplex.encoder_weights=sharded", "multiplex.chunks_per_cut=4", "multiplex.exchange=all_to_all",
-          "sim.chunks_per_cut_search=false"]
+# Workload C's data and ViT before issue 18 modelled patch merging and encoder recompute.
+ONE_TO_ONE = ["encoders.vision.params.spatial_merge=1", "encoders.vision.params.max_patches=1024",
+              "data.image_tokens_min=256", "data.image_tokens_max=1024", "data.frame_tokens=[128,256]",
+              "parallel.encoder_activation_checkpoint=none"]
+BEFORE = [*ONE_TO_ONE, "multiplex.encoder_weights=sharded", "multiplex.chunks_per_cut=4",
+          "multiplex.exchange=all_to_all", "multiplex.fill_bubbles=false", "sim.chunks_per_cut_search=false"]
 LABELS = {"llm_compute": "LLM compute", "llm_comm": "LLM comm (TP/CP/EP, FSDP)", "encoder_compute": "encoder compute",
           "encoder_imbalance": "encoder imbalance", "encoder_weights": "encoder gather/reduce",
           "row_exchange": "row exchange", "cut_wait": "cut waits", "grad_sync": "grad sync (step end)",
@@ -41,7 +47,9 @@ def section(res: dict) -> str:
              f"{res['git']['commit']}, {res['time']}, {res['seconds']:.0f} s): workload C (ViT-10B + LLaMA-70B, "
              f"256 H100) at 9:1, seconds per step, mean over the LLM's cells (a cell: one DP group's pipeline stage) "
              f"and the simulated steps; the terms add up to the step time. `before`: `{' '.join(BEFORE)}` (the "
-             f"workload's settings before issue 18); `after`: the current defaults.", ""]
+             f"workload and its settings before issue 18); `after, 1:1 tokens`: `{' '.join(ONE_TO_ONE)}` with the "
+             f"current multiplexing settings (the mechanisms alone); `after`: conf/workload/C.yaml as it is (the ViT "
+             f"merges 2 x 2 patches and recomputes its layers).", ""]
     for name, places in res["runs"].items():
         order = [p for p in places if "decomposition_s" in places[p]]
         rows = [[LABELS[t]] + [f"{places[p]['decomposition_s'][t]:.2f}" for p in order] for t in LABELS]
@@ -57,7 +65,7 @@ def main() -> None:
     p.add_argument("--doc", default=None, help="markdown file whose decomposition section is (re)written")
     args, extra = p.parse_known_args()
     t0 = time.perf_counter()
-    runs = {"before": run([*BEFORE, *extra]), "after": run(extra)}
+    runs = {"before": run([*BEFORE, *extra]), "after, 1:1 tokens": run([*ONE_TO_ONE, *extra]), "after": run(extra)}
     res = {"runs": runs, "overrides": extra, "seconds": time.perf_counter() - t0, "git": git_state(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     slim = {k: {p: {x: v for x, v in r.items() if x != "per_rank"} for p, r in pl.items()} for k, pl in runs.items()}
