@@ -231,13 +231,14 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
 
 
 def _encoder_shard_group(cfg: OmniConfig, sizes) -> None:
-    """Hybrid encoder weights: the shard group must divide the ranks that encode."""
-    from omni.multiplex.rules import encoder_shard_group
-    from omni.multiplex.rules import encoder_ranks
+    """Hybrid encoder weights: the shard group must divide the ranks that encode; and
+    ``multiplex.fill_bubbles=true`` must be able to apply (``fills_bubbles``)."""
+    from omni.multiplex.rules import encoder_ranks, encoder_shard_group, fills_bubbles
 
     x = cfg.multiplex
     try:
-        encoder_shard_group(x.encoder_weights, x.encoder_shard_group, cfg.parallel.gpus_per_node,
-                            len(encoder_ranks(sizes, x.placement)))
+        shard = encoder_shard_group(x.encoder_weights, x.encoder_shard_group, cfg.parallel.gpus_per_node,
+                                    len(encoder_ranks(sizes, x.placement)))
+        fills_bubbles(x.fill_bubbles, x.placement, sizes, x.encoder_weights, shard, x.exchange)
     except ValueError as exc:  # the runtime's LayoutError, a config mistake here
         raise ConfigError(str(exc)) from None

@@ -42,6 +42,9 @@ class MemoryBreakdown:  # bytes
         out["total"] = self.total / GIB
         return out
 
+    def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
+        return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
 
 # -- parameters ------------------------------------------------------------------------------
 

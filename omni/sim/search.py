@@ -9,8 +9,9 @@ The search runs in three rounds so that thousands of layouts cost seconds, not h
 2. the rest are simulated for one step with colocated (or the chosen) placement; a layout
    whose worst GPU exceeds its memory is rejected as out of memory;
 3. the fastest few are re-simulated over every configured step, with the encoder SP sizes
-   tried on top and ``multiplex.chunks_per_cut`` chosen for the run as ``omni simulate`` does
-   with ``sim.chunks_per_cut_search`` (the fastest group that fits); the final ranking is by
+   tried on top and ``multiplex.chunks_per_cut`` (and, under ``fill_bubbles=auto``, bubble calls
+   or not) chosen for the run as ``omni simulate`` does with ``sim.chunks_per_cut_search`` (the
+   fastest that fits); the final ranking is by
    tokens/s.
 
 Every layout that lost says why, compared with the winner: out of memory, a larger pipeline
@@ -59,7 +60,8 @@ def candidates(cfg: SimConfig, spec: ModelSpec) -> list[dict[str, Any]]:
                             "pp_schedule": "interleaved_1f1b" if v > 1 else ("1f1b" if pp > 1 else cfg.parallel.pp_schedule),
                             "cp": cp, "ep": ep, "activation_checkpoint": ckpt, "micro_batch_tokens": mbt,
                             "encoder_sp": 1, "long_threshold": "auto",
-                            "chunks_per_cut": cfg.multiplex.chunks_per_cut})
+                            "chunks_per_cut": cfg.multiplex.chunks_per_cut,
+                            "fill_bubbles": cfg.multiplex.fill_bubbles})
     return out
 
 
@@ -68,7 +70,8 @@ def with_layout(cfg: SimConfig, layout: dict[str, Any]) -> SimConfig:
                                                                        "pp_virtual_stages", "pp_schedule", "cp", "ep",
                                                                        "activation_checkpoint")})
     mux = dataclasses.replace(cfg.multiplex, encoder_sp=layout["encoder_sp"], long_threshold=layout["long_threshold"],
-                              chunks_per_cut=layout["chunks_per_cut"])
+                              chunks_per_cut=layout["chunks_per_cut"],
+                              fill_bubbles=layout.get("fill_bubbles", cfg.multiplex.fill_bubbles))
     data = dataclasses.replace(cfg.data, micro_batch_tokens=layout["micro_batch_tokens"])
     return dataclasses.replace(cfg, parallel=par, multiplex=mux, data=data)
 
@@ -79,6 +82,7 @@ def train_overrides(layout: dict[str, Any]) -> list[str]:
                                                   "pp_schedule", "cp", "ep", "activation_checkpoint")]
     return par + [f"multiplex.encoder_sp={layout['encoder_sp']}", f"multiplex.long_threshold={layout['long_threshold']}",
                   f"multiplex.chunks_per_cut={layout['chunks_per_cut']}",
+                  f"multiplex.fill_bubbles={layout.get('fill_bubbles', 'auto')}",
                   f"data.micro_batch_tokens={layout['micro_batch_tokens']}"]
 
 
@@ -141,9 +145,11 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
             res = simulate_placement(dataclasses.replace(with_layout(cfg, lay), sim=searched_groups), spec, machine,
                                      placement, full_caches.setdefault(lay["micro_batch_tokens"], {}))
             lay["chunks_per_cut"] = res["layout"]["chunks_per_cut"]
+            lay["fill_bubbles"] = res["layout"].get("fill_bubbles", lay["fill_bubbles"])
             if sp > 1 and res["long_items"] == 0:
                 continue  # nothing to split: the same layout as sp=1
-            key = (tuple(sorted((k, str(v)) for k, v in layout.items() if k not in ("encoder_sp", "chunks_per_cut"))),
+            key = (tuple(sorted((k, str(v)) for k, v in layout.items()
+                                if k not in ("encoder_sp", "chunks_per_cut", "fill_bubbles"))),
                    round(res["step_time_s"], 9))
             if key in seen:
                 continue  # no different from a variant already kept (e.g. no media to group)

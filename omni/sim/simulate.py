@@ -27,7 +27,7 @@ from omni.multiplex.bubbles import busy_ranks, closing_modalities, forward_unit_
 from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call, encoder_actions,
                                   encoder_ranks, encoder_shard_group, fills_bubbles, forward_insertion_points,
                                   memory_budget_setting)
-from omni.sim import megatron
+from omni.sim import disaggregated, megatron
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import PLACEMENTS, SimConfig
@@ -118,22 +118,6 @@ def disaggregated_split(cfg: SimConfig) -> int:
     return pool_candidates(cfg)[0]
 
 
-def pool_candidates(cfg: SimConfig) -> list[int]:
-    """Encoder-pool sizes for the disaggregated baseline: ``sim.encoder_gpus`` alone, or with
-    0 every whole number of LLM model-parallel groups up to half the cluster."""
-    p = cfg.parallel
-    mp = p.tp * p.pp * p.cp * p.dp_replicate
-    world = cfg.cluster.num_gpus
-    if not cfg.sim.encoder_gpus:
-        return [k * mp for k in range(1, max(1, world // (2 * mp)) + 1) if k * mp < world] or [mp]
-    e = cfg.sim.encoder_gpus
-    if e % mp or not 0 < e < world:
-        raise ConfigError(f"sim.encoder_gpus={e} must be a positive multiple of tp x pp x cp x dp_replicate = {mp} "
-                          f"below cluster.num_gpus={world}, so the LLM keeps whole model-parallel groups; or drop "
-                          f"disaggregated from sim.placements")
-    return [e]
-
-
 def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
                        cache: dict[tuple[int, str], list[StepWork]] | None = None) -> dict[str, Any]:
     if placement in CUT_PLACEMENTS and cfg.sim.chunks_per_cut_search and spec.encoders:
@@ -142,13 +126,13 @@ def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: s
         return _simulate_placement(cfg, spec, m, placement, cache, 0)
     cache = {} if cache is None else cache
     tried = {}
-    for e in pool_candidates(cfg):
+    for e in disaggregated.pool_candidates(cfg):
         try:
             tried[e] = _simulate_placement(cfg, spec, m, placement, cache, e)
         except (LayoutError, ConfigError):
             continue  # the LLM's layout does not fit the GPUs left (e.g. too few DP ranks)
     if not tried:
-        raise ConfigError(f"disaggregated: no encoder pool of {pool_candidates(cfg)} GPUs leaves a valid LLM layout; "
+        raise ConfigError(f"disaggregated: no encoder pool of {disaggregated.pool_candidates(cfg)} GPUs leaves a valid LLM layout; "
                           f"set sim.encoder_gpus or drop disaggregated from sim.placements")
     best = _fastest_fitting(tried)
     out = tried[best]
@@ -389,19 +373,17 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         stages = [tl.stage + k * pp for k in range(v)]
         b = mem.MemoryBreakdown()
         for st in stages:
-            b = _add(b, mem.static_memory(spec, stage_layers[st], st == 0, st == last_stage, tp=tp, ep=ep, shard=shard,
-                                          optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
-                                          gather_whole_stage=not reshard,
-                                          unsharded_grads=not reduces_every_microbatch(par, pp)))
+            b += mem.static_memory(spec, stage_layers[st], st == 0, st == last_stage, tp=tp, ep=ep, shard=shard,
+                                   optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
+                                   gather_whole_stage=not reshard, unsharded_grads=not reduces_every_microbatch(par, pp))
         if (tl.group, tl.stage) in encoder_cells:
             for modality in spec.encoders:
-                b = _add(b, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, len(members)),
-                                                      optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
-                                                      gather_whole=not reshard,
-                                                      unsharded_grads=sync.encoder_grads_unsharded(
-                                                          cfg, len(members), reshard)))
+                b += mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, len(members)),
+                                               optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param,
+                                               gather_whole=not reshard,
+                                               unsharded_grads=sync.encoder_grads_unsharded(cfg, len(members), reshard))
         if first_encoder and tl.stage == 0:
-            b = _add(b, first_encoder.static)
+            b += first_encoder.static
         # The worst moment: a block's backward on top of the live activations (on the last
         # stage the loss's logits instead, whichever is larger), or the optimizer step.
         tokens = (common[tl.group] or cfg.data.micro_batch_tokens) / cp
@@ -418,7 +400,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         memory.append(b)
     run = _Run(timeline, memory, chunks, work, members, tail_comm, tail, bubbles=bubbles)
     if encoder_pool:
-        run.pool = _encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
+        run.pool = disaggregated.encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
     return run
 
 
@@ -447,56 +429,13 @@ def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, pla
                              cluster.gpus_per_node, sizes.tp * sizes.cp, budget, group_node, modalities)
 
 
-def _encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list[MicroBatchWork]], e: int,
-                  sizes: Sizes) -> dict[str, float]:
-    """The disaggregated encoders: every chunk on the pool's GPUs, forward and backward, as
-    ``multiplex.chunks_per_cut`` chunks per call (a pool feeds the LLM's pipeline call by call).
-
-    Training the encoders synchronously, the pool cannot encode the next step while the LLM
-    runs this one: that step's forward needs the weights this step's encoder backward updates,
-    and that backward needs the LLM's embedding gradients of this step. So within a step the
-    LLM's first forward waits for the pool's first call (``fill_s``) and the pool's last
-    backward, after the LLM's last, plus its gradient sync (``drain_s``) ends the step unless
-    the LLM's own sync and optimizer take longer; in between, the pool's calls overlap the
-    LLM's work. A frozen encoder has no backward: the pool may encode a whole step ahead, and
-    only its throughput counts."""
-    group_of = [r % sizes.dp for r in range(e)]
-    # The pool's GPUs are not the LLM's: every group's rows leave the pool's nodes.
-    chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, None, cfg.cluster.gpus_per_node,
-                         sizes.tp * sizes.cp, None, placement="colocated",
-                         group_node={g: -1 for g in range(sizes.dp)})
-    compute = sum(c.forward_s + c.backward_s for c in chunks)
-    grad_sync = sync.encoder_grad_sync(m, cfg, spec, e, cfg.cluster.gpus_per_node)
-    trains = any(enc.trainable for enc in spec.encoders.values())
-    calls = [c for c in chunks if c.items]
-    fill = calls[0].forward_s if calls and trains else 0.0
-    drain = calls[-1].backward_s + grad_sync if calls and trains else 0.0
-    static = mem.MemoryBreakdown()
-    for modality in spec.encoders:
-        static = _add(static, mem.encoder_static_memory(spec, modality, shard=sync.encoder_shard(cfg, e),
-                                                        optimizer_bytes_per_param=cfg.sim.optimizer_bytes_per_param))
-    # A step's chunks are all alive on the pool until the LLM's gradients come back.
-    static.activations = max((sum(c.gpu_activation_bytes[r] for c in chunks) for r in range(e)), default=0.0)
-    busy = [sum(c.gpu_forward_s[r] + c.gpu_backward_s[r] for c in chunks) for r in range(e)]
-    return {"time_s": compute + grad_sync, "busy_mean_s": float(np.mean(busy)) if busy else 0.0,
-            "comm_s": compute - float(np.max(busy) if busy else 0.0) + grad_sync, "memory": static,
-            "fill_s": fill, "drain_s": drain}
-
-
-def _with_pool(llm_step: float, run: "_Run") -> float:
-    """The step of a disaggregated run: the LLM's, plus the pool's fill and what of its drain
-    outlasts the LLM's own tail (``_encoder_pool``), and never shorter than the pool's work."""
-    pool = run.pool
-    tail = max((run.tail_comm.get(c, 0.0) + run.tail.get(c, 0.0) for c in run.tail_comm), default=0.0)
-    return max(pool["time_s"], llm_step + pool["fill_s"] + max(0.0, pool["drain_s"] - tail))
-
-
 def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, steps: list[StepWork],
                runs: list[_Run], encoder_pool: int) -> dict[str, Any]:
     cluster = cfg.cluster
     world = cluster.num_gpus
     llm_step = [r.timeline.step_s for r in runs]
-    step_s = [_with_pool(t, r) if r.pool else t for t, r in zip(llm_step, runs)]
+    step_s = [disaggregated.step_with_pool(t, r.pool, r.tail_comm, r.tail) if r.pool else t
+              for t, r in zip(llm_step, runs)]
     mean_step = float(np.mean(step_s))
     tokens = float(np.mean([s.tokens() for s in steps]))
     flops = float(np.mean([spec.mfu_flops(s.docs(), s.media()) for s in steps]))
@@ -602,8 +541,3 @@ def _encoder_memory_budget(cfg: SimConfig, spec: ModelSpec, sizes: Sizes) -> flo
     static = mem.static_memory(spec, layers, True, sizes.pp == 1, tp=sizes.tp, ep=sizes.ep,
                                shard=sizes.dp_shard * sizes.cp).total
     return max(free - static, 0.0) / 4.0
-
-
-def _add(a: mem.MemoryBreakdown, b: mem.MemoryBreakdown) -> mem.MemoryBreakdown:
-    return mem.MemoryBreakdown(**{f.name: getattr(a, f.name) + getattr(b, f.name)
-                                  for f in dataclasses.fields(mem.MemoryBreakdown)})

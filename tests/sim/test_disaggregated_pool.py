@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni.sim.simulate import pool_candidates, simulate
+from omni.sim.disaggregated import pool_candidates, step_with_pool
+from omni.sim.simulate import simulate
 from recipes.simulate_cmd import load_sim_config
 
 BASE = ["workload=none", "cluster=h100", "cluster.num_gpus=32", "parallel.pp=2", "parallel.tp=2",
@@ -43,15 +44,13 @@ def test_a_training_pool_adds_its_fill_and_drain_to_the_step():
     """Synchronous training: the LLM's first forward waits for the pool's first call, and the
     step for the pool's last backward and gradient sync where they outlast the LLM's tail; a
     frozen encoder may run a step ahead (only the pool's throughput counts)."""
-    from omni.sim.simulate import _Run, _with_pool
-
-    run = _Run(timeline=None, memory=[], chunks=[], tail_comm={(0, 0): 0.2, (0, 1): 0.1}, tail={(0, 0): 0.05})
-    run.pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.6}
-    assert _with_pool(5.0, run) == pytest.approx(5.0 + 0.4 + (0.6 - 0.25))
-    run.pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.1}  # the drain hides behind the LLM's tail
-    assert _with_pool(5.0, run) == pytest.approx(5.4)
-    run.pool = {"time_s": 7.0, "fill_s": 0.4, "drain_s": 0.1}  # the pool is the bottleneck
-    assert _with_pool(5.0, run) == pytest.approx(7.0)
+    tail_comm, tail = {(0, 0): 0.2, (0, 1): 0.1}, {(0, 0): 0.05}
+    pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.6}
+    assert step_with_pool(5.0, pool, tail_comm, tail) == pytest.approx(5.0 + 0.4 + (0.6 - 0.25))
+    pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.1}  # the drain hides behind the LLM's tail
+    assert step_with_pool(5.0, pool, tail_comm, tail) == pytest.approx(5.4)
+    pool = {"time_s": 7.0, "fill_s": 0.4, "drain_s": 0.1}  # the pool is the bottleneck
+    assert step_with_pool(5.0, pool, tail_comm, tail) == pytest.approx(7.0)
     # end to end: the fill and drain come from the pool's own calls; none when the tower is frozen
     res = simulate(load_sim_config([*BASE, "data.image_ratio=0.8", "sim.encoder_gpus=8", "data.steps=1"]))
     frozen = simulate(load_sim_config([*BASE, "data.image_ratio=0.8", "sim.encoder_gpus=8", "data.steps=1",
