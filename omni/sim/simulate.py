@@ -115,7 +115,7 @@ def disaggregated_split(cfg: SimConfig) -> int:
     """GPUs the disaggregated baseline gives the encoders: ``sim.encoder_gpus``, or with 0 the
     smallest candidate of ``pool_candidates`` (for the up-front checks; the run's pool is
     chosen by ``simulate_placement``)."""
-    return pool_candidates(cfg)[0]
+    return disaggregated.pool_candidates(cfg)[0]
 
 
 def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
