@@ -239,7 +239,7 @@ def _weights_held(result, mux, sizes) -> list[str]:
     """Sharded encoder weights are DTensors split over every encoder rank (the first stage's
     under stage0); hybrid ones over the ranks of a shard group (multiplex.encoder_shard_group,
     else a node of parallel.gpus_per_node), on a (groups, group size) mesh; replicated ones are
-    whole on every encoder rank."""
+    whole on every encoder rank, as are any weights when only one rank encodes."""
     if "encoder_sharded" not in result:  # a later stage under stage0 holds no encoders
         return [] if mux.get("placement") == "stage0" else ["no encoder weights on an encoder rank"]
     weights = mux.get("encoder_weights", MultiplexConfig().encoder_weights)
@@ -250,6 +250,8 @@ def _weights_held(result, mux, sizes) -> list[str]:
         ranks *= sizes.get(d, 1)
     if mux.get("placement") == "stage0":
         ranks //= sizes.get("pp", 1)
+    if ranks == 1:  # one encoder rank holds whole weights: FSDP over a mesh of one would only cost
+        return [] if not result["encoder_sharded"] else ["encoder weights are DTensors on a single encoder rank"]
     shape = (ranks,)
     if weights == "hybrid":
         group = mux.get("encoder_shard_group") or min(sizes.get("gpus_per_node", 8), ranks)
