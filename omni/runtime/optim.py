@@ -10,17 +10,25 @@ from omni.runtime.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    """AdamW over ``model``'s trainable parameters, in groups that each hold one kind of tensor.
+
+    torch runs AdamW's foreach kernels by default on CUDA, and a foreach op refuses a list that
+    mixes DTensors with plain tensors ("got mixed torch.Tensor and DTensor"): a part whose
+    norms stay plain beside tensor-parallel DTensor weights (tp > 1 without FSDP) would crash on
+    its first GPU step. So sharded and plain parameters never share a group; each group keeps
+    torch's per-device default (foreach on CUDA; on the CPU the per-parameter loop, which is
+    also the faster one for DTensors there: foreach's sharding propagation costs more)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple[bool, bool], list] = {}
     for p in model.parameters():
         if not p.requires_grad:
             continue
         # Norm gains, biases and other vectors are not decayed (standard for transformers).
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        groups.setdefault((p.ndim >= 2, isinstance(p, DTensor)), []).append(p)
+    param_groups = [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+                    for (decay, sharded), params in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
+    return torch.optim.AdamW(param_groups or [{"params": []}], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

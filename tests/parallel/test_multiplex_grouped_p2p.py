@@ -42,7 +42,8 @@ LAYOUTS = {
     8: [
         ("pp=2 x tp=2 x dp_shard=2 colocated, 2 chunks per call, p2p", PP_TP_DP, IMAGE, SHORT,
          {"chunks_per_cut": 2, **P2P}),
-        ("pp=2 x tp=2 x dp_shard=2 colocated, p2p", PP_TP_DP, IMAGE, SHORT, P2P),
+        # p2p alone on these 8 ranks is the default now: test_multiplex_equal_single.py's
+        # "pp=2 x tp=2 x dp_shard=2 colocated"
     ],
 }
 
