@@ -183,7 +183,7 @@ def _encoders(cfg: OmniConfig) -> None:
 def check_multiplex(cfg) -> None:
     """The ``multiplex`` group on its own (training's config and ``omni simulate``'s share it)."""
     from omni.multiplex.rules import BUBBLE_SETTINGS, PLACEMENTS, WEIGHT_MODES, check_shard_group_setting, \
-        memory_budget_setting
+        chunks_per_cut_setting, memory_budget_setting
     from parallel.reshard import EXCHANGE_MODES
 
     x = cfg.multiplex
@@ -194,7 +194,10 @@ def check_multiplex(cfg) -> None:
     except ValueError as exc:  # the runtime's LayoutError, a config mistake here
         raise ConfigError(str(exc)) from None
     _positive("multiplex.encoder_sp", x.encoder_sp)
-    _positive("multiplex.chunks_per_cut", x.chunks_per_cut)
+    try:
+        chunks_per_cut_setting(x.chunks_per_cut)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _at_least("multiplex.trace_step", x.trace_step, 0)
     threshold = str(x.long_threshold).lower()
     _need(threshold == "auto" or (threshold.isdigit() and int(threshold) > 0), "multiplex.long_threshold",

@@ -60,11 +60,71 @@ def encoder_gradient_reduction(weights: str, last_of_step: bool, reduce_every_ch
 
 
 def chunks_per_call(placement: str, n: int, chunks_per_cut: int) -> int:
-    """Chunks per encoder call (a cut group): multiplex.chunks_per_cut where the calls are
+    """Chunks per encoder call (a cut group): the step's ``cut_group_size`` where the calls are
     inserted into the pipeline; encoder_first has one insertion point, before it, so one call
     for the whole step (its activations live until after the pipeline either way). The
     simulator groups its chunks by the same rule."""
     return max(n, 1) if placement == "encoder_first" else chunks_per_cut
+
+
+def chunks_per_cut_setting(setting) -> int | None:
+    """``multiplex.chunks_per_cut`` read: a count >= 1, or None for "auto" (``cut_group_size``
+    chooses per step). The config checks, the runtime and the simulator read it this way."""
+    text = str(setting).strip().lower()
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise LayoutError(f"multiplex.chunks_per_cut={setting!r} must be auto or a count >= 1")
+    return int(text)
+
+
+def chunks_per_cut_candidates(micro_batches: int) -> list[int]:
+    """The cut-group sizes worth telling apart for a step of ``micro_batches`` chunks: 1, 2, 4,
+    ... below it, and the count itself (one call per step). ``cut_group_size`` (auto) and the
+    simulator's search (``sim.chunks_per_cut_search``) both choose among these."""
+    out, g = [], 1
+    while g < micro_batches:
+        out.append(g)
+        g *= 2
+    return out + [max(micro_batches, 1)]
+
+
+def peak_live_encoder_bytes(placement: str, n: int, backward_cuts: list[int | None], group: int, lookahead: int,
+                            chunk_bytes: list[float]) -> float:
+    """The most encoder activation bytes alive at once over a step run in ``encoder_segments``'
+    order with cut groups of ``group`` chunks: a chunk's bytes live from its forward to its
+    backward (``chunk_bytes[j]``: what autograd keeps for chunk j's items, over all ranks)."""
+    segments = encoder_segments(placement, n, backward_cuts, group, lookahead)
+    live = peak = 0.0
+    for k in sorted(segments):
+        for kind, j in segments[k]:
+            live += chunk_bytes[j] if kind == "F" else -chunk_bytes[j]
+            peak = max(peak, live)
+    return peak
+
+
+def cut_group_size(setting, placement: str, n: int, backward_cuts: list[int | None], lookahead: int,
+                   chunk_bytes: list[float] | None, members: int, budget: float | None) -> int:
+    """The chunks per encoder call for one step of ``n`` chunks (``multiplex.chunks_per_cut``).
+    A number: itself. auto: the largest of ``chunks_per_cut_candidates(n)`` whose live encoder
+    activations, spread over the ``members`` encoder ranks, stay within ``budget`` bytes per
+    rank (``multiplex.encoder_memory_mib``) at every moment of the step; with no budget (the
+    CPU) or no byte estimate, n: one call per step. Each call pays a fixed cost (a full weight
+    read, the weight gathers, the launches, an exchange everyone waits for), so fewer calls are
+    faster until their activations do not fit: what ``omni simulate``'s search finds on
+    workloads A-D and the 8-rank CPU benchmark measures (docs/multiplexing.md). 1 is always
+    kept as the last resort."""
+    fixed = chunks_per_cut_setting(setting)
+    if fixed is not None:
+        return fixed
+    candidates = chunks_per_cut_candidates(n)
+    if budget is None or chunk_bytes is None:
+        return candidates[-1]
+    for g in reversed(candidates):
+        peak = peak_live_encoder_bytes(placement, n, backward_cuts, g, lookahead, chunk_bytes)
+        if peak / max(members, 1) <= budget:
+            return g
+    return 1
 
 
 BEFORE_PIPELINE = -1  # the insertion point of encoder_first's forwards

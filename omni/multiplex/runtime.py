@@ -56,8 +56,8 @@ from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
-from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, encoder_segments, encoder_ranks, encoder_shard_group,
-                                  fills_bubbles, memory_budget_setting)
+from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, chunks_per_cut_setting, cut_group_size, encoder_segments,
+                                  encoder_ranks, encoder_shard_group, fills_bubbles, memory_budget_setting)
 from parallel.layout import Layout, LayoutError, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
@@ -98,12 +98,11 @@ class Multiplexer:
             raise LayoutError(f"multiplex.encoder_sp={sp} must divide the {len(self.members)} encoder ranks and fit "
                               f"in a node (parallel.gpus_per_node={pcfg.gpus_per_node})")
         self.sp = sp
-        self.chunks_per_cut = int(cfg.chunks_per_cut)
+        chunks_per_cut_setting(cfg.chunks_per_cut)  # fail at start-up, not at the first step
+        self.chunks_per_cut = 1  # this step's (cut_group_size, set in begin_step)
         self.lookahead = int(cfg.lookahead)
         if self.lookahead < 0:
             raise LayoutError(f"multiplex.lookahead={cfg.lookahead} must be >= 0 (0: off)")
-        if self.chunks_per_cut < 1:
-            raise LayoutError(f"multiplex.chunks_per_cut={cfg.chunks_per_cut} must be >= 1")
         self.sp_group = self._sp_groups(layout, sp)
         encoders = tower.encoders if tower is not None else {}
         self.sp_modalities = [m for m, enc in encoders.items() if getattr(enc, "supports_sequence_parallel", False)]
@@ -151,7 +150,7 @@ class Multiplexer:
             virtual=pcfg.pp_virtual_stages if sizes.pp > 1 else 1, cost=cost, sp=sp,
             long_threshold=self.long_threshold, sp_modalities=self.sp_modalities, item_bytes=self._item_bytes,
             memory_limit=self.memory_limit, split_fixed_cost=self.split_fixed_cost,
-            chunks_per_cut=self.chunks_per_cut, lookahead=self.lookahead, exchange=self.exchange,
+            lookahead=self.lookahead, exchange=self.exchange,
             fill_bubbles=self.fill_bubbles, closing_rule=cfg.encoder_weights != "replicated", index=self.index,
             consumer=self.consumer, device=self.device)
         self._chunks: dict[int, ChunkView] = {}
@@ -208,8 +207,10 @@ class Multiplexer:
         self.media = StepPlanner.collect(everyone, n, self.layout.sizes)
         self._chunks, self._cuts, self._bubbles, self._last_backward = {}, [], [], {}
         self.stats = _StepStats()
+        self.chunks_per_cut = self._cut_group(n)
         if self.active:
-            plan = self.planner.plan(self.media, everyone, manifests, self.backward_cuts(n), self.bubble_windows(n))
+            plan = self.planner.plan(self.media, everyone, manifests, self.backward_cuts(n), self.bubble_windows(n),
+                                     self.chunks_per_cut)
             self._chunks, self._cuts, self._bubbles = plan.chunks, plan.calls, plan.bubbles
             self._last_backward = plan.last_backward
             s = self.stats
@@ -217,6 +218,16 @@ class Multiplexer:
                                                                       plan.bubble_items)
         self._set_actions(n)
         return n
+
+    def _cut_group(self, n: int) -> int:
+        """This step's chunks per encoder call (``cut_group_size``), the same on every rank: it
+        reads only the step's gathered media and the budget every rank agreed on."""
+        chunk_bytes = None
+        if self._item_bytes is not None and self.memory_limit is not None:
+            chunk_bytes = [sum(self._item_bytes(it.modality, it.tokens) or 0.0 for it in items)
+                           for items in self.media.items]
+        return cut_group_size(self.cfg.chunks_per_cut, self.cfg.placement, n, self.backward_cuts(n), self.lookahead,
+                              chunk_bytes, len(self.members), self.memory_limit)
 
     def _set_actions(self, n: int) -> None:
         segments = (encoder_segments(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,
@@ -456,7 +467,8 @@ class Multiplexer:
         return {"encoder_long_items": float(s.long_items), "encoder_balance_max_over_mean": s.balance,
                 "encoder_peak_live_chunks": float(s.peak_live_chunks),
                 "encoder_peak_activation_mib": s.peak_live_bytes / 2**20,
-                "encoder_over_memory_items": float(s.over_memory), "encoder_bubble_items": float(s.bubble_items)}
+                "encoder_over_memory_items": float(s.over_memory), "encoder_bubble_items": float(s.bubble_items),
+                "encoder_chunks_per_call": float(self.chunks_per_cut)}
 
 
 def _call_name(cut: Call) -> str:

@@ -102,7 +102,6 @@ class StepPlanner:
     item_bytes: Callable[[str, int], float | None] | None
     memory_limit: float | None
     split_fixed_cost: float
-    chunks_per_cut: int
     lookahead: int
     exchange: str
     fill_bubbles: bool
@@ -129,9 +128,10 @@ class StepPlanner:
         return media
 
     def plan(self, media: StepMedia, everyone: list, manifests: list[MediaManifest],
-             backward_cuts: list[int | None], windows: list) -> StepPlan:
+             backward_cuts: list[int | None], windows: list, group: int) -> StepPlan:
         """Every call of the step; ``backward_cuts``, ``windows``: the pipeline's (encoder
-        backward cut per chunk, ``bubble_windows``)."""
+        backward cut per chunk, ``bubble_windows``); ``group``: the step's chunks per cut
+        (``omni.multiplex.rules.cut_group_size``)."""
         n = media.n_chunks
         needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
                            if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
@@ -141,7 +141,7 @@ class StepPlanner:
             eligible = {}
             for i, g in enumerate(self.group_of):
                 eligible.setdefault(g, []).append(i)
-        size = chunks_per_call(self.placement, n, self.chunks_per_cut)
+        size = chunks_per_call(self.placement, n, group)
         bubbles = self._bubble_calls(media, n, size, backward_cuts, windows) if self.fill_bubbles else []
         owner = {key: b for b, call in enumerate(bubbles) for key in call.placed}
         parts = split_items(media.items, lambda j, it: owner.get((j, it.modality, it.group, it.index), "cut"))
@@ -152,7 +152,7 @@ class StepPlanner:
         # not take the first items of every call (their encoder activations would pile up until
         # the backwards).
         carried = np.zeros(len(self.members))
-        forward_at = forward_insertion_points(self.placement, n, backward_cuts, self.chunks_per_cut, self.lookahead)
+        forward_at = forward_insertion_points(self.placement, n, backward_cuts, group, self.lookahead)
         for c, first in enumerate(range(0, n, size)):
             js = list(range(first, min(first + size, n)))
             sub = [regular.items[j] if regular is not None else [] for j in js]

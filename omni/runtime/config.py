@@ -125,10 +125,12 @@ class MultiplexConfig:
     fill_bubbles: str = "auto"
     # Encoder chunks run together at one insertion point (colocated, stage0): at cut k (k a
     # multiple of it) the forwards of chunks k .. k + chunks_per_cut - 1, and the backwards that
-    # became ready since the last such cut. Each insertion point is a collective over the
-    # encoder ranks, so fewer of them mean fewer waits for the slowest rank (what `omni simulate`
-    # shows at scale), at the price of earlier encoder activations. 1: one chunk per cut.
-    chunks_per_cut: int = 1
+    # became ready since the last such cut. Each call pays a fixed cost and each insertion point
+    # is an exchange the encoder ranks wait for, so fewer of them are faster, at the price of
+    # earlier encoder activations. "auto": per step, the largest group (up to one call per step)
+    # whose live encoder activations fit encoder_memory_mib (omni.multiplex.rules.cut_group_size);
+    # a number: that many; 1: one chunk per cut, the least encoder memory.
+    chunks_per_cut: str = "auto"
     # Record each rank's encoder / LLM / communication / idle time per step (metrics.jsonl).
     timeline: bool = True
     # Write a Chrome trace (chrome://tracing, Perfetto) of this step to <run_dir>/trace_step<N>.json; 0: none.

@@ -2,9 +2,12 @@
 encoders, its candidate sizes, its calls, and how it sets the step of synchronous training."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from omni.errors import ConfigError
+from omni.multiplex.rules import chunks_per_cut_setting
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import SimConfig
@@ -45,8 +48,14 @@ def encoder_pool(cfg: SimConfig, spec: ModelSpec, m: Machine, groups: list[list[
     LLM's work. A frozen encoder has no backward: the pool may encode a whole step ahead, and
     only its throughput counts."""
     group_of = [r % sizes.dp for r in range(e)]
+    # multiplex.chunks_per_cut=auto chooses groups of the LLM pipeline's cuts; a pool is not in
+    # that pipeline and feeds it call by call, so auto means one chunk per call here (its first
+    # call is what the LLM's first forward waits for); a number is taken as it is.
+    mux = cfg.multiplex
+    if chunks_per_cut_setting(mux.chunks_per_cut) is None:
+        mux = dataclasses.replace(mux, chunks_per_cut=1)
     # The pool's GPUs are not the LLM's: every group's rows leave the pool's nodes.
-    chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, None, cfg.cluster.gpus_per_node,
+    chunks = plan_chunks(m, spec, mux, groups, group_of, None, cfg.cluster.gpus_per_node,
                          sizes.tp * sizes.cp, None, placement="colocated",
                          group_node={g: -1 for g in range(sizes.dp)})
     compute = sum(c.forward_s + c.backward_s for c in chunks)

@@ -81,6 +81,14 @@ def chunk_items(mb: MicroBatchWork, group: int, spec: ModelSpec) -> list[ItemMet
     return out
 
 
+def item_activation_bytes(spec: ModelSpec, modality: str, rows: int) -> float:
+    """What autograd keeps for one item of ``rows`` output rows (LLM placeholders) on the GPU
+    that encodes it: the runtime's ``item_bytes`` (``Encoder.activation_bytes`` of its encoder
+    tokens), per the model's anchor."""
+    e = spec.encoders[modality]
+    return e.activation_bytes_per_token * rows * e.tokens_per_row
+
+
 def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches: list[list[MicroBatchWork]],
                 group_of: list[int], eligible: dict[int, list[int]] | None, gpus_per_node: int,
                 receivers: int, memory_limit: float | None, placement: str = "colocated",
@@ -116,8 +124,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
     size = chunks_per_call(placement, n, int(mux.chunks_per_cut))
 
     def item_bytes(modality: str, rows: int) -> float:
-        e = spec.encoders[modality]
-        return e.activation_bytes_per_token * rows * e.tokens_per_row
+        return item_activation_bytes(spec, modality, rows)
 
     out = []
     carried = np.zeros(world)
@@ -270,8 +277,7 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
              for j in range(n)]
 
     def item_bytes(modality: str, rows: int) -> float:
-        e = spec.encoders[modality]
-        return e.activation_bytes_per_token * rows * e.tokens_per_row
+        return item_activation_bytes(spec, modality, rows)
 
     calls = select_bubble_items(items, windows, member_stage, group_of, unit_cost, spec.cost, modalities,
                                 item_bytes, memory_limit)

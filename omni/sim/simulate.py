@@ -24,7 +24,8 @@ import numpy as np
 
 from omni.errors import ConfigError
 from omni.multiplex.bubbles import busy_ranks, closing_modalities, forward_unit_cost
-from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call, encoder_actions,
+from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call,
+                                  chunks_per_cut_candidates, chunks_per_cut_setting, cut_group_size, encoder_actions,
                                   encoder_ranks, encoder_shard_group, fills_bubbles, forward_insertion_points,
                                   memory_budget_setting)
 from omni.sim import disaggregated, megatron
@@ -32,8 +33,8 @@ from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import PLACEMENTS, SimConfig
 from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
-from omni.sim.encoders import (BubbleTimes, ChunkTimes, call_actions, call_of_chunks, chunk_items, plan_bubble_calls,
-                               plan_chunks)
+from omni.sim.encoders import (BubbleTimes, ChunkTimes, call_actions, call_of_chunks, chunk_items,
+                               item_activation_bytes, plan_bubble_calls, plan_chunks)
 from omni.sim.engine import DECOMPOSITION, StepTimeline, programs, simulate_step
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
@@ -96,9 +97,11 @@ def llm_sizes(parallel: ParallelConfig, world: int, spec: ModelSpec, tokens: int
 
 def check_encoder_sp(cfg: SimConfig, sizes: Sizes, placement: str, pool: int = 0) -> None:
     """multiplex.encoder_sp must split the encoder GPUs into whole SP blocks (and
-    multiplex.chunks_per_cut be a count)."""
-    if int(cfg.multiplex.chunks_per_cut) < 1:
-        raise ConfigError(f"multiplex.chunks_per_cut={cfg.multiplex.chunks_per_cut} must be >= 1")
+    multiplex.chunks_per_cut be auto or a count)."""
+    try:
+        chunks_per_cut_setting(cfg.multiplex.chunks_per_cut)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     sp = int(cfg.multiplex.encoder_sp)
     members = pool or (sizes.world // sizes.pp if placement == "stage0" else sizes.world)
     if sp < 1 or members % sp:
@@ -145,16 +148,6 @@ def _fastest_fitting(tried: dict[int, dict[str, Any]]) -> int:
     ties: the smallest key), for the choices made for a whole run."""
     fitting = [k for k, r in tried.items() if r["fits"]] or list(tried)
     return min(fitting, key=lambda k: (tried[k]["step_time_s"], k))
-
-
-def chunks_per_cut_candidates(micro_batches: int) -> list[int]:
-    """multiplex.chunks_per_cut values ``sim.chunks_per_cut_search`` tries: 1, 2, 4, ... below the
-    step's micro-batches per DP rank, and that count itself (one call per step)."""
-    out, g = [], 1
-    while g < micro_batches:
-        out.append(g)
-        g *= 2
-    return out + [max(micro_batches, 1)]
 
 
 def _chunks_per_cut_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
@@ -236,6 +229,7 @@ class _Run:
     tail: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # optimizer, per cell
     pool: dict[str, float] | None = None
     bubbles: list[BubbleTimes] = dataclasses.field(default_factory=list)
+    chunks_per_cut: int = 1  # the step's chunks per encoder call (cut_group_size)
 
 
 def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str, step: StepWork,
@@ -301,6 +295,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     encoder_cells: dict[tuple[int, int], list[int]] = {}
     members: list[int] = []
     sim_placement = placement
+    group = 1
     if placement in ("colocated", "stage0", "encoder_first") and spec.encoders:
         members = encoder_ranks(sizes, placement)
         group_of = [_group(sizes, r) for r in members]
@@ -310,12 +305,19 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             for i, g in enumerate(group_of):
                 eligible.setdefault(g, []).append(i)
         budget = _encoder_memory_budget(cfg, spec, sizes)
+        # multiplex.chunks_per_cut for this step (auto: the runtime's per-step choice, from the
+        # same rule, the step's items and the same budget); every call below reads the number.
+        group = cut_group_size(cfg.multiplex.chunks_per_cut, placement, n, backward_cuts, int(cfg.multiplex.lookahead),
+                               [sum(item_activation_bytes(spec, it.modality, it.tokens)
+                                    for g, mbs in enumerate(groups) for it in chunk_items(mbs[j], g, spec))
+                                for j in range(n)], len(members), budget)
+        cfg = dataclasses.replace(cfg, multiplex=dataclasses.replace(cfg.multiplex, chunks_per_cut=group))
         # The node of each DP group's first-stage GPUs: its features' senders, its rows' receivers.
         group_node = {g: sizes.dp_group_rank(g, pp=0) // cluster.gpus_per_node for g in range(sizes.dp)}
         bubbles = _bubble_calls(cfg, spec, m, sizes, placement, groups, members, group_of, llm_costs, backward_cuts,
                                 budget, group_node)
         member_stage = [sizes.coords(r)["pp"] for r in members]
-        forward_at = forward_insertion_points(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut),
+        forward_at = forward_insertion_points(placement, n, backward_cuts, group,
                                               int(cfg.multiplex.lookahead))
         chunks = plan_chunks(m, spec, cfg.multiplex, groups, group_of, eligible, cluster.gpus_per_node, tp * cp,
                              budget, placement, member_ranks=members, group_node=group_node,
@@ -325,7 +327,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             c = sizes.coords(r)
             encoder_cells.setdefault((_group(sizes, r), c["pp"]), []).append(i)
         # The runtime's chunk actions, as actions of the calls (cut groups) they belong to.
-        actions = call_actions(encoder_actions(placement, n, backward_cuts, int(cfg.multiplex.chunks_per_cut),
+        actions = call_actions(encoder_actions(placement, n, backward_cuts, group,
                                                int(cfg.multiplex.lookahead)), chunks)
         sync.add_encoder_grad_traffic(m, cfg, spec, chunks, len(members), reshard)
         sync.add_encoder_collectives(m, cfg, spec, chunks, actions, members, cluster.gpus_per_node, reshard)
@@ -362,7 +364,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
                              p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
                              llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
-                             chunks_per_cut=int(cfg.multiplex.chunks_per_cut),
+                             chunks_per_cut=group,
                              lookahead=int(cfg.multiplex.lookahead),
                              call_of=call_of_chunks(chunks) if chunks else None,
                              exchange=str(cfg.multiplex.exchange), bubbles=bubbles)
@@ -398,7 +400,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         else:
             b.activations, b.transient = tl.peak_activations, transient
         memory.append(b)
-    run = _Run(timeline, memory, chunks, work, members, tail_comm, tail, bubbles=bubbles)
+    run = _Run(timeline, memory, chunks, work, members, tail_comm, tail, bubbles=bubbles, chunks_per_cut=group)
     if encoder_pool:
         run.pool = disaggregated.encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
     return run
@@ -474,7 +476,7 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
               "cp": sizes.cp, "ep": sizes.ep, "pp_virtual_stages": cfg.parallel.pp_virtual_stages,
               "pp_schedule": cfg.parallel.pp_schedule, "micro_batches": max(len(g) for g in steps[-1].groups),
               "max_micro_batches": max(len(g) for s in steps for g in s.groups),
-              "encoder_gpus": encoder_pool, "chunks_per_cut": int(cfg.multiplex.chunks_per_cut),
+              "encoder_gpus": encoder_pool, "chunks_per_cut": max(r.chunks_per_cut for r in runs),
               "fill_bubbles": str(cfg.multiplex.fill_bubbles).lower()}
     return {
         "step_time_s": mean_step,

@@ -142,7 +142,8 @@ def test_checkpoint_from_dp_shard4_resumes_at_tp2_pp2(demo_root, tmp_path, tmp_p
     trace = json.loads((run_dir / "trace_step3.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
-    assert {e["name"].split()[0] for e in spans} >= {"F0", "B0", "stage0", "stage1"}
+    # (a call of several chunks is named by its first and last: "F0-3")
+    assert {e["name"].split()[0].split("-")[0] for e in spans} >= {"F0", "B0", "stage0", "stage1"}
     assert abs(records[2]["loss"] - ref[2]) <= 1e-5 * abs(ref[2]), (records, ref)
     evals = [r for r in read_metrics(run_dir) if r.get("event") == "eval"]
     assert len(evals) == 1 and evals[0]["num_samples"] == 4

@@ -24,7 +24,10 @@ SHORT = {"steps": 3}  # 8 ranks on 2 cores: 3 steps keep the suite within its bu
 # Image items of >= 6x1 patches, audio of >= 12 tokens: the long ones of LONG, and some short ones.
 SPLIT = {"encoder_sp": 2, "long_threshold": "5"}
 SHARDED = {"encoder_weights": "sharded"}  # encoder and projector weights FSDP-sharded over the encoder ranks
-HYBRID = {"encoder_weights": "hybrid"}  # sharded inside shard groups (default: a node), replicated across them
+# Sharded inside shard groups (default: a node), replicated across them; a call per chunk, so a
+# step has several encoder backwards to reduce-scatter after (the default, auto, has one call
+# per step on the CPU: LAYOUTS' default layouts run it)
+HYBRID = {"encoder_weights": "hybrid", "chunks_per_cut": 1}
 PP_TP_DP = dict(pp=2, tp=2, dp_shard=2, pp_schedule="1f1b")
 PP2 = dict(dp_shard=1, pp=2, pp_schedule="1f1b")
 PP2_DP2 = dict(dp_shard=2, pp=2, pp_schedule="1f1b")
@@ -36,12 +39,14 @@ PLACEMENTS = ("colocated", "stage0", "encoder_first")
 LAYOUTS = {
     2: [
         ("dp_shard=2 colocated", dict(dp_shard=2), IMAGE, {}, {}),
-        ("pp=2 1f1b colocated", PP2, IMAGE, {}, {}),
+        # one chunk per cut: _check_memory_bound's subject (auto would make one call per step)
+        ("pp=2 1f1b colocated", PP2, IMAGE, {}, {"chunks_per_cut": 1}),
         ("pp=2 1f1b encoder_first", PP2, IMAGE, {}, {"placement": "encoder_first"}),
         # interleaved 1F1B, two model chunks per rank; with 8 micro-batches chunk j's encoder
         # backward runs inside the pipeline (at cut 4 or 6), not after it
         ("pp=2 interleaved_1f1b encoder_first", INTERLEAVED, IMAGE, SHORT, {"placement": "encoder_first"}),
-        ("pp=2 interleaved_1f1b colocated, 8 micro-batches", INTERLEAVED, IMAGE, {"steps": 3, "micro": 8}, {}),
+        ("pp=2 interleaved_1f1b colocated, 8 micro-batches", INTERLEAVED, IMAGE, {"steps": 3, "micro": 8},
+         {"chunks_per_cut": 1}),
         # two encoder chunks per insertion point: forwards of j and j + 1 together, backwards
         # deferred to the next group's cut
         ("pp=2 interleaved_1f1b colocated, 8 micro-batches, 2 chunks per cut", INTERLEAVED, IMAGE,

@@ -26,6 +26,9 @@ def ref():
     ({"chunks_per_cut": 2}, 2),
     ({"chunks_per_cut": 3, "exchange": "p2p"}, 2),  # cuts 0 and 3: chunks 0-2, then 3
     ({"placement": "encoder_first", "chunks_per_cut": 2}, 1),  # one insertion point, before the pipeline
+    ({}, 1),  # the default, auto: no memory budget on the CPU, one call per step
+    # auto under a budget no chunk's activations fit (50 bytes): back to a call per chunk
+    ({"chunks_per_cut": "auto", "encoder_memory_mib": str(50 / 2**20)}, 4),
 ])
 def test_one_encode_per_modality_per_insertion_point(mux, calls_per_step, ref, monkeypatch):
     from omni.multiplex.media_tower import MediaTower

@@ -133,7 +133,7 @@ def test_chunks_per_cut_search_takes_the_fastest_group_that_fits():
     """sim.chunks_per_cut_search: colocated runs with the multiplex.chunks_per_cut of the
     fastest candidate (1, 2, 4, ... up to one call per step) that fits at every simulated step,
     exactly that candidate's simulation; with less memory a smaller group wins."""
-    from omni.sim.simulate import chunks_per_cut_candidates
+    from omni.multiplex.rules import chunks_per_cut_candidates
 
     assert chunks_per_cut_candidates(7) == [1, 2, 4, 7] and chunks_per_cut_candidates(4) == [1, 2, 4]
     assert chunks_per_cut_candidates(1) == [1]

@@ -34,7 +34,8 @@ GIB = 2.0**30
 SMALL = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",
          "data.global_batch_size=32", "data.micro_batch_tokens=1024", "data.sample_tokens=256",
          "data.image_tokens_min=16", "data.image_tokens_max=64", "data.steps=1",
-         "multiplex.placement=colocated", "multiplex.encoder_weights=replicated", "multiplex.exchange=all_to_all"]
+         "multiplex.placement=colocated", "multiplex.encoder_weights=replicated", "multiplex.exchange=all_to_all",
+         "multiplex.chunks_per_cut=1"]  # per-chunk costs: one call per chunk
 SHARDED = [*SMALL, "multiplex.encoder_weights=sharded"]
 PASSES = ["F0", "F1", "B0", "F2", "B1", "B2"]  # a 1F1B-like order of one unit's passes
 
