@@ -37,7 +37,13 @@ Variants (the first is the reference of every ratio; speedup = its step time / t
   modality for 4 micro-batches' items (the per-call fixed cost paid once per insertion point);
 - ``colocated+hybrid+p2p``: workloads A-D's multiplexing settings (issue 18) on two "nodes" of 4
   ranks (``parallel.gpus_per_node=4``): ``multiplex.encoder_weights=hybrid`` (FSDP inside each
-  group of 4, replicated across the two), ``multiplex.exchange=p2p`` and ``chunks_per_cut=4``.
+  group of 4, replicated across the two), ``multiplex.exchange=p2p`` and ``chunks_per_cut=4``;
+- ``colocated+hybrid+p2p+bubbles``: the same with bubble calls (``multiplex.fill_bubbles=true``);
+- ``defaults``: the built-in multiplexing settings (colocated, hybrid, p2p, ``fill_bubbles=auto``,
+  ``chunks_per_cut=auto``: one call per step on the CPU) on the same two "nodes" of 4.
+
+The variants other than ``defaults`` pin one chunk per cut unless they say otherwise (the
+default before ``chunks_per_cut=auto``), so each name keeps the meaning of the earlier tables.
 
 For every mixture, every run trains ``--steps`` steps from the same seed on the same samples; the
 first ``--warmup`` steps are dropped. From ``<run_dir>/metrics.jsonl`` (written by rank 0; the
@@ -111,9 +117,10 @@ LONG_THRESHOLD = 192
 
 def variants(long_threshold: int) -> list[tuple[str, dict]]:
     # Pinned to the settings before issue 18 changed the defaults (hybrid weights, p2p exchanges,
-    # bubble calls), so that each name means what the earlier tables in docs/benchmarks.md measured.
+    # bubble calls, chunks_per_cut=auto), so that each name means what the earlier tables in
+    # docs/benchmarks.md measured.
     before = {"multiplex.encoder_weights": "replicated", "multiplex.exchange": "all_to_all",
-              "multiplex.fill_bubbles": "false"}
+              "multiplex.fill_bubbles": "false", "multiplex.chunks_per_cut": 1}
     colocated = {**before, "multiplex.placement": "colocated"}
     # Nodes of 4: a pipeline rank's 4 GPUs, so hybrid shard groups stay inside one (bubble calls apply).
     hybrid = {**colocated, "multiplex.chunks_per_cut": 4, "multiplex.exchange": "p2p",
@@ -126,7 +133,7 @@ def variants(long_threshold: int) -> list[tuple[str, dict]]:
             ("colocated+grouped", {**colocated, "multiplex.chunks_per_cut": 4}),
             ("colocated+hybrid+p2p", hybrid),
             ("colocated+hybrid+p2p+bubbles", {**hybrid, "multiplex.fill_bubbles": "true"}),
-            # the built-in defaults (colocated, hybrid, p2p, fill_bubbles=auto, one chunk per cut)
+            # the built-in defaults (colocated, hybrid, p2p, fill_bubbles=auto, chunks_per_cut=auto)
             ("defaults", {"multiplex.placement": "colocated", "parallel.gpus_per_node": 4})]
 
 
