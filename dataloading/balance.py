@@ -275,8 +275,12 @@ def _pack(items: list[int], costs: list[float], tokens: list[int], m: int, budge
 
 
 def arrange(costs, tokens, num_ranks: int, budget: int | None, method: str = "balanced",
-            group_size: int = 0) -> Arrangement:
-    """Assign items to ranks, then to the same number of micro-batches on every rank."""
+            group_size: int = 0, multiple: int = 1) -> Arrangement:
+    """Assign items to ranks, then to the same number of micro-batches on every rank, a
+    multiple of ``multiple`` (the pipeline's: ``parallel.pipeline.microbatch_multiple``). A
+    pipeline runs a multiple of its stages' micro-batches whatever the data holds, each as long
+    as the longest (one shape); spreading the items over them all, instead of padding with empty
+    ones of full length, shortens the longest and so every row."""
     costs = np.asarray(costs, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
     if budget is not None and len(tokens) and tokens.max() > budget:
@@ -292,12 +296,14 @@ def arrange(costs, tokens, num_ranks: int, budget: int | None, method: str = "ba
         m = max(1, max(_next_fit_bins([tl[i] for i in r], budget) for r in ranks))
     else:
         m = max(1, max(_ffd_bins([tl[i] for i in r], budget) for r in ranks))
+    multiple = max(1, int(multiple))
+    m = -(-m // multiple) * multiple
     cost_list, token_list = costs.tolist(), tokens.tolist()
-    while True:  # cost-balanced packing may need one more micro-batch than first-fit
+    while True:  # cost-balanced packing may need one more micro-batch (round) than first-fit
         packed = [_pack(r, cost_list, token_list, m, budget, by_cost, in_order) for r in ranks]
         if all(p is not None for p in packed):
             break
-        m += 1
+        m += multiple
     rank_cost = np.array([float(costs[r].sum()) if r else 0.0 for r in ranks])
     rank_tokens = np.array([int(tokens[r].sum()) if r else 0 for r in ranks], dtype=np.int64)
     return Arrangement(packed, rank_cost, rank_tokens, budget)

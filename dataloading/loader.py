@@ -213,7 +213,8 @@ class StepLoader:
 def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
                   seed: int, global_batch_size: int, dp_size: int, micro_batch_tokens: int | None,
                   cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
-                  build_missing_index: bool = False, progress: bool = True) -> tuple[Planner, dict]:
+                  build_missing_index: bool = False, progress: bool = True,
+                  micro_batch_multiple: int = 1) -> tuple[Planner, dict]:
     """Mixture YAML -> indices -> Planner (and the indices, for constructors: their key locators
     and headers; the per-sample objects are freed once the planner's tables are made)."""
     from dataloading.cost import CostModel
@@ -232,7 +233,8 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
     weights = {s.name: s.weight for s in mix.sources}
     planner = Planner(tables, weights, seed, global_batch_size, dp_size, tokenizer=tokenizer, processors=processors,
                       budget=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
-                      over_budget=over_budget, options={s.name: s.options for s in mix.sources})
+                      over_budget=over_budget, options={s.name: s.options for s in mix.sources},
+                      micro_batch_multiple=micro_batch_multiple)
     return planner, indices
 
 
@@ -242,7 +244,7 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
                  worker_timeout_s: float = 600.0, max_open_shards: int = 256,
                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
                  backend: str = "inline", ray_address: str | None = None, ray_bind: str = LOOPBACK,
-                 build_missing_index: bool = False, progress: bool = True) -> StepLoader:
+                 build_missing_index: bool = False, progress: bool = True, micro_batch_multiple: int = 1) -> StepLoader:
     """Mixture YAML -> indices -> Planner + SampleConstructor -> a loader for one DP rank.
 
     ``backend="inline"``: planner here, constructors in DataLoader workers (StepLoader).
@@ -256,7 +258,8 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
     planner, indices = build_planner(
         mixture, tokenizer, processors, seed=seed, global_batch_size=global_batch_size, dp_size=dp_size,
         micro_batch_tokens=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
-        over_budget=over_budget, build_missing_index=build_missing_index, progress=progress)
+        over_budget=over_budget, build_missing_index=build_missing_index, progress=progress,
+        micro_batch_multiple=micro_batch_multiple)
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
                                     micro_batch_tokens, ProblemCounter(on_error, max_skip_fraction),
                                     options={n: t.options for n, t in planner.tables.items()},

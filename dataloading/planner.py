@@ -159,7 +159,8 @@ class Planner:
                  seed: int, global_batch_size: int, dp_size: int, *, tokenizer: Tokenizer | None = None,
                  processors: Mapping[str, MediaProcessor] | None = None, budget: int | None = None,
                  cost_model: CostModel | None = None, balance: str = "balanced", balance_group: int = 0,
-                 over_budget: str = "error", options: Mapping[str, SourceOptions] | None = None):
+                 over_budget: str = "error", options: Mapping[str, SourceOptions] | None = None,
+                 micro_batch_multiple: int = 1):
         if dp_size < 1 or global_batch_size < dp_size:
             raise DataError(f"data.global_batch_size={global_batch_size} must be >= the data-parallel size "
                             f"{dp_size} (every rank needs a sample each step)", kind="config")
@@ -173,6 +174,8 @@ class Planner:
         self.cost_model = cost_model or CostModel()
         self.balance = balance
         self.balance_group = balance_group
+        # Micro-batches per rank come in multiples of this (the pipeline's stages; 1 without PP).
+        self.micro_batch_multiple = int(micro_batch_multiple)
         self.over_budget = over_budget
         # Sorted, so reordering the mixture file does not change the stream.
         self.names = sorted(sources)
@@ -321,7 +324,7 @@ class Planner:
         ids, tokens, costs, skipped = self._units(picked)
         cost_arr = np.asarray(costs, dtype=np.float64)
         arr = arrange(cost_arr, np.asarray(tokens, dtype=np.int64), dp_size, self.budget, balance,
-                      self.balance_group)
+                      self.balance_group, self.micro_batch_multiple)
         ranks = [[[ids[i] for i in mb] for mb in rank] for rank in arr.ranks]
         counts: dict[str, int] = {}
         for name, _ in picked:

@@ -47,6 +47,13 @@ def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     return [list(range(s * per, (s + 1) * per)) for s in range(num_stages)]
 
 
+def microbatch_multiple(pp: int) -> int:
+    """What a step's micro-batch count per rank must be a multiple of (``microbatch_count``):
+    the data planner packs that many (``data.balance``'s ``arrange``), so the pipeline gets
+    rows of data instead of empty ones of full length."""
+    return max(1, pp)
+
+
 def microbatch_count(n: int, pp: int) -> int:
     """How many micro-batches a step must run: at least one per stage, and a multiple of pp
     (the interleaved schedules run them in rounds of pp). The caller pads with empty ones."""

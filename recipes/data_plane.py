@@ -27,10 +27,12 @@ def cost_model(cfg: OmniConfig, model):
 
 
 def planner_kwargs(cfg: OmniConfig, model) -> dict:
+    from parallel.pipeline import microbatch_multiple
+
     d = cfg.data
     return dict(seed=cfg.trainer.seed, global_batch_size=d.global_batch_size, micro_batch_tokens=d.micro_batch_tokens,
                 cost_model=cost_model(cfg, model), balance=d.balance, balance_group=d.balance_group,
-                over_budget=d.over_budget)
+                over_budget=d.over_budget, micro_batch_multiple=microbatch_multiple(cfg.parallel.pp))
 
 
 def build_training_loader(cfg: OmniConfig, mixture: str, tokenizer, model, processors, dp_size: int, dp_rank: int,

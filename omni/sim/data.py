@@ -217,16 +217,17 @@ def step_ratios(cfg: SimDataConfig) -> list[tuple[float | None, float]]:
 
 # ---- source=lengths --------------------------------------------------------------------------
 
-def draw_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int) -> list[StepWork]:
-    """``cfg.steps`` steps over ``dp`` DP groups."""
+def draw_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int = 1) -> list[StepWork]:
+    """``cfg.steps`` steps over ``dp`` DP groups, packed as the runtime's planner packs them
+    (micro-batches per group a multiple of ``multiple``: ``parallel.pipeline.microbatch_multiple``)."""
     check_data(cfg, spec)
     if cfg.source == "mixture":
-        return _mixture_steps(cfg, spec, dp)
+        return _mixture_steps(cfg, spec, dp, multiple)
     model = SampleModel(cfg, spec)
     rng = np.random.default_rng(cfg.seed)
     steps = []
     for fraction, ratio in step_ratios(cfg):
-        step = _arrange(model.draw(ratio, cfg.global_batch_size, rng), cfg, spec, dp)
+        step = _arrange(model.draw(ratio, cfg.global_batch_size, rng), cfg, spec, dp, multiple)
         step.image_ratio, step.run_fraction = ratio, fraction
         steps.append(step)
     return steps
@@ -388,10 +389,10 @@ def _lognormal_mu(mean: float, sigma: float) -> float:
     return math.log(mean) - sigma ** 2 / 2
 
 
-def _arrange(samples: list[MicroBatchWork], cfg: SimDataConfig, spec: ModelSpec, dp: int) -> StepWork:
+def _arrange(samples: list[MicroBatchWork], cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) -> StepWork:
     costs = np.asarray([spec.cost.sample_cost(s.docs, media_rows(spec, s.media)) for s in samples])
     tokens = np.asarray([s.tokens for s in samples], dtype=np.int64)
-    arr = arrange(costs, tokens, dp, cfg.micro_batch_tokens, cfg.balance)
+    arr = arrange(costs, tokens, dp, cfg.micro_batch_tokens, cfg.balance, multiple=multiple)
     groups = [[MicroBatchWork([d for i in mb for d in samples[i].docs], [it for i in mb for it in samples[i].media])
                for mb in rank] for rank in arr.ranks]
     return StepWork(groups, float(arr.stats(costs)["max_over_mean"]))
@@ -407,7 +408,7 @@ def mixture_steps(cfg: SimDataConfig) -> list[int]:
     return [cfg.first_step + int((i + 0.5) * cfg.run_steps / cfg.steps) for i in range(cfg.steps)]
 
 
-def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int) -> list[StepWork]:
+def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) -> list[StepWork]:
     from dataloading.loader import build_planner
     from dataloading.tokenizer import load_tokenizer
 
@@ -415,7 +416,7 @@ def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int) -> list[StepWor
     planner, _ = build_planner(cfg.mixture, tokenizer, spec.processors, dp_size=dp, progress=False,
                                seed=cfg.seed, global_batch_size=cfg.global_batch_size,
                                micro_batch_tokens=cfg.micro_batch_tokens, cost_model=spec.cost, balance=cfg.balance,
-                               balance_group=0, over_budget=cfg.over_budget)
+                               balance_group=0, over_budget=cfg.over_budget, micro_batch_multiple=multiple)
     steps = []
     for i, step in enumerate(mixture_steps(cfg)):
         plan = planner.plan(step)

@@ -40,7 +40,7 @@ from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
 from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
-from parallel.pipeline import microbatch_count, split_layers
+from parallel.pipeline import microbatch_count, microbatch_multiple, split_layers
 from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
 
 GIB = 2.0**30
@@ -63,7 +63,7 @@ def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> d
             check_encoder_sp(cfg, sizes, placement, pool)
     out: dict[str, Any] = {"model": describe_model(spec), "cluster": dataclasses.asdict(cfg.cluster),
                            "placements": {}}
-    cache: dict[tuple[int, str], list[StepWork]] = {}
+    cache: dict[tuple[int, str, int], list[StepWork]] = {}
     for placement in cfg.sim.placements:
         if progress:
             progress(placement)
@@ -122,7 +122,7 @@ def disaggregated_split(cfg: SimConfig) -> int:
 
 
 def simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
-                       cache: dict[tuple[int, str], list[StepWork]] | None = None) -> dict[str, Any]:
+                       cache: dict[tuple[int, str, int], list[StepWork]] | None = None) -> dict[str, Any]:
     if placement in CUT_PLACEMENTS and cfg.sim.chunks_per_cut_search and spec.encoders:
         return _chunks_per_cut_for_run(cfg, spec, m, placement, cache)
     if placement != "disaggregated":
@@ -151,7 +151,7 @@ def _fastest_fitting(tried: dict[int, dict[str, Any]]) -> int:
 
 
 def _chunks_per_cut_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
-                            cache: dict[tuple[int, str], list[StepWork]] | None) -> dict[str, Any]:
+                            cache: dict[tuple[int, str, int], list[StepWork]] | None) -> dict[str, Any]:
     """``_groups_for_run``; with ``multiplex.fill_bubbles=auto`` under colocated, once with the
     bubble calls and once without, and the faster that fits (bubble calls keep their items'
     activations from the step's start to its cool-down: where memory is tight they may not
@@ -172,7 +172,7 @@ def _chunks_per_cut_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placeme
 
 
 def _groups_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
-                    cache: dict[tuple[int, str], list[StepWork]] | None) -> dict[str, Any]:
+                    cache: dict[tuple[int, str, int], list[StepWork]] | None) -> dict[str, Any]:
     """``placement`` with the multiplex.chunks_per_cut chosen for the whole run, as a researcher
     would fix it in the training config: the fastest candidate whose every simulated step fits
     in memory (the fastest overall if none does). Fewer, larger calls pay the per-call fixed
@@ -196,16 +196,17 @@ def _groups_for_run(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
 
 
 def _simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: str,
-                        cache: dict[tuple[int, str], list[StepWork]] | None, encoder_pool: int) -> dict[str, Any]:
+                        cache: dict[tuple[int, str, int], list[StepWork]] | None, encoder_pool: int) -> dict[str, Any]:
     cluster = cfg.cluster
     world = cluster.num_gpus
     parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if encoder_pool else cfg.parallel
     sizes = llm_sizes(parallel, world - encoder_pool, spec, cfg.data.micro_batch_tokens, cluster.gpus_per_node)
     cache = {} if cache is None else cache
     data = megatron.data_config(cfg, placement)
-    if (sizes.dp, data.balance) not in cache:
-        cache[(sizes.dp, data.balance)] = draw_steps(data, spec, sizes.dp)
-    steps = cache[(sizes.dp, data.balance)]
+    key = (sizes.dp, data.balance, microbatch_multiple(sizes.pp))
+    if key not in cache:
+        cache[key] = draw_steps(data, spec, sizes.dp, microbatch_multiple(sizes.pp))
+    steps = cache[key]
     runs = [_one_step(cfg, spec, m, sizes, placement, step, encoder_pool) for step in steps]
     return _summarise(cfg, spec, sizes, placement, steps, runs, encoder_pool)
 
@@ -214,7 +215,7 @@ def one_step_for_calibration(cfg: SimConfig) -> tuple["_Run", Sizes]:
     """The first simulated step of ``cfg.multiplex.placement`` with its per-event predictions."""
     spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, cfg.cluster.gpus_per_node)
-    step = draw_steps(cfg.data, spec, sizes.dp)[0]
+    step = draw_steps(cfg.data, spec, sizes.dp, microbatch_multiple(sizes.pp))[0]
     return _one_step(cfg, spec, Machine(cfg.cluster), sizes, cfg.multiplex.placement, step, 0), sizes
 
 

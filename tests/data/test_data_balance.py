@@ -80,3 +80,30 @@ def test_errors():
         arrange([1.0] * 8, [1] * 8, 8, None, "balanced", group_size=3)
     with pytest.raises(DataError, match="over the micro-batch budget"):
         arrange([1.0], [20], 1, 10, "balanced")
+
+
+def test_micro_batches_come_in_multiples_of_the_pipeline_stages():
+    """With pipeline parallelism a step runs a multiple of pp micro-batches per rank, each as
+    long as the rank's longest (parallel.pipeline.microbatch_count); the planner packs that many
+    (``multiple``), so no rank gets an empty, full-length one and the longest row is no longer
+    than with the fewest micro-batches. The items, their ranks and the budget are unchanged."""
+    from dataloading.balance import arrange
+    from parallel.pipeline import microbatch_count, microbatch_multiple
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(300, 3000, size=90)
+    costs = tokens.astype(np.float64) ** 1.3
+    for method in ("balanced", "sorted_greedy", "none"):
+        for pp in (2, 3, 4):
+            plain = arrange(costs, tokens, 4, 8192, method)
+            piped = arrange(costs, tokens, 4, 8192, method, multiple=microbatch_multiple(pp))
+            m = len(piped.ranks[0])
+            assert m % pp == 0 and all(len(r) == m for r in piped.ranks)
+            assert m == microbatch_count(len(plain.ranks[0]), pp)  # what the pipeline runs either way
+            assert sorted(i for r in piped.ranks for mb in r for i in mb) == list(range(90))
+            assert all(sum(tokens[i] for i in mb) <= 8192 for r in piped.ranks for mb in r)
+            longest = max(sum(tokens[i] for i in mb) for r in piped.ranks for mb in r)
+            assert longest <= max(sum(tokens[i] for i in mb) for r in plain.ranks for mb in r)
+            if method != "none":  # balanced packing fills every micro-batch
+                assert all(mb for r in piped.ranks for mb in r)
+    assert microbatch_multiple(1) == 1
