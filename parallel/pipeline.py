@@ -57,9 +57,8 @@ def microbatch_multiple(pp: int) -> int:
 def microbatch_count(n: int, pp: int) -> int:
     """How many micro-batches a step must run: at least one per stage, and a multiple of pp
     (the interleaved schedules run them in rounds of pp). The caller pads with empty ones."""
-    if pp == 1:
-        return max(n, 1)
-    return max(pp, -(-n // pp) * pp)
+    multiple = microbatch_multiple(pp)
+    return max(multiple, -(-n // multiple) * multiple)
 
 
 class PipelineRunner:

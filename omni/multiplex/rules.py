@@ -6,6 +6,8 @@ simulator (``omni.sim``) all call these; nothing here needs torch or a process g
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from parallel.sizing import LayoutError, Sizes, frees_after_backward
 
 PLACEMENTS = ("colocated", "stage0", "encoder_first")
@@ -104,7 +106,7 @@ def peak_live_encoder_bytes(placement: str, n: int, backward_cuts: list[int | No
 
 
 def cut_group_size(setting, placement: str, n: int, backward_cuts: list[int | None], lookahead: int,
-                   chunk_bytes: list[float] | None, members: int, budget: float | None) -> int:
+                   chunk_bytes: Callable[[], list[float]] | None, members: int, budget: float | None) -> int:
     """The chunks per encoder call for one step of ``n`` chunks (``multiplex.chunks_per_cut``).
     A number: itself. auto: the largest of ``chunks_per_cut_candidates(n)`` whose live encoder
     activations, spread over the ``members`` encoder ranks, stay within ``budget`` bytes per
@@ -113,15 +115,17 @@ def cut_group_size(setting, placement: str, n: int, backward_cuts: list[int | No
     read, the weight gathers, the launches, an exchange everyone waits for), so fewer calls are
     faster until their activations do not fit: what ``omni simulate``'s search finds on
     workloads A-D and the 8-rank CPU benchmark measures (docs/multiplexing.md). 1 is always
-    kept as the last resort."""
+    kept as the last resort. ``chunk_bytes()``: each chunk's activation bytes over all ranks,
+    computed only when auto has a budget to check."""
     fixed = chunks_per_cut_setting(setting)
     if fixed is not None:
         return fixed
     candidates = chunks_per_cut_candidates(n)
     if budget is None or chunk_bytes is None:
         return candidates[-1]
+    per_chunk = chunk_bytes()
     for g in reversed(candidates):
-        peak = peak_live_encoder_bytes(placement, n, backward_cuts, g, lookahead, chunk_bytes)
+        peak = peak_live_encoder_bytes(placement, n, backward_cuts, g, lookahead, per_chunk)
         if peak / max(members, 1) <= budget:
             return g
     return 1

@@ -222,12 +222,12 @@ class Multiplexer:
     def _cut_group(self, n: int) -> int:
         """This step's chunks per encoder call (``cut_group_size``), the same on every rank: it
         reads only the step's gathered media and the budget every rank agreed on."""
-        chunk_bytes = None
-        if self._item_bytes is not None and self.memory_limit is not None:
-            chunk_bytes = [sum(self._item_bytes(it.modality, it.tokens) or 0.0 for it in items)
-                           for items in self.media.items]
+        def chunk_bytes() -> list[float]:
+            return [sum(self._item_bytes(it.modality, it.tokens) or 0.0 for it in items) for items in self.media.items]
+
         return cut_group_size(self.cfg.chunks_per_cut, self.cfg.placement, n, self.backward_cuts(n), self.lookahead,
-                              chunk_bytes, len(self.members), self.memory_limit)
+                              chunk_bytes if self._item_bytes is not None else None, len(self.members),
+                              self.memory_limit)
 
     def _set_actions(self, n: int) -> None:
         segments = (encoder_segments(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,

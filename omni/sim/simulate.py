@@ -309,9 +309,9 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         # multiplex.chunks_per_cut for this step (auto: the runtime's per-step choice, from the
         # same rule, the step's items and the same budget); every call below reads the number.
         group = cut_group_size(cfg.multiplex.chunks_per_cut, placement, n, backward_cuts, int(cfg.multiplex.lookahead),
-                               [sum(item_activation_bytes(spec, it.modality, it.tokens)
-                                    for g, mbs in enumerate(groups) for it in chunk_items(mbs[j], g, spec))
-                                for j in range(n)], len(members), budget)
+                               lambda: [sum(item_activation_bytes(spec, it.modality, it.tokens)
+                                            for g, mbs in enumerate(groups) for it in chunk_items(mbs[j], g, spec))
+                                        for j in range(n)], len(members), budget)
         cfg = dataclasses.replace(cfg, multiplex=dataclasses.replace(cfg.multiplex, chunks_per_cut=group))
         # The node of each DP group's first-stage GPUs: its features' senders, its rows' receivers.
         group_node = {g: sizes.dp_group_rank(g, pp=0) // cluster.gpus_per_node for g in range(sizes.dp)}

@@ -48,12 +48,12 @@ def test_peak_live_bytes_follows_the_action_list():
 ])
 def test_auto_takes_the_largest_group_that_fits(budget, members, expected):
     ones = [1.0] * 6
-    got = cut_group_size("auto", "colocated", 6, PP2_CUTS, 0, ones, members, budget)
+    got = cut_group_size("auto", "colocated", 6, PP2_CUTS, 0, lambda: ones, members, budget)
     assert got == expected
     peak = peak_live_encoder_bytes("colocated", 6, PP2_CUTS, got, 0, ones) / members
     assert budget is None or got == 1 or peak <= budget
     # a number is taken as it is, whatever the budget
-    assert cut_group_size(3, "colocated", 6, PP2_CUTS, 0, ones, members, budget) == 3
+    assert cut_group_size(3, "colocated", 6, PP2_CUTS, 0, lambda: ones, members, budget) == 3
 
 
 def test_simulator_chooses_by_the_runtime_rule():
