@@ -65,6 +65,9 @@ DECOMPOSITION = ("llm_compute", "llm_comm", "encoder_compute", "encoder_imbalanc
 class StepTimeline:
     step_s: float
     cells: list[CellTimeline] = field(default_factory=list)
+    # Per micro-batch, when the first stage's backward of it ends in every DP group: its
+    # embedding-row gradients exist from then (what an encoder pool outside the pipeline waits for).
+    first_stage_backward_end: list[float] = field(default_factory=list)
 
 
 def programs(schedule: str, pp: int, virtual: int, n: int,
@@ -84,7 +87,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
                   chunks_per_cut: int = 1, lookahead: int = 0, call_of: Optional[list[int]] = None,
-                  exchange: str = "all_to_all", bubbles: Sequence[BubbleTimes] = ()) -> StepTimeline:
+                  exchange: str = "all_to_all", bubbles: Sequence[BubbleTimes] = (),
+                  first_stage_ready: Optional[Sequence[float]] = None) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
     or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
@@ -99,7 +103,9 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
     runtime's Multiplexer runs them: each cell of their pipeline rank encodes right after
     its cut 0, its rows go to its group's first-stage cell at the window's delivery cut and
     their gradients come back at its tail cut, each a point-to-point exchange between the
-    two cells (either waits for the other), and the cell runs the backward there."""
+    two cells (either waits for the other), and the cell runs the backward there.
+    ``first_stage_ready[i]``: the earliest the first stage's forward of micro-batch i may start
+    (its encoder rows come from outside the pipeline: the disaggregated pool); None: no wait."""
     progs, bwd_cuts = programs(schedule, pp, virtual, n_micro, tuple(sorted({b.tail for b in bubbles})))
     has_media = placement != "none" and any(c.items for c in chunks)
     call_of = list(range(n_micro)) if call_of is None else call_of
@@ -312,6 +318,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                     break
                 send = p2p_s[g] if isinstance(p2p_s, dict) else p2p_s
                 ready = done[dep] + (send if dep[2] != stage else 0.0) if dep is not None else 0.0
+                if kind == "f" and stage == 0 and first_stage_ready is not None:
+                    ready = max(ready, first_stage_ready[i])
                 w = work[(g, stage, i)]
                 begin = max(free[c], ready)
                 dur = w.forward_s if kind == "f" else w.backward_s
@@ -344,7 +352,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
         tl.add("grad_sync", tail_comm_s.get(c, 0.0))
         tl.add("optimizer", tail_s.get(c, 0.0))
         tl.end_s = free[c] + tail_comm_s.get(c, 0.0) + tail_s.get(c, 0.0)
-    return StepTimeline(max(tl.end_s for tl in cells.values()), list(cells.values()))
+    return StepTimeline(max(tl.end_s for tl in cells.values()), list(cells.values()),
+                        [max(done[("b", g, 0, i)] for g in range(groups)) for i in range(n_micro)])
 
 
 def _peak(tl: CellTimeline, llm: float, enc: float) -> None:

@@ -9,9 +9,10 @@ whether it fits.
 The disaggregated baseline gives ``sim.encoder_gpus`` GPUs (default: the pool size, in whole
 LLM model-parallel groups up to half the cluster, that is fastest over the run's simulated
 steps: one pool for the whole run) to the encoders alone; the LLM keeps its layout on the rest, with fewer
-DP ranks. Its calls overlap the LLM's work, but synchronous training makes the LLM wait for the
-pool's first call and the step wait for its last backward and gradient sync (``_encoder_pool``;
-a frozen encoder may run a step ahead). The Megatron-LM baselines (``megatron``,
+DP ranks. Trained synchronously, the pool is one more stage in front of the LLM's first: that
+stage's forward of a micro-batch waits for the pool's call that encodes it, and each pool
+backward for that stage's backwards of its micro-batches; the step waits for the pool's last
+backward and gradient sync (``omni.sim.disaggregated``; a frozen encoder may run a step ahead). The Megatron-LM baselines (``megatron``,
 ``megatron_balanced``) are described in ``omni.sim.megatron``.
 """
 from __future__ import annotations
@@ -228,7 +229,7 @@ class _Run:
     members: list[int] = dataclasses.field(default_factory=list)  # encoder GPUs (global ranks)
     tail_comm: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     tail: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)  # optimizer, per cell
-    pool: dict[str, float] | None = None
+    pool: dict | None = None  # the disaggregated encoder pool (disaggregated.encoder_pool)
     bubbles: list[BubbleTimes] = dataclasses.field(default_factory=list)
     chunks_per_cut: int = 1  # the step's chunks per encoder call (cut_group_size)
 
@@ -362,13 +363,17 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 optimizer_params += first_encoder.optimizer_params
             tail_comm[(gi, s)] = comm
             tail[(gi, s)] = m.memory(28.0 * optimizer_params)
+    # A disaggregated pool is a stage in front of the LLM's first: its forwards gate that
+    # stage's (and its backwards wait for it, after the pipeline: disaggregated.pool_end).
+    pool = disaggregated.encoder_pool(cfg, spec, m, groups, encoder_pool, sizes) if encoder_pool else None
     timeline = simulate_step(pp=pp, virtual=v, schedule=par.pp_schedule, groups=sizes.dp, n_micro=n, work=work,
                              p2p_s=p2p, placement=sim_placement, chunks=chunks, encoder_cells=encoder_cells,
                              llm_activation=act, tail_s=tail, tail_comm_s=tail_comm, record=record,
                              chunks_per_cut=group,
                              lookahead=int(cfg.multiplex.lookahead),
                              call_of=call_of_chunks(chunks) if chunks else None,
-                             exchange=str(cfg.multiplex.exchange), bubbles=bubbles)
+                             exchange=str(cfg.multiplex.exchange), bubbles=bubbles,
+                             first_stage_ready=disaggregated.first_stage_ready(pool, n) if pool else None)
     if first_encoder:
         first_encoder.book(timeline)
     memory = []
@@ -401,10 +406,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         else:
             b.activations, b.transient = tl.peak_activations, transient
         memory.append(b)
-    run = _Run(timeline, memory, chunks, work, members, tail_comm, tail, bubbles=bubbles, chunks_per_cut=group)
-    if encoder_pool:
-        run.pool = disaggregated.encoder_pool(cfg, spec, m, groups, encoder_pool, sizes)
-    return run
+    return _Run(timeline, memory, chunks, work, members, tail_comm, tail, pool=pool, bubbles=bubbles,
+                chunks_per_cut=group)
 
 
 def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str,
@@ -437,7 +440,7 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
     cluster = cfg.cluster
     world = cluster.num_gpus
     llm_step = [r.timeline.step_s for r in runs]
-    step_s = [disaggregated.step_with_pool(t, r.pool, r.tail_comm, r.tail) if r.pool else t
+    step_s = [disaggregated.step_with_pool(t, r.pool, r.timeline.first_stage_backward_end) if r.pool else t
               for t, r in zip(llm_step, runs)]
     mean_step = float(np.mean(step_s))
     tokens = float(np.mean([s.tokens() for s in steps]))

@@ -230,7 +230,9 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     layout = init_layout(ParallelConfig(**sizes), device="cpu")
     pm = parallelize(build(moe, num_layers, media, frozen, (data or {}).get("merge", 1)), layout,
                      MultiplexConfig(**(multiplex or {})))
-    run_dir = tempfile.mkdtemp(prefix="omni-layout-")
+    # Removed when the layout ends (the suite starts hundreds of layouts; each left a folder in /tmp).
+    tmp = tempfile.TemporaryDirectory(prefix="omni-layout-")
+    run_dir = tmp.name
     trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=100, run_dir=run_dir, progress=False,
                                                       eval_at_end=False, precision=precision),
                       OPTIM, CheckpointConfig(save_at_end=False), tokenizer=None)
@@ -264,6 +266,7 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
         norms.append(out["grad_norm"])
         if probe is not None:
             probe(pm, result)
+    tmp.cleanup()
     return {"losses": losses, "norms": norms, "grads": first_grads, "missing": missing, "sizes": dict(sizes),
             **result}
 

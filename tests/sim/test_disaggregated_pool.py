@@ -1,12 +1,15 @@
 """The disaggregated baseline's encoder pool is chosen once for the run (sim.encoder_gpus=0):
 the fastest of the candidate sizes over every simulated step — a ratio schedule's too — not
-re-chosen per step or per ratio."""
+re-chosen per step or per ratio; trained synchronously, it is a stage in front of the LLM's
+first."""
 from __future__ import annotations
 
 import pytest
 
-from omni.sim.disaggregated import pool_candidates, step_with_pool
+from omni.sim.disaggregated import first_stage_ready, pool_candidates, pool_end, step_with_pool
+from omni.sim.engine import simulate_step
 from omni.sim.simulate import simulate
+from omni.sim.timing import StageWork
 from recipes.simulate_cmd import load_sim_config
 
 BASE = ["workload=none", "cluster=h100", "cluster.num_gpus=32", "parallel.pp=2", "parallel.tp=2",
@@ -40,18 +43,32 @@ def test_a_schedule_run_keeps_one_pool_for_all_its_steps():
     assert isinstance(res["layout"]["encoder_gpus"], int)  # one pool, scored on all four steps
 
 
-def test_a_training_pool_adds_its_fill_and_drain_to_the_step():
-    """Synchronous training: the LLM's first forward waits for the pool's first call, and the
-    step for the pool's last backward and gradient sync where they outlast the LLM's tail; a
-    frozen encoder may run a step ahead (only the pool's throughput counts)."""
-    tail_comm, tail = {(0, 0): 0.2, (0, 1): 0.1}, {(0, 0): 0.05}
-    pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.6}
-    assert step_with_pool(5.0, pool, tail_comm, tail) == pytest.approx(5.0 + 0.4 + (0.6 - 0.25))
-    pool = {"time_s": 3.0, "fill_s": 0.4, "drain_s": 0.1}  # the drain hides behind the LLM's tail
-    assert step_with_pool(5.0, pool, tail_comm, tail) == pytest.approx(5.4)
-    pool = {"time_s": 7.0, "fill_s": 0.4, "drain_s": 0.1}  # the pool is the bottleneck
-    assert step_with_pool(5.0, pool, tail_comm, tail) == pytest.approx(7.0)
-    # end to end: the fill and drain come from the pool's own calls; none when the tower is frozen
+def test_the_first_stage_waits_for_every_pool_call_not_only_the_first():
+    """Synchronous training: the pool is a stage in front of the LLM's first. With pool
+    forwards of 4 s per micro-batch and a 1 s + 2 s LLM (pp=1), micro-batch i can start at
+    4(i + 1): F0 4-5, B0 5-7, F1 8-9, B1 9-11, F2 12-13, B2 13-15, F3 16-17, B3 17-19. Charging
+    only the first call's fill (the model before this test) gave 4 + 4 x 3 = 16 s."""
+    n = 4
+    pool = {"trains": True, "time_s": 4 * (4.0 + 1.0), "grad_sync_s": 0.5,
+            "calls": [([j], 4.0, 1.0) for j in range(n)]}
+    work = {(0, 0, i): StageWork(1.0, 2.0, 1.0, 1, 2.0) for i in range(n)}
+    tl = simulate_step(pp=1, virtual=1, schedule="1f1b", groups=1, n_micro=n, work=work, p2p_s=0.0,
+                       placement="none", chunks=[], encoder_cells={}, llm_activation={k: 1.0 for k in work},
+                       tail_s={}, tail_comm_s={}, first_stage_ready=first_stage_ready(pool, n))
+    assert first_stage_ready(pool, n) == [4.0, 8.0, 12.0, 16.0]
+    assert tl.step_s == pytest.approx(19.0)
+    assert tl.first_stage_backward_end == pytest.approx([7.0, 11.0, 15.0, 19.0])
+    # The pool's backwards run once their gradients exist (all forwards done at 16 s): 7 -> 16-17,
+    # 11 -> 17-18, 15 -> 18-19, 19 -> 19-20; then its gradient sync.
+    assert pool_end(pool, tl.first_stage_backward_end) == pytest.approx(20.5)
+    assert step_with_pool(tl.step_s, pool, tl.first_stage_backward_end) == pytest.approx(20.5)
+    # a frozen pool encodes a step ahead: no wait, only its throughput counts
+    frozen = {**pool, "trains": False}
+    assert first_stage_ready(frozen, n) is None and pool_end(frozen, tl.first_stage_backward_end) == 0.0
+    assert step_with_pool(12.0, frozen, []) == pytest.approx(20.0)
+
+
+def test_a_training_pool_costs_more_than_a_frozen_one_end_to_end():
     res = simulate(load_sim_config([*BASE, "data.image_ratio=0.8", "sim.encoder_gpus=8", "data.steps=1"]))
     frozen = simulate(load_sim_config([*BASE, "data.image_ratio=0.8", "sim.encoder_gpus=8", "data.steps=1",
                                        "encoders.vision.freeze=true"]))
