@@ -1,6 +1,7 @@
 """Build the multimodal model and its media processors from config."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, fields
 from typing import Any, Mapping, Optional
 
@@ -99,12 +100,11 @@ def build_meta_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_n
         )
     built = build_encoders(slots)
     encoders = {m: enc for m, (_, enc, _) in built.items()}
-    with torch.device("meta"):
-        projectors = {
-            m: Projector(enc.output_dim, llm.config.hidden_size, merge=enc.tokens_per_row,
-                         **_projector_kwargs(slots[name]))
-            for m, (name, enc, _) in built.items()
-        }
+    projectors, projector_weights = {}, []
+    for m, (name, enc, _) in built.items():
+        projectors[m], source = build_projector(name, slots[name], enc, llm.config.hidden_size)
+        if source is not None:
+            projector_weights.append((f"projectors.{m}.", source))
     frozen = {m for m, (name, _, _) in built.items() if slots[name].freeze}
     if cfg.attn_backend not in BACKENDS:
         raise ConfigError(f"model.attn_backend={cfg.attn_backend!r} is not one of {', '.join(BACKENDS)}")
@@ -112,7 +112,38 @@ def build_meta_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_n
     model.set_attn_backend(cfg.attn_backend)
     prefixed = [("llm.", llm_weights)] if llm_weights is not None else []
     prefixed += [(f"encoders.{m}.", w) for m, (_, _, w) in built.items() if w is not None]
-    return model, Sources(prefixed, SeededInit(seed))
+    return model, Sources(prefixed + projector_weights, SeededInit(seed))
+
+
+def build_projector(slot_name: str, slot: EncoderSlot, enc: EncoderAnchor,
+                    llm_width: int) -> tuple[Projector, Optional[WeightSource]]:
+    """The slot's projector on the meta device, and its weights: those the encoder's checkpoint
+    holds beside it (``EncoderAnchor.pretrained_projector``, e.g. Qwen-VL's merger) when
+    ``projector.pretrained`` allows and it maps into this LLM's width, else None (a fresh
+    one, shaped by ``projector.hidden_mult`` and ``activation``)."""
+    held = type(enc).pretrained_projector(slot.pretrained) if slot.pretrained and slot.projector.pretrained else None
+    if held is not None and held.out_dim != llm_width:
+        warnings.warn(f"encoders.{slot_name}: the projector in {slot.pretrained} maps to width {held.out_dim}, this "
+                      f"LLM takes {llm_width}: the projector starts fresh", stacklevel=2)
+        held = None
+    if held is None:
+        with torch.device("meta"):
+            return Projector(enc.output_dim, llm_width, merge=enc.tokens_per_row, **_projector_kwargs(slot)), None
+    from omni.models.hf_checkpoint import CheckpointReader
+
+    with torch.device("cpu"):
+        proj = Projector(enc.output_dim, llm_width, merge=enc.tokens_per_row, activation=held.activation,
+                         norm=held.norm, hidden=held.hidden)
+    raw = CheckpointReader(slot.pretrained).tensors(held.names.values())
+    try:
+        proj.load_state_dict({ours: raw[theirs].to(torch.get_default_dtype()) for ours, theirs in held.names.items()},
+                             strict=True)
+    except RuntimeError as exc:  # a checkpoint whose merger does not match its own config
+        raise ConfigError(f"encoders.{slot_name}: the projector in {slot.pretrained} does not load: "
+                          f"{str(exc).splitlines()[0]}") from None
+    weights = TensorSource.of(proj)
+    proj.to("meta")
+    return proj, weights
 
 
 def grow_vocab(llm: Decoder, vocab_size: int) -> None:

@@ -23,6 +23,9 @@ class ProjectorConfig:
     # Two-layer MLP from the encoder width to the LLM width; hidden = mult * LLM width.
     hidden_mult: float = 1.0
     activation: str = "gelu"
+    # Load the projector the encoder's checkpoint holds beside it (Qwen-VL's patch merger) when
+    # the encoder is `pretrained` and the projector maps into the LLM's width; false: start fresh.
+    pretrained: bool = True
 
 
 @dataclass

@@ -62,6 +62,8 @@ def test_builtins_are_available():
     assert get_encoder_class("siglip") is SiglipEncoder
     assert get_encoder_class("whisper") is WhisperEncoder
     assert SiglipEncoder.modality == "image" and WhisperEncoder.modality == "audio"
+    assert available_encoders()["qwen_vl"] == "omni (built-in)"
+    assert get_encoder_class("qwen_vl").__name__ == "QwenVisionEncoder"
 
 
 def test_unknown_name_lists_registered_encoders():
@@ -94,7 +96,7 @@ def test_entry_point_plugin(toy_plugin):
     with pytest.warns(UserWarning):
         enc = build_encoder("toy", {"width": 3})
     assert enc.output_dim == 3 and enc(torch.ones(5, 1), torch.ones(5, 1, dtype=torch.int64)).shape == (5, 3)
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match="registered encoders: siglip, whisper, toy"):
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="registered encoders: siglip, whisper, qwen_vl, toy"):
         get_encoder_class("nope")
 
 

@@ -16,6 +16,7 @@ import torch
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch, StepBatch
 from dataloading.context_parallel import slice_for_cp
+from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, output_frames
 from omni.models.llm import Decoder
@@ -53,11 +54,21 @@ MEL_BINS = 8
 PLACEHOLDER = 95  # any id: the media rows overwrite its embedding
 
 
-def encoders(media: tuple, merge: int = 1) -> tuple[dict, dict]:
+QWEN_PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x frames x patch x patch
+
+
+def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict, dict]:
     """Tiny SigLIP ("image") and Whisper ("audio") towers (4 heads: Ulysses over 2 or 4 ranks).
-    ``merge``: the vision tower's spatial merge (its projector joins merge x merge patches)."""
+    ``merge``: the vision tower's spatial merge (its projector joins merge x merge patches).
+    ``vision="qwen"``: a Qwen2.5-VL tower instead (2 x 2 merge, windows of 2 x 2 merge groups,
+    the second layer full), its projector Qwen's merger (RMSNorm)."""
     enc, proj = {}, {}
-    if "image" in media:
+    if "image" in media and vision == "qwen":
+        enc["image"] = QwenVisionEncoder(QwenVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                          num_attention_heads=4, patch_size=2, window_size=8,
+                                                          fullatt_block_indexes=[1], min_pixels=16))
+        proj["image"] = Projector(16, 32, merge=4, norm="rms")
+    elif "image" in media:
         enc["image"] = SiglipEncoder(SiglipEncoderConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                                          num_attention_heads=4, image_size=16, patch_size=2,
                                                          spatial_merge=merge))
@@ -70,12 +81,13 @@ def encoders(media: tuple, merge: int = 1) -> tuple[dict, dict]:
     return enc, proj
 
 
-def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), merge: int = 1) -> OmniModel:
+def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), merge: int = 1,
+          vision: str = "siglip") -> OmniModel:
     """``frozen``: modalities whose encoder does not train (its projector still does);
-    ``merge``: the vision tower's spatial merge."""
+    ``merge``, ``vision``: the vision tower's spatial merge and kind (``encoders``)."""
     torch.manual_seed(1234)
     llm = Decoder(model_config(moe, num_layers))
-    model = OmniModel(llm, *encoders(media, merge), frozen=set(frozen))
+    model = OmniModel(llm, *encoders(media, merge, vision), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -85,21 +97,23 @@ def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), mer
     return model
 
 
-def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1):
+def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1, vision: str = "siglip"):
     """(features, sizes row, tokens) of one item: an image of a x b patches (multiples of
-    ``merge``, whose projector joins merge x merge of them into one token), an audio clip of
-    ``size`` mel frames."""
+    ``merge``, whose projector joins merge x merge of them into one token; for the Qwen tower
+    one temporal patch of a x b, sizes (1, a, b)), an audio clip of ``size`` mel frames."""
     if modality == "image":
         a = int(torch.randint(1, 4, (1,), generator=gen)) if size == 0 else size
         b = int(torch.randint(1, 5, (1,), generator=gen))
         a, b = a * merge, b * merge
+        if vision == "qwen":
+            return torch.randn(a * b, QWEN_PATCH_FEATURES, generator=gen), [1, a, b], a * b // (merge * merge)
         return torch.randn(a * b, PATCH_FEATURES, generator=gen), [a, b], a * b // (merge * merge)
     frames = int(torch.randint(1, 9, (1,), generator=gen)) if size == 0 else size
     return torch.randn(frames, MEL_BINS, generator=gen), [frames], output_frames(frames)
 
 
 def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple, long_items: bool,
-                      merge: int = 1) -> MicroBatch:
+                      merge: int = 1, vision: str = "siglip") -> MicroBatch:
     """A packed row of documents, each with up to two media items (inside the prompt, so the
     loss flows back into the encoders through the later tokens). ``long_items``: some items
     are much longer than the rest (what long-short SP splits)."""
@@ -113,7 +127,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
         for m in media:
             if float(torch.rand(1, generator=gen)) < 0.6:
                 big = long_items and float(torch.rand(1, generator=gen)) < 0.3
-                feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge)
+                feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge, vision)
                 start = offset + sum(t.numel() for t in d_ids)
                 items[m].append((feats, size, tok, torch.arange(start, start + tok)))
                 d_ids.append(torch.full((tok,), PLACEHOLDER))
@@ -155,10 +169,11 @@ def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:
 
 def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text_only: bool = False,
                    only_group: int | None = None, dp: int = 1, steps: int = STEPS,
-                   micro: int = MICRO_PER_STEP, merge: int = 1) -> list[list[MicroBatch]]:
+                   micro: int = MICRO_PER_STEP, merge: int = 1, vision: str = "siglip") -> list[list[MicroBatch]]:
     """``media``: modalities the rows carry (``text_only``: none, for a model with encoders).
     ``only_group``: only data group ``only_group`` (of ``dp``) gets media. ``micro``:
-    micro-batches per global batch. ``merge``: images for a vision tower of that spatial merge."""
+    micro-batches per global batch. ``merge``, ``vision``: images for a vision tower of that
+    spatial merge and kind (``encoders``)."""
     gen = torch.Generator().manual_seed(99)
     if not media:
         return [[micro_batch(gen, vocab, s * micro + i) for i in range(micro)] for s in range(steps)]
@@ -167,7 +182,7 @@ def global_batches(vocab: int, media: tuple = (), long_items: bool = False, text
         row = []
         for i in range(micro):
             kinds = () if text_only else media if only_group is None or i % dp == only_group else ()
-            row.append(media_micro_batch(gen, vocab, s * micro + i, kinds, long_items, merge))
+            row.append(media_micro_batch(gen, vocab, s * micro + i, kinds, long_items, merge, vision))
         out.append(row)
     return out
 
@@ -186,7 +201,7 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
     the encoders run inline. ``data``: keyword arguments of ``global_batches``. ``precision``:
     "bf16" runs every forward under bf16 autocast (the GPU default, on the CPU). ``data``'s
     ``merge`` is also the vision tower's spatial merge."""
-    model = build(moe, num_layers, media, frozen, (data or {}).get("merge", 1))
+    model = build(moe, num_layers, media, frozen, (data or {}).get("merge", 1), (data or {}).get("vision", "siglip"))
     opt = build_optimizer(model, OPTIM)
     sched = build_scheduler(opt, OPTIM, 100)
     losses, grads, norms = [], {}, []
@@ -228,7 +243,8 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     from parallel.layout import init_layout
 
     layout = init_layout(ParallelConfig(**sizes), device="cpu")
-    pm = parallelize(build(moe, num_layers, media, frozen, (data or {}).get("merge", 1)), layout,
+    pm = parallelize(build(moe, num_layers, media, frozen, (data or {}).get("merge", 1),
+                           (data or {}).get("vision", "siglip")), layout,
                      MultiplexConfig(**(multiplex or {})))
     # Removed when the layout ends (the suite starts hundreds of layouts; each left a folder in /tmp).
     tmp = tempfile.TemporaryDirectory(prefix="omni-layout-")

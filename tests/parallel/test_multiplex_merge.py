@@ -5,7 +5,8 @@ single-process run with inline encoders (losses, gradient norms, every first-ste
 pp=2, and tp=2. The plan counts an item by its output rows; the encoder runs four times as
 many tokens. Also with the encoders' layers recomputed in the backward
 (parallel.encoder_activation_checkpoint full, with SP-split items and sharded weights; selective
-under pp=2)."""
+under pp=2). And the Qwen2.5-VL tower (``qwen_vl``), whose items are (t, h, w) grids, under
+sharded weights and bubble calls."""
 from __future__ import annotations
 
 from layout_harness import check_named_layouts, run_named_layouts
@@ -24,6 +25,11 @@ LAYOUTS = [
      BOTH, {**MERGED, "long_items": True}, {"encoder_sp": 2, "long_threshold": "2", "encoder_weights": "sharded"}),
     ("pp=2, encoder layers recomputed (selective)", dict(dp_shard=1, pp=2, pp_schedule="1f1b",
                                                         encoder_activation_checkpoint="selective"), BOTH, MERGED, {}),
+    # the Qwen2.5-VL tower (2-D rotary positions, windows, (t, h, w) sizes; no SP: it has forward only)
+    ("qwen_vl tower, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {**MERGED, "vision": "qwen"},
+     {"encoder_weights": "sharded"}),
+    ("qwen_vl tower, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), IMAGE,
+     {**MERGED, "vision": "qwen"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
 ]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ from omni.models.attention import (PackedSegments, segment_attention, segment_id
                                    uses_varlen_kernels)
 from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
 from omni.models.recompute import recompute
+
+if TYPE_CHECKING:
+    from omni.models.projector import PretrainedProjector
 
 
 class HostSizes:
@@ -213,6 +216,17 @@ class EncoderAnchor(nn.Module):
         return tensor
 
     @classmethod
+    def pretrained_projector(cls, path: str) -> Optional["PretrainedProjector"]:
+        """The projector the checkpoint at ``path`` holds beside this encoder (as Qwen-VL holds
+        its merger), or None (default: the projector starts fresh)."""
+        return None
+
+    @classmethod
+    def hf_name(cls, name: str) -> str:
+        """The checkpoint's name (below the weight prefix) of our parameter ``name`` (default: the same)."""
+        return name
+
+    @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> "EncoderAnchor":
         """Load a transformers checkpoint directory; ``overrides`` are ``Config`` params
         (e.g. a preprocessing budget) applied on top of config.json."""
@@ -234,22 +248,23 @@ class EncoderAnchor(nn.Module):
             model = cls(config)
         wanted = model.state_dict()
         reader = CheckpointReader(path)
-        anchor = next(iter(wanted))
+        anchor = cls.hf_name(next(iter(wanted)))
         prefix = next((p for p in cls.hf_weight_prefixes if p + anchor in reader), None)
         if prefix is None:
             tried = ", ".join(repr(p + anchor) for p in cls.hf_weight_prefixes)
             raise ValueError(f"{path}: no {cls.__name__} weights found (looked for {tried})")
-        missing = [k for k in wanted if prefix + k not in reader]
+        names = {name: prefix + cls.hf_name(name) for name in wanted}
+        missing = [n for n in names.values() if n not in reader]
         if missing:
-            raise ValueError(f"{path}: checkpoint lacks {len(missing)} {cls.__name__} weights, e.g. {prefix + missing[0]}")
+            raise ValueError(f"{path}: checkpoint lacks {len(missing)} {cls.__name__} weights, e.g. {missing[0]}")
         dtype = torch.get_default_dtype()
-        raw = reader.tensors(prefix + name for name in wanted)
+        raw = reader.tensors(names.values())
         state = {}
         for name, ref in wanted.items():
-            t = model.convert_hf_tensor(name, raw[prefix + name])
+            t = model.convert_hf_tensor(name, raw[names[name]])
             if tuple(t.shape) != tuple(ref.shape):
                 raise ValueError(
-                    f"{path}: weight {prefix + name} has shape {tuple(t.shape)}, "
+                    f"{path}: weight {names[name]} has shape {tuple(t.shape)}, "
                     f"expected {tuple(ref.shape)} from config.json"
                 )
             state[name] = t.to(dtype) if t.is_floating_point() else t

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
+from omni.models.encoders.images import resized_normalised, rgb_uint8
 from omni.models.encoders.base import (
     EncoderAnchor,
     activation,
@@ -166,22 +167,10 @@ class SiglipProcessor:
         return gh * gw // (self.merge * self.merge)
 
     def __call__(self, raw: Any) -> MediaItem:
-        img = np.asarray(raw)
-        if img.ndim == 2:
-            img = np.repeat(img[:, :, None], self.num_channels, axis=2)
-        if img.ndim != 3 or img.shape[2] not in (self.num_channels, 4):
-            raise ValueError(f"image must be an array [H, W, {self.num_channels}], got shape {tuple(img.shape)}")
-        img = img[:, :, : self.num_channels]
-        if img.dtype != np.uint8:
-            raise ValueError(f"image must be uint8, got {img.dtype}")
-        h, w = img.shape[:2]
-        gh, gw = self.grid(h, w)
+        img = rgb_uint8(raw, self.num_channels)
+        gh, gw = self.grid(*img.shape[:2])
         p = self.patch_size
-        if (h, w) != (gh * p, gw * p):
-            from PIL import Image
-
-            img = np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize((gw * p, gh * p), Image.BICUBIC))
-        x = (img.astype(np.float32) * np.float32(1 / 255) - self.mean) / self.std  # [H, W, C]
+        x = resized_normalised(img, gh * p, gw * p, self.mean, self.std)  # [H, W, C]
         c = self.num_channels
         patches = x.reshape(gh, p, gw, p, c).transpose(0, 2, 4, 1, 3).reshape(gh * gw, c * p * p)
         return MediaItem(features=torch.from_numpy(np.ascontiguousarray(patches)), size=(gh, gw),

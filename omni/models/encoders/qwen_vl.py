@@ -1,0 +1,417 @@
+"""The vision transformer of Qwen2-VL and Qwen2.5-VL on packed images and videos.
+
+What is Qwen's own, written from the models' published description (Qwen2-VL and Qwen2.5-VL
+technical reports, and the configs of their Hugging Face checkpoints):
+
+- **Inputs**: each item is a grid of ``t x h x w`` patches, ``t`` temporal patches of
+  ``temporal_patch_size`` frames (a still image repeats its frame), each patch flattened as
+  (channel, frame, row, col) — the order of the Conv3d that embeds it, which here is a Linear
+  over the flattened patch. Patches come in *merge-window order*: the ``spatial_merge`` x
+  ``spatial_merge`` neighbours that the patch merger turns into one LLM token are consecutive,
+  windows in raster order, frame after frame (Qwen's image processor writes them so).
+- **2-D rotary positions**: a quarter of each head's dimensions rotate with the patch's row,
+  a quarter with its column (the same frequencies for both), over the whole head as
+  ``rotate_half`` pairs; every frame of a video repeats the image's positions.
+- **Attention** stays inside each frame of each item. Qwen2.5-VL attends inside windows of
+  ``window_size`` pixels (whole merge groups, windows in raster order, the last ones cut by the
+  frame's edge) in every layer but ``fullatt_block_indexes``, which attend over the frame.
+  Qwen2.5-VL reorders tokens window by window to use a varlen kernel; attention only depends on
+  which tokens share a segment, so here segment ids select the same sets in place and no
+  reordering is needed.
+- **Blocks**: pre-norm, fused qkv with bias. Qwen2-VL: LayerNorm and a ``fc1``/``fc2`` MLP
+  (quick GELU); Qwen2.5-VL: RMSNorm and a gated ``gate/up/down`` MLP (SiLU), all with bias.
+
+The encoder returns every patch's hidden state, in the input's merge-window order: the patch
+merger (a norm, then an MLP over each group of ``spatial_merge ** 2`` patches) is the
+projector's job in Omni (``omni.models.projector``), as it is the merger's in Qwen.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dataloading.media import MediaItem
+from omni.models.attention import segment_attention
+from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
+from omni.models.encoders.images import resized_normalised, rgb_uint8
+from omni.models.projector import PretrainedProjector
+
+VARIANTS = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass
+class QwenVisionConfig:
+    """Defaults follow Qwen2.5-VL-7B's vision tower; ``from_pretrained`` reads a checkpoint's."""
+
+    variant: str = "qwen2_5_vl"  # qwen2_vl | qwen2_5_vl: norms, MLP and window attention
+    hidden_size: int = 1280  # the ViT's width (Qwen2-VL's config calls it embed_dim)
+    intermediate_size: int = 3420
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge: int = 2
+    hidden_act: str = "silu"
+    window_size: int = 112  # pixels per window side (Qwen2.5-VL); 0: every layer attends the frame
+    fullatt_block_indexes: List[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    # preprocessing (Qwen's image processor): pixel budget per image, CLIP's normalisation
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    image_mean: List[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])
+    image_std: List[float] = field(default_factory=lambda: [0.26862954, 0.26130258, 0.27577711])
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"QwenVisionEncoder variant {self.variant!r} is unknown; use one of {VARIANTS}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError(f"the head dimension {self.hidden_size // self.num_attention_heads} must be a multiple "
+                             f"of 4 (a quarter rotates with the row, a quarter with the column)")
+        if self.spatial_merge < 1:
+            raise ValueError(f"spatial_merge must be >= 1, got {self.spatial_merge}")
+        if self.window_size and self.window_size % (self.spatial_merge * self.patch_size):
+            raise ValueError(f"window_size {self.window_size} must be a multiple of spatial_merge x patch_size "
+                             f"({self.spatial_merge * self.patch_size}) pixels")
+        self.fullatt_block_indexes = [int(i) for i in self.fullatt_block_indexes]
+        activation(self.hidden_act)
+        side = self.patch_size * self.spatial_merge
+        if not side * side <= self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need {side}x{side} = {side * side} <= min_pixels ({self.min_pixels}) <= max_pixels "
+                             f"({self.max_pixels}): an image is at least one merge group")
+        self.image_mean = [float(v) for v in self.image_mean]
+        self.image_std = [float(v) for v in self.image_std]
+        if len(self.image_mean) != self.in_channels or len(self.image_std) != self.in_channels:
+            raise ValueError(f"image_mean and image_std need {self.in_channels} values (in_channels)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def windowed(self, layer: int) -> bool:
+        """Whether ``layer`` attends inside windows (Qwen2.5-VL's layers but the full ones)."""
+        return self.variant == "qwen2_5_vl" and self.window_size > 0 and layer not in self.fullatt_block_indexes
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> Tuple[int, int]:
+    """The (height, width) in pixels Qwen's image processor resizes an image to: both sides
+    multiples of ``factor`` (patch x merge), the aspect ratio kept as nearly as rounding allows,
+    the area within [min_pixels, max_pixels] (scaled down with floor, up with ceil)."""
+    if height < 1 or width < 1:
+        raise ValueError(f"image has no pixels ({height}x{width})")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"an image of {height}x{width} has an aspect ratio over 200, which Qwen's processor refuses")
+    h = max(factor, round(height / factor) * factor)
+    w = max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+class QwenVisionProcessor:
+    """uint8 [H, W, C] image -> patches [grid_h*grid_w, C*T*P*P] in merge-window order, size
+    (1, grid_h, grid_w): resized by ``smart_resize`` (PIL bicubic, only when the size changes),
+    x/255, normalised, the frame repeated ``temporal_patch_size`` times (one temporal patch),
+    each patch flattened as (channel, frame, row, col)."""
+
+    modality = "image"
+
+    def __init__(self, config: QwenVisionConfig):
+        self.patch = config.patch_size
+        self.merge = config.spatial_merge
+        self.frames = config.temporal_patch_size
+        self.channels = config.in_channels
+        self.min_pixels = config.min_pixels
+        self.max_pixels = config.max_pixels
+        self.mean = np.asarray(config.image_mean, dtype=np.float32)
+        self.std = np.asarray(config.image_std, dtype=np.float32)
+
+    def with_options(self, max_pixels: Optional[int] = None, min_pixels: Optional[int] = None) -> "QwenVisionProcessor":
+        """A copy with one data source's pixel budget (mixture file ``image:`` options)."""
+        other = copy.copy(self)
+        other.max_pixels = int(max_pixels) if max_pixels is not None else self.max_pixels
+        other.min_pixels = int(min_pixels) if min_pixels is not None else min(self.min_pixels, other.max_pixels)
+        side = self.patch * self.merge
+        if not side * side <= other.min_pixels <= other.max_pixels:
+            raise ValueError(f"need {side * side} <= min_pixels ({other.min_pixels}) <= max_pixels ({other.max_pixels})")
+        return other
+
+    def grid(self, height: int, width: int) -> Tuple[int, int]:
+        h, w = smart_resize(int(height), int(width), self.patch * self.merge, self.min_pixels, self.max_pixels)
+        return h // self.patch, w // self.patch
+
+    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
+        gh, gw = self.grid(meta["height"], meta["width"])
+        return gh * gw // (self.merge * self.merge)
+
+    def __call__(self, raw: Any) -> MediaItem:
+        img = rgb_uint8(raw, self.channels)
+        gh, gw = self.grid(*img.shape[:2])
+        p, m, c, t = self.patch, self.merge, self.channels, self.frames
+        x = resized_normalised(img, gh * p, gw * p, self.mean, self.std).transpose(2, 0, 1)  # [C, H, W]
+        x = np.broadcast_to(x[None], (t, c, gh * p, gw * p))  # one temporal patch: the frame repeated
+        x = x.reshape(t, c, gh // m, m, p, gw // m, m, p)
+        # -> (group row, group col, row in group, col in group) x (channel, frame, pixel row, pixel col)
+        x = x.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * t * p * p)
+        return MediaItem(features=torch.from_numpy(np.ascontiguousarray(x)), size=(1, gh, gw),
+                         num_tokens=gh * gw // (m * m))
+
+
+def merge_order_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
+    """(row, col) of each patch of a ``t x h x w`` grid in merge-window order: [t*h*w, 2]."""
+    if h % merge or w % merge:
+        raise ValueError(f"a {h}x{w} patch grid is not a whole number of {merge}x{merge} merge groups")
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+    # merge-window order: group row, group col, then the merge x merge neighbours row-major
+    rows = rows.permute(0, 2, 1, 3).reshape(-1)
+    cols = cols.permute(0, 2, 1, 3).reshape(-1)
+    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
+
+
+def window_ids(t: int, h: int, w: int, merge: int, window: int) -> torch.Tensor:
+    """Window of each patch (merge-window order), numbered from 0 within the item: windows of
+    ``window`` x ``window`` merge groups, per frame, in raster order; edge windows are cut."""
+    gh, gw = h // merge, w // merge
+    n_w = -(-gw // window)
+    per_frame = -(-gh // window) * n_w
+    grow = torch.arange(gh).view(gh, 1).expand(gh, gw) // window
+    gcol = torch.arange(gw).view(1, gw).expand(gh, gw) // window
+    group_window = (grow * n_w + gcol).reshape(-1)  # per merge group, raster order
+    patch_window = group_window.repeat_interleave(merge * merge)
+    return torch.cat([patch_window + f * per_frame for f in range(t)])
+
+
+class _RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (Qwen2.5-VL's), weight applied in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: QwenVisionConfig):
+        super().__init__()
+        self.heads = c.num_attention_heads
+        self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
+        self.proj = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Optional[torch.Tensor]) -> torch.Tensor:
+        n, d = x.shape
+        q, k, v = self.qkv(x).view(n, 3, self.heads, d // self.heads).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        o = segment_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                              None if seg is None else seg[None], causal=False)
+        return self.proj(o[0].transpose(0, 1).reshape(n, d))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over the whole head (``rotate_half`` pairs), in fp32. x [n, H, D]."""
+    y = x.float()
+    half = y.shape[-1] // 2
+    rotated = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
+    return (y * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: QwenVisionConfig):
+        super().__init__()
+        norm = (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps)) if c.variant == "qwen2_vl" \
+            else (lambda: _RMSNorm(c.hidden_size, c.norm_eps))
+        self.norm1, self.norm2 = norm(), norm()
+        self.attn = _Attention(c)
+        self.act = activation(c.hidden_act)
+        self.gated = c.variant == "qwen2_5_vl"
+        if self.gated:
+            self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(c.hidden_size, c.intermediate_size),
+                                      "up_proj": nn.Linear(c.hidden_size, c.intermediate_size),
+                                      "down_proj": nn.Linear(c.intermediate_size, c.hidden_size)})
+        else:
+            self.mlp = nn.ModuleDict({"fc1": nn.Linear(c.hidden_size, c.intermediate_size),
+                                      "fc2": nn.Linear(c.intermediate_size, c.hidden_size)})
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, seg)
+        h = self.norm2(x)
+        m = self.mlp
+        if self.gated:
+            h = m["down_proj"](self.act(m["gate_proj"](h)) * m["up_proj"](h))
+        else:
+            h = m["fc2"](self.act(m["fc1"](h)))
+        return x + h
+
+
+class QwenVisionEncoder(EncoderAnchor):
+    """Qwen2-VL / Qwen2.5-VL vision transformer (the merger excluded: it is the projector).
+
+    ``forward(features [sum t*h*w, C*T*P*P], sizes int64 [n, 3] = (t, h, w) per item)`` ->
+    ``[sum t*h*w, hidden_size]``, in the input's merge-window order."""
+
+    modality: ClassVar[str] = "image"
+    Config: ClassVar[type] = QwenVisionConfig
+    hf_model_types: ClassVar[Tuple[str, ...]] = VARIANTS
+    # transformers >= 4.52 saves the tower under model.visual, older checkpoints under visual
+    hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("model.visual.", "visual.", "")
+
+    def __init__(self, config: QwenVisionConfig):
+        super().__init__(config)
+        c = config
+        self.spatial_merge = c.spatial_merge
+        self.output_dim = c.hidden_size
+        self.patch_embed = nn.Linear(c.patch_dim, c.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.num_hidden_layers))
+
+    @classmethod
+    def processor(cls, config: QwenVisionConfig) -> QwenVisionProcessor:
+        return QwenVisionProcessor(cls.build_config(config))
+
+    @classmethod
+    def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
+        out = {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}
+        size = pp_config.get("size") or {}
+        for ours, theirs in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+            value = pp_config.get(ours, size.get(theirs))  # older files: min/max_pixels; newer: size
+            if value is not None:
+                out[ours] = int(value)
+        return out
+
+    # --- the model ---------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        grids = [tuple(int(v) for v in row) for row in sizes.tolist()]
+        check_sizes(type(self).__name__, features, (t * h * w for t, h, w in grids))
+        x = self.patch_embed(features.to(self.patch_embed.weight.dtype))
+        if not grids:
+            return x
+        device = x.device
+        pos = torch.cat([merge_order_positions(t, h, w, c.spatial_merge) for t, h, w in grids]).to(device)
+        # Computed per call, not a buffer: a few numbers, and nothing to materialise off meta.
+        half = c.head_dim // 2
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, half, 2, device=device).float() / half)
+        angles = torch.cat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], dim=-1).float()
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        frames, windows = _segments(grids, c)
+        frames, windows = frames.to(device), (windows.to(device) if windows is not None else None)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, windows if c.windowed(i) else frames)
+        return x
+
+    # --- the planner's view --------------------------------------------------------------------
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        return [int(t) * int(h) * int(w) for t, h, w in sizes.tolist()]
+
+    def cost_coefficients(self) -> Tuple[float, float]:
+        """Forward FLOPs of one frame of n patches ~ alpha*n^2 + beta*n: the full-attention
+        layers' scores are quadratic; a window layer's are linear in n (each patch meets at most
+        a window's patches), counted in beta; the gated MLP has three matmuls, the plain two."""
+        c = self.config
+        d, ffn = c.hidden_size, c.intermediate_size
+        windowed = sum(1 for i in range(c.num_hidden_layers) if c.windowed(i))
+        full = c.num_hidden_layers - windowed
+        window_patches = (c.window_size // c.patch_size) ** 2 if windowed else 0
+        mlp = (6 if c.variant == "qwen2_5_vl" else 4) * d * ffn
+        per_layer = 8 * d * d + mlp
+        beta = c.num_hidden_layers * per_layer + windowed * 4 * window_patches * d + 2 * c.patch_dim * d
+        return float(4 * full * d), float(beta)
+
+    # --- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
+        """A Qwen2(.5)-VL config.json (the whole model's: its ``vision_config``) -> params."""
+        variant = hf_config.get("model_type")
+        v = dict(hf_config.get("vision_config") or {})
+        out: Dict[str, Any] = {"variant": variant, "num_hidden_layers": v.get("depth"),
+                               "num_attention_heads": v.get("num_heads"), "in_channels": v.get("in_channels"),
+                               "patch_size": v.get("patch_size"), "temporal_patch_size": v.get("temporal_patch_size"),
+                               "spatial_merge": v.get("spatial_merge_size"), "hidden_act": v.get("hidden_act")}
+        rope = v.get("rope_parameters") or {}
+        out["rope_theta"] = rope.get("rope_theta", v.get("rope_theta"))
+        if variant == "qwen2_vl":
+            width = v.get("embed_dim")
+            out.update(hidden_size=width, intermediate_size=None if width is None else int(width * v.get("mlp_ratio", 4)),
+                       window_size=0, fullatt_block_indexes=[])
+        else:
+            out.update(hidden_size=v.get("hidden_size"), intermediate_size=v.get("intermediate_size"),
+                       window_size=v.get("window_size"), fullatt_block_indexes=v.get("fullatt_block_indexes"))
+        return {k: val for k, val in out.items() if val is not None}
+
+    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name == "patch_embed.weight":  # Conv3d [D, C, T, P, P] with stride == kernel -> Linear
+            return tensor.reshape(tensor.shape[0], -1)
+        return tensor
+
+    @classmethod
+    def pretrained_projector(cls, path: str) -> Optional[PretrainedProjector]:
+        """Qwen's patch merger (norm, then a two-layer GELU MLP over each merge group), which
+        Omni's projector mirrors: LayerNorm in Qwen2-VL, RMSNorm in Qwen2.5-VL."""
+        from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
+
+        hf = read_hf_config(path)
+        params = cls.params_from_hf_config(hf)
+        vision = hf.get("vision_config") or {}
+        reader = CheckpointReader(path)
+        prefix = next((p for p in cls.hf_weight_prefixes if p + "merger.mlp.0.weight" in reader), None)
+        if prefix is None:
+            return None
+        layer = params["variant"] == "qwen2_vl"
+        out = vision.get("hidden_size") if layer else vision.get("out_hidden_size")
+        width = int(params["hidden_size"]) * int(params.get("spatial_merge", 2)) ** 2
+        names = {"fc1.weight": "merger.mlp.0.weight", "fc1.bias": "merger.mlp.0.bias",
+                 "fc2.weight": "merger.mlp.2.weight", "fc2.bias": "merger.mlp.2.bias",
+                 "norm.weight": "merger.ln_q.weight"}
+        if layer:
+            names["norm.bias"] = "merger.ln_q.bias"
+        return PretrainedProjector(out_dim=int(out), hidden=width, activation="gelu", norm="layer" if layer else "rms",
+                                   names={k: prefix + v for k, v in names.items()})
+
+    @classmethod
+    def hf_name(cls, name: str) -> str:
+        """Our parameter name -> the checkpoint's (below the tower's prefix)."""
+        if name == "patch_embed.weight":
+            return "patch_embed.proj.weight"
+        return name
+
+
+def _segments(grids: Sequence[Tuple[int, int, int]], c: QwenVisionConfig) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Segment ids of the packed patches: one per frame of each item (full attention), and one
+    per window of each frame (Qwen2.5-VL's window layers; None when no layer uses windows)."""
+    frames, windows, f0, w0 = [], [], 0, 0
+    use_windows = any(c.windowed(i) for i in range(c.num_hidden_layers))
+    per_side = c.window_size // (c.spatial_merge * c.patch_size) if use_windows else 0
+    for t, h, w in grids:
+        frames.append(torch.arange(t).repeat_interleave(h * w) + f0)
+        f0 += t
+        if use_windows:
+            ids = window_ids(t, h, w, c.spatial_merge, per_side)
+            windows.append(ids + w0)
+            w0 += int(ids.max()) + 1 if ids.numel() else 0
+    return torch.cat(frames), (torch.cat(windows) if use_windows else None)
