@@ -37,6 +37,9 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     # HF-style scaling dict without ``rope_theta``, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     rope_scaling: Optional[Dict[str, Any]] = None
+    # Multimodal RoPE (Qwen2-VL's M-RoPE): the rotary frequencies in three sections taking the
+    # temporal, height and width position of each token (``rope.mrope_components``); None: 1-D RoPE.
+    mrope_section: Optional[List[int]] = None
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -80,6 +83,11 @@ class DecoderConfig:
         """The shape rules of the backbone; messages name the ``model.*`` keys."""
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r} is not supported; use one of {FAMILIES}.")
+        if self.mrope_section is not None:
+            half = self.resolved_head_dim() // 2
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != half or min(self.mrope_section) < 0:
+                raise ValueError(f"model.mrope_section={list(self.mrope_section)} must be three sections (temporal, "
+                                 f"height, width) that add up to head_dim / 2 = {half}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                     "max_position_embeddings"):
             if getattr(self, key) < 1:
@@ -116,7 +124,8 @@ class DecoderConfig:
     def from_hf(cls, hf: Dict[str, Any]) -> "DecoderConfig":
         """Build from the contents of an HF ``config.json`` (transformers 4.x or 5.x layout)."""
         hf = dict(hf)
-        family = hf.get("model_type")
+        # The text model of Qwen2-VL / Qwen2.5-VL (their config.json's text_config) is Qwen2 with M-RoPE.
+        family = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}.get(hf.get("model_type"), hf.get("model_type"))
         if family not in FAMILIES:
             raise ValueError(
                 f"config.json model_type={family!r} is not supported; supported: {FAMILIES}."
@@ -131,7 +140,7 @@ class DecoderConfig:
                 f"config.json sliding-window attention (sliding_window={hf.get('sliding_window')}) is not "
                 "supported; set use_sliding_window=false / sliding_window=null if the model does not need it."
             )
-        theta, scaling = _rope_from_hf(hf, family)
+        theta, scaling, mrope = _rope_from_hf(hf, family)
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         head_dim = hf.get("head_dim")
         c = cls(
@@ -145,6 +154,7 @@ class DecoderConfig:
             head_dim=head_dim if head_dim and head_dim != hidden // heads else None,
             rope_theta=float(theta),
             rope_scaling=scaling,
+            mrope_section=mrope,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -177,6 +187,9 @@ class DecoderConfig:
         """``config.json`` contents for ``self.family`` (transformers 5.x layout, readable by 4.x too)."""
         self.validate()
         f = self.family
+        if self.mrope_section is not None:
+            raise ValueError("a backbone with M-RoPE (model.mrope_section) is a Qwen2-VL text model, which exports "
+                             "with its vision tower as a Qwen2-VL checkpoint; that export is not supported yet")
         if f in ("llama", "qwen2") and self.num_experts > 0:
             raise ValueError(f"family={f!r} has no MoE layers; set family='mixtral' or 'qwen2_moe' for num_experts>0.")
         if f in MOE_FAMILIES and self.num_experts == 0:
@@ -253,16 +266,18 @@ def _rope_from_hf(hf: Dict[str, Any], family: str):
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError("config.json rope_parameters nested per layer type is not supported; use one global dict.")
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_THETA[family]
+    mrope = params.pop("mrope_section", None)
+    mrope = [int(x) for x in mrope] if mrope else None
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     prf = params.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor")
     if prf not in (None, 1, 1.0):
         raise ValueError(f"config.json partial_rotary_factor={prf} is not supported; only full rotary (1.0) is.")
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in ROPE_TYPES + ("mrope",):
         raise ValueError(f"config.json rope_type={rope_type!r} is not supported; use one of {ROPE_TYPES}.")
-    if rope_type == "default":
-        return theta, None
+    if rope_type in ("default", "mrope"):  # transformers 4.x wrote Qwen2-VL's as type "mrope"
+        return theta, None, mrope
     if "original_max_position_embeddings" in hf and rope_type in ("llama3", "yarn", "longrope"):
         # A top-level value (Phi3 style) takes priority, as in transformers.
         params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-    return theta, {"rope_type": rope_type, **params}
+    return theta, {"rope_type": rope_type, **params}, mrope

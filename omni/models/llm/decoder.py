@@ -120,9 +120,12 @@ class Decoder(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         output_hidden: bool = False,
+        rope_position_ids: Optional[torch.Tensor] = None,
     ) -> DecoderOutput:
         """input_ids [B, T] (or [T], treated as B=1) or inputs_embeds [B, T, H]; position_ids [B, T]
-        or [T] (default: 0..T-1, one document per row)."""
+        or [T] (default: 0..T-1, one document per row): where documents start (at 0) and, without
+        ``rope_position_ids``, the rotary positions. ``rope_position_ids`` [3, B, T] or [3, T]:
+        M-RoPE positions (temporal, height, width; ``model.mrope_section``)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder.forward needs exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
@@ -138,7 +141,11 @@ class Decoder(nn.Module):
             position_ids = position_ids[None] if position_ids.dim() == 1 else position_ids
             position_ids = position_ids.expand(b, t)
             segment_ids = segment_ids_from_position_ids(position_ids)
-        h, aux_loss = self.run_layers(h, self.rotary(position_ids, h.dtype), segment_ids)
+        if rope_position_ids is not None:
+            rope_position_ids = rope_position_ids[:, None] if rope_position_ids.dim() == 2 else rope_position_ids
+            rope_position_ids = rope_position_ids.expand(3, b, t)
+        rotary = rope_position_ids if rope_position_ids is not None else position_ids
+        h, aux_loss = self.run_layers(h, self.rotary(rotary, h.dtype), segment_ids)
         h = self.norm(h)
         if output_hidden:
             return DecoderOutput(logits=None, hidden_states=h, aux_loss=aux_loss)

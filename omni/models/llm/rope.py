@@ -11,7 +11,7 @@ restart at 0 for each document get per-document rotations.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -140,8 +140,52 @@ def _length_threshold(config: DecoderConfig) -> Optional[int]:
     return None
 
 
+def mrope_position_ids(length: int, items: Sequence[Tuple[int, int, int, int, float]], merge: int) -> torch.Tensor:
+    """M-RoPE positions [3, length] (temporal, height, width) of one document of ``length``
+    tokens whose media items are ``(start, t, h, w, time_interval)``: the item's first
+    placeholder in the document, its grid in patches (merge groups of ``merge`` x ``merge``
+    patches are its placeholders, t x h/merge x w/merge of them) and the temporal step between
+    its frames (1 for an image; a video's ``tokens_per_second x seconds per temporal patch``).
+
+    As Qwen2-VL's ``get_rope_index`` (transformers 5.24): text runs count up by one in all three
+    rows; an item's placeholders get (start + floor(frame x interval), start + row, start +
+    col), start being the next text position; after it text continues at start + max(h, w) /
+    merge. Each item is placed on its own, so adjacent items need no text between them."""
+    out = torch.empty(3, length, dtype=torch.int64)
+    pos = cursor = 0
+    for start, t, h, w, interval in sorted(items):
+        if start < cursor:
+            raise ValueError(f"media item at {start} overlaps the previous one (ending at {cursor})")
+        out[:, cursor:start] = torch.arange(start - cursor) + pos
+        pos += start - cursor
+        gh, gw = h // merge, w // merge
+        n = t * gh * gw
+        if start + n > length:
+            raise ValueError(f"a {t}x{h}x{w} item at {start} runs past the document's {length} tokens")
+        frames = torch.arange(t)
+        if interval != 1:  # float32, as the processor's seconds per temporal patch are
+            frames = frames * torch.tensor(interval, dtype=torch.float32)
+        out[0, start:start + n] = frames.long().repeat_interleave(gh * gw) + pos
+        out[1, start:start + n] = torch.arange(gh).repeat_interleave(gw).repeat(t) + pos
+        out[2, start:start + n] = torch.arange(gw).repeat(t * gh) + pos
+        pos += max(gh, gw)
+        cursor = start + n
+    out[:, cursor:] = torch.arange(length - cursor) + pos
+    return out
+
+
+def mrope_components(section: Sequence[int]) -> torch.Tensor:
+    """M-RoPE (Qwen2-VL, arXiv:2409.12191 §2.1): which position row (0 temporal, 1 height,
+    2 width) each of the head_dim / 2 frequencies rotates with: the first ``section[0]``
+    frequencies the temporal row, the next ``section[1]`` the height row, the rest the width
+    row; both halves of the head (``rotate_half`` pairs) use the same assignment."""
+    return torch.repeat_interleave(torch.arange(len(section)), torch.tensor([int(x) for x in section]))
+
+
 class RotaryEmbedding(nn.Module):
-    """position_ids [B, T] -> (cos, sin) [B, T, head_dim], shared by all layers."""
+    """position_ids [B, T] -> (cos, sin) [B, T, head_dim], shared by all layers. With M-RoPE
+    (``config.mrope_section``) position_ids may be [3, B, T]: each frequency takes the row of its
+    section (``mrope_components``); [B, T] is then every row alike, which is 1-D RoPE."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -166,6 +210,12 @@ class RotaryEmbedding(nn.Module):
             if seq_len > self.threshold:
                 inv_freq, scaling = rope_parameters(self.config, seq_len, position_ids.device)
         freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float)
+        if position_ids.dim() == 3:  # [3, B, T]: M-RoPE rows
+            if self.config.mrope_section is None or position_ids.shape[0] != 3:
+                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} need model.mrope_section and "
+                                 f"three rows (temporal, height, width)")
+            rows = mrope_components(self.config.mrope_section).to(position_ids.device)
+            freqs = freqs.gather(0, rows.view(1, 1, 1, -1).expand(1, *freqs.shape[1:]))[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
