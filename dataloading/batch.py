@@ -62,6 +62,9 @@ class MicroBatch:
     sample_ids: list[str] = field(default_factory=list)
     # Set when this is one context-parallel rank's share of a packed row; None: the whole row.
     cp: CPInfo | None = None
+    # int64 [3, T]: M-RoPE positions (temporal, height, width) where an item of the row has a
+    # ``rope_grid``; None: every row equals position_ids (text, and media without one).
+    rope_position_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,12 +91,14 @@ class MicroBatch:
             return self
         dev = self.input_ids.device
         tail = torch.arange(extra, dtype=self.position_ids.dtype, device=dev)
+        rope = self.rope_position_ids
         return MicroBatch(
             input_ids=torch.cat([self.input_ids, torch.full((extra,), pad_id, dtype=self.input_ids.dtype, device=dev)]),
             position_ids=torch.cat([self.position_ids, tail]),
             labels=torch.cat([self.labels, torch.full((extra,), IGNORE_INDEX, dtype=self.labels.dtype, device=dev)]),
             cu_seqlens=torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor([length])]),
             media=dict(self.media), sample_ids=list(self.sample_ids), cp=self.cp,
+            rope_position_ids=None if rope is None else torch.cat([rope, tail.expand(3, extra)], dim=1),
         )
 
     def to(self, device: torch.device | str) -> "MicroBatch":
@@ -105,6 +110,7 @@ class MicroBatch:
             media={m: x.to(device) for m, x in self.media.items()},
             sample_ids=list(self.sample_ids),
             cp=None if self.cp is None else self.cp.to(device),
+            rope_position_ids=None if self.rope_position_ids is None else self.rope_position_ids.to(device),
         )
 
 

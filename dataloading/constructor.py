@@ -24,6 +24,7 @@ from dataloading.errors import DataError, ProblemCounter
 from dataloading.media import MediaItem, MediaProcessor, configure_processors
 from dataloading.mixture import SourceOptions
 from dataloading.planner import PIECE_SEP, split_piece
+from dataloading.positions import mrope_position_ids
 from dataloading.sample import DecodedSample, decode_sample
 from dataloading.shards import ShardPool, SourceReader
 from dataloading.tokenizer import Tokenizer
@@ -249,13 +250,18 @@ def assemble(samples: Sequence[Tokenized]) -> MicroBatch:
             sizes=torch.tensor([list(it.size) for it, _ in entries], dtype=torch.int64),
             num_tokens=torch.tensor([it.num_tokens for it, _ in entries], dtype=torch.int64),
             positions=torch.from_numpy(np.concatenate([p for _, p in entries]).astype(np.int64)))
+    rope = None
+    if any(item.rope_grid is not None for s in samples for _, item, _ in s.media):
+        rope = torch.cat([mrope_position_ids(len(s), [(int(pos[0]), *item.rope_grid) for _, item, pos in s.media
+                                                      if item.rope_grid is not None]) for s in samples], dim=1)
     return MicroBatch(
         input_ids=torch.from_numpy(np.concatenate([s.ids for s in samples])),
         position_ids=torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])),
         labels=torch.from_numpy(np.concatenate([s.labels for s in samples])),
         cu_seqlens=torch.from_numpy(offsets.astype(np.int32)),
         media=media,
-        sample_ids=[s.sample_id for s in samples])
+        sample_ids=[s.sample_id for s in samples],
+        rope_position_ids=rope)
 
 
 def _slice(t: Tokenized, unit_id: str, lo: int, hi: int) -> Tokenized:

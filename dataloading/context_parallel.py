@@ -7,7 +7,7 @@ their own), so pairing an early chunk with its mirror gives every rank the same 
 contiguous split would leave the last rank with the most. Cutting per document (not the row as a
 whole) keeps attention inside documents and the work balanced however lengths mix.
 
-Positions keep their values in the whole document, so RoPE is unchanged. Every rank keeps all of
+Positions keep their values in the whole document, so RoPE is unchanged (M-RoPE rows too). Every rank keeps all of
 the row's media items (each rank runs or receives the encoder outputs); ``output_rows`` says which
 rows of the encoder output its local placeholders take.
 """
@@ -31,7 +31,7 @@ def slice_for_cp(mb: MicroBatch, cp_size: int, cp_rank: int, pad_id: int) -> Mic
     if cp_size == 1:  # one rank: nothing to balance, so no padding (the row is kept as is)
         info = CPInfo(1, 0, mb.cu_seqlens.to(torch.int32), doc_lens.to(torch.int32), doc_lens.to(torch.int32))
         return MicroBatch(mb.input_ids, mb.position_ids, mb.labels, mb.cu_seqlens, dict(mb.media),
-                          list(mb.sample_ids), cp=info)
+                          list(mb.sample_ids), cp=info, rope_position_ids=mb.rope_position_ids)
     n_chunks = 2 * cp_size
     chunk_lens = (doc_lens + n_chunks - 1) // n_chunks
     info = CPInfo(cp_size, cp_rank, _cumsum0(chunk_lens * n_chunks).to(torch.int32),
@@ -44,6 +44,10 @@ def slice_for_cp(mb: MicroBatch, cp_size: int, cp_rank: int, pad_id: int) -> Mic
     # Padding continues the document's positions: it comes after every real token, so under the
     # causal mask no real token attends to it.
     position_ids = torch.where(real, mb.position_ids[safe], mb.position_ids[last] + offset - doc_lens[doc] + 1)
+    rope = None
+    if mb.rope_position_ids is not None:  # M-RoPE rows: padding counts on from the last real token's
+        pad_step = offset - doc_lens[doc] + 1
+        rope = torch.where(real, mb.rope_position_ids[:, safe], mb.rope_position_ids[:, last] + pad_step)
     input_ids = torch.where(real, mb.input_ids[safe], torch.full_like(offset, pad_id))
     labels = torch.where(real, mb.labels[safe], torch.full_like(offset, IGNORE_INDEX))
 
@@ -57,7 +61,8 @@ def slice_for_cp(mb: MicroBatch, cp_size: int, cp_rank: int, pad_id: int) -> Mic
         rows = torch.arange(m.positions.numel(), device=loc.device) if m.output_rows is None else m.output_rows
         media[modality] = MediaInputs(m.features, m.sizes, m.num_tokens, loc[keep], output_rows=rows[keep])
     local_cu = _cumsum0(2 * chunk_lens).to(torch.int32)
-    return MicroBatch(input_ids, position_ids, labels, local_cu, media, list(mb.sample_ids), cp=info)
+    return MicroBatch(input_ids, position_ids, labels, local_cu, media, list(mb.sample_ids), cp=info,
+                      rope_position_ids=rope)
 
 
 def merge_cp_slices(slices: list[MicroBatch]) -> MicroBatch:
@@ -79,6 +84,7 @@ def merge_cp_slices(slices: list[MicroBatch]) -> MicroBatch:
     input_ids = torch.empty(total, dtype=first.input_ids.dtype, device=device)
     position_ids = torch.empty(total, dtype=first.position_ids.dtype, device=device)
     labels = torch.empty(total, dtype=first.labels.dtype, device=device)
+    rope = None if first.rope_position_ids is None else torch.empty(3, total, dtype=torch.int64, device=device)
     per_modality: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {m: [] for m in first.media}
     for s in slices:
         orig = _local_to_original(s.cp)
@@ -86,6 +92,8 @@ def merge_cp_slices(slices: list[MicroBatch]) -> MicroBatch:
         input_ids[orig[real]] = s.input_ids[real]
         position_ids[orig[real]] = s.position_ids[real]
         labels[orig[real]] = s.labels[real]
+        if rope is not None:
+            rope[:, orig[real]] = s.rope_position_ids[:, real]
         for modality, m in s.media.items():
             rows = torch.arange(m.positions.numel(), device=device) if m.output_rows is None else m.output_rows
             per_modality[modality].append((rows, orig[m.positions]))
@@ -101,7 +109,7 @@ def merge_cp_slices(slices: list[MicroBatch]) -> MicroBatch:
         media[modality] = MediaInputs(m.features, m.sizes, m.num_tokens, positions,
                                       output_rows=None if complete else rows)
     return MicroBatch(input_ids, position_ids, labels, cu.to(torch.int32), media,
-                      list(first.sample_ids))
+                      list(first.sample_ids), rope_position_ids=rope)
 
 
 def _cumsum0(x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,10 @@ class MediaItem:
     features: torch.Tensor  # [n_units, feat_dim]: image patches or audio frames
     size: tuple[int, ...]  # image: (grid_h, grid_w) in patches; audio: (n_frames,)
     num_tokens: int  # LLM placeholder tokens this item turns into
+    # For an LLM with M-RoPE (Qwen2-VL): (frames, rows, cols, time interval) of the item's
+    # placeholders (``dataloading.positions.mrope_position_ids``); set by processors of towers
+    # made for it (qwen_vl). None: the item's placeholders count like text.
+    rope_grid: tuple[int, int, int, float] | None = None
 
 
 @runtime_checkable

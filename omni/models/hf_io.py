@@ -2,7 +2,8 @@
 
 A checkpoint is ``config.json`` + ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Supported: LlamaForCausalLM, Qwen2ForCausalLM,
-MixtralForCausalLM, Qwen2MoeForCausalLM.
+MixtralForCausalLM, Qwen2MoeForCausalLM, and the language model of Qwen2-VL / Qwen2.5-VL
+checkpoints (Qwen2 with M-RoPE; their vision tower is the ``qwen_vl`` encoder's to load).
 
 Native names are HF names without the ``model.`` prefix, except for the MoE parts:
 
@@ -27,7 +28,7 @@ import torch
 
 from .hf_checkpoint import CheckpointReader, read_hf_config
 from .materialize import SeededInit, Sources, WeightSource, full_index, materialize
-from .llm.config import DecoderConfig
+from .llm.config import VLM_TEXT_MODELS, DecoderConfig
 from .llm.decoder import Decoder
 
 Tensors = Dict[str, torch.Tensor]
@@ -46,8 +47,12 @@ def hf_name_to_native(name: str, config: DecoderConfig):
         return None if config.tie_word_embeddings else (name, None)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # older checkpoints store the derived RoPE buffer; we recompute it
-    if name.startswith("model."):
-        name = name[len("model."):]
+    if name.startswith(("model.visual.", "visual.")):
+        return None  # a vision-language checkpoint's tower: the encoder slot loads it
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's legacy module name
     m = _PER_EXPERT.match(name)
     if m:
@@ -249,7 +254,17 @@ def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, fused_experts: b
 
 
 def _read_config(path: str) -> DecoderConfig:
-    return DecoderConfig.from_hf(read_hf_config(path))
+    hf = read_hf_config(path)
+    kind = hf.get("model_type")
+    if kind in VLM_TEXT_MODELS:
+        # transformers 5 nests the text model's config; 4.x wrote it at the top level
+        text = dict(hf.get("text_config") or hf)
+        for key in ("vocab_size", "tie_word_embeddings"):  # some versions keep these at the top
+            if key not in text and key in hf:
+                text[key] = hf[key]
+        text["model_type"] = VLM_TEXT_MODELS[kind]
+        hf = text
+    return DecoderConfig.from_hf(hf)
 
 
 def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Decoder:

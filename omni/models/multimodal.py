@@ -76,6 +76,7 @@ class Prepared:
     target_index: Optional[torch.Tensor] = None  # int64 [n_targets]
     target_labels: Optional[torch.Tensor] = None  # int64 [n_targets]
     num_targets: Optional[int] = None
+    rope_position_ids: Optional[torch.Tensor] = None  # [3, 1, T]: M-RoPE positions (None: position_ids)
 
 
 @dataclass
@@ -191,7 +192,11 @@ class OmniModel(nn.Module):
                 segments = PackedSegments(segments, mb.cu_seqlens.to(torch.int32), max_seqlen, True, rt.attn_backend)
             if real_tokens is not None and real_tokens < t:
                 mask = (torch.arange(t, device=mb.input_ids.device) < real_tokens)[None]
-        return Prepared(mb, position_ids, segments, mask, global_targets)
+        # M-RoPE positions when the backbone rotates by them and an item of the row has a grid;
+        # else the 1-D positions (equal in every row for text, so the same rotation).
+        rope = mb.rope_position_ids[:, None] if (self.llm.config.mrope_section is not None
+                                                and mb.rope_position_ids is not None) else None
+        return Prepared(mb, position_ids, segments, mask, global_targets, rope_position_ids=rope)
 
     def embed_media(self, modality: str, media: MediaInputs) -> torch.Tensor:
         feats = self.encoders[modality](media.features, media.sizes)
@@ -270,7 +275,7 @@ class OmniModel(nn.Module):
 
     def _body(self, h: torch.Tensor, p: Prepared):
         rt = self.runtime
-        cos_sin = self.llm.rotary(p.position_ids, h.dtype)
+        cos_sin = self.llm.rotary(p.position_ids if p.rope_position_ids is None else p.rope_position_ids, h.dtype)
         mask = p.token_mask
         if mask is not None and rt.tp_mesh is not None:
             mask = mask.chunk(rt.tp_size, dim=1)[rt.tp_rank]
@@ -326,5 +331,6 @@ def _moved(p: Prepared, device: torch.device) -> Prepared:
         seg = replace(seg, ids=to(seg.ids), cu_seqlens=to(seg.cu_seqlens))
     elif isinstance(seg, torch.Tensor):
         seg = to(seg)
-    return replace(p, mb=p.mb.to(device), position_ids=to(p.position_ids), segments=seg, token_mask=to(p.token_mask),
+    return replace(p, mb=p.mb.to(device), position_ids=to(p.position_ids), rope_position_ids=to(p.rope_position_ids),
+                   segments=seg, token_mask=to(p.token_mask),
                    target_index=to(p.target_index), target_labels=to(p.target_labels))

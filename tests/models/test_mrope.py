@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni.models.llm import Decoder, DecoderConfig
-from omni.models.llm.rope import mrope_position_ids
+from omni.models.llm import DecoderConfig
+from dataloading.positions import mrope_position_ids
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,43 +35,45 @@ def test_positions_equal_get_rope_index():
             continue
         t, h, w = what
         n = t * (h // 2) * (w // 2)
-        items.append((len(types), t, h, w, 4 * 0.7 if kind == 2 else 1))
+        items.append((len(types), t, h // 2, w // 2, 4 * 0.7 if kind == 2 else 1))
         (videos if kind == 2 else images).append(list(what))
         types += [kind] * n
     ids = torch.zeros(1, len(types), dtype=torch.long)
     want, _ = _vlm().model.get_rope_index(ids, torch.tensor([types]), image_grid_thw=torch.tensor(images),
                                           video_grid_thw=torch.tensor(videos), second_per_grid_ts=torch.tensor([0.7]))
-    got = mrope_position_ids(len(types), items, merge=2)
+    got = mrope_position_ids(len(types), items)
     assert torch.equal(got, want[:, 0])
     # text alone is 1-D RoPE in every row; two items need no text between them
-    assert torch.equal(mrope_position_ids(5, [], 2), torch.arange(5).expand(3, 5))
-    both = mrope_position_ids(8, [(0, 1, 2, 4, 1), (2, 1, 4, 2, 1)], 2)
+    assert torch.equal(mrope_position_ids(5, []), torch.arange(5).expand(3, 5))
+    both = mrope_position_ids(8, [(0, 1, 1, 2, 1), (2, 1, 2, 1, 1)])
     assert both[:, :2].tolist() == [[0, 0], [0, 0], [0, 1]] and both[:, 2:4].tolist() == [[2, 2], [2, 3], [2, 2]]
     with pytest.raises(ValueError, match="overlaps"):
-        mrope_position_ids(8, [(0, 1, 2, 4, 1), (1, 1, 2, 2, 1)], 2)
+        mrope_position_ids(8, [(0, 1, 1, 2, 1), (1, 1, 1, 1, 1)])
 
 
-def test_the_decoder_with_mrope_equals_the_qwen2_5_vl_text_model():
+def test_a_qwen2_5_vl_directory_loads_its_language_model_and_equals_it(tmp_path):
+    """``load_pretrained`` (what model.pretrained uses) on a whole Qwen2.5-VL directory: the
+    text model with M-RoPE (the vision tower's weights are left to the encoder slot); logits
+    equal transformers' for 3-D positions around two images, and differ with 1-D ones."""
+    from omni.models.hf_io import load_pretrained
+
     hf = _vlm()
-    text = hf.model.language_model
-    cfg = DecoderConfig.from_hf(hf.config.text_config.to_dict())
-    assert cfg.family == "qwen2" and cfg.mrope_section == [1, 1, 2] and cfg.attention_bias
-    ours = Decoder(cfg).eval()
-    state = {k: v for k, v in text.state_dict().items()}
-    state["lm_head.weight"] = hf.lm_head.weight
-    missing, unexpected = ours.load_state_dict(state, strict=False)
-    assert not unexpected and all("inv_freq" in k for k in missing)
     with torch.no_grad():  # weights large enough that positions matter
-        for p in ours.parameters():
+        for p in hf.model.language_model.parameters():
             p.normal_(0.0, 0.2)
-        text.load_state_dict({k: v for k, v in ours.state_dict().items() if k != "lm_head.weight"}, strict=False)
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(str(tmp_path)).eval()
+    cfg = ours.config
+    assert cfg.family == "qwen2" and cfg.mrope_section == [1, 1, 2] and cfg.attention_bias
     ids = torch.randint(0, 128, (1, 14))
-    pos = mrope_position_ids(14, [(2, 1, 4, 6, 1), (10, 1, 2, 4, 1)], 2)[:, None]
+    pos = mrope_position_ids(14, [(2, 1, 2, 3, 1), (10, 1, 1, 2, 1)])[:, None]
     with torch.no_grad():
-        want = text(input_ids=ids, position_ids=pos).last_hidden_state
-        got = ours(input_ids=ids, rope_position_ids=pos, output_hidden=True).hidden_states
-        plain = ours(input_ids=ids, output_hidden=True).hidden_states
+        want = hf.lm_head(hf.model.language_model(input_ids=ids, position_ids=pos).last_hidden_state)
+        got = ours(input_ids=ids, rope_position_ids=pos).logits
+        plain = ours(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(plain, want, atol=1e-3)  # 1-D positions differ where the images are
     with pytest.raises(ValueError, match="must be three sections"):
         DecoderConfig(hidden_size=32, num_heads=4, num_kv_heads=2, mrope_section=[1, 1, 1]).validate()
+    with pytest.raises(ValueError, match="M-RoPE.*not supported yet"):
+        cfg.to_hf()

@@ -16,6 +16,7 @@ import torch
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch, StepBatch
 from dataloading.context_parallel import slice_for_cp
+from dataloading.positions import mrope_position_ids
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, output_frames
@@ -39,9 +40,12 @@ MICRO_PER_STEP = 4
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, clip_grad_norm=0.5)
 
 
-def model_config(moe: bool, num_layers: int = 4) -> DecoderConfig:
+def model_config(moe: bool, num_layers: int = 4, mrope: bool = False) -> DecoderConfig:
+    """``mrope``: a Qwen2-VL-style backbone (qwen2, M-RoPE sections of the 4 frequencies)."""
     kw = dict(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=num_layers,
               num_heads=4, num_kv_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    if mrope:
+        kw.update(family="qwen2", attention_bias=True, mrope_section=[1, 1, 2])
     if moe:
         kw.update(family="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   shared_expert_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.05,
@@ -86,7 +90,7 @@ def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), mer
     """``frozen``: modalities whose encoder does not train (its projector still does);
     ``merge``, ``vision``: the vision tower's spatial merge and kind (``encoders``)."""
     torch.manual_seed(1234)
-    llm = Decoder(model_config(moe, num_layers))
+    llm = Decoder(model_config(moe, num_layers, mrope=vision == "qwen"))
     model = OmniModel(llm, *encoders(media, merge, vision), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
@@ -117,19 +121,21 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
     """A packed row of documents, each with up to two media items (inside the prompt, so the
     loss flows back into the encoders through the later tokens). ``long_items``: some items
     are much longer than the rest (what long-short SP splits)."""
-    ids, pos, labels, lens = [], [], [], []
+    ids, pos, labels, lens, rope = [], [], [], [], []
     items: dict[str, list] = {m: [] for m in media}
     offset = 0
     while offset < 24:
         n = int(torch.randint(4, 14, (1,), generator=gen))
         doc = torch.randint(0, vocab - 1, (n + 1,), generator=gen)
-        d_ids, d_lab = [doc[:2]], [doc[1:3]]
+        d_ids, d_lab, grids = [doc[:2]], [doc[1:3]], []
         for m in media:
             if float(torch.rand(1, generator=gen)) < 0.6:
                 big = long_items and float(torch.rand(1, generator=gen)) < 0.3
                 feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge, vision)
                 start = offset + sum(t.numel() for t in d_ids)
                 items[m].append((feats, size, tok, torch.arange(start, start + tok)))
+                if vision == "qwen" and m == "image":  # M-RoPE grid of its placeholders
+                    grids.append((start - offset, 1, size[1] // merge, size[2] // merge, 1.0))
                 d_ids.append(torch.full((tok,), PLACEHOLDER))
                 d_lab.append(torch.full((tok,), IGNORE_INDEX))
         d_ids.append(doc[2:-1])
@@ -140,6 +146,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
         ids.append(row)
         labels.append(lab)
         pos.append(torch.arange(row.numel()))
+        rope.append(mrope_position_ids(row.numel(), grids))
         lens.append(row.numel())
         offset += row.numel()
     out = {}
@@ -148,7 +155,8 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
             out[m] = MediaInputs(torch.cat([f for f, _, _, _ in its]), torch.tensor([s for _, s, _, _ in its]),
                                  torch.tensor([t for _, _, t, _ in its]), torch.cat([p for _, _, _, p in its]))
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, media=out, sample_ids=[f"mb{index}"])
+    return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, media=out, sample_ids=[f"mb{index}"],
+                      rope_position_ids=torch.cat(rope, dim=1) if vision == "qwen" else None)
 
 
 def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:

@@ -26,10 +26,12 @@ LAYOUTS = [
     ("pp=2, encoder layers recomputed (selective)", dict(dp_shard=1, pp=2, pp_schedule="1f1b",
                                                         encoder_activation_checkpoint="selective"), BOTH, MERGED, {}),
     # the Qwen2.5-VL tower (2-D rotary positions, windows, (t, h, w) sizes; no SP: it has forward only)
+    # and its M-RoPE backbone (Qwen2.5-VL: 3-D positions from each image's grid) through CP slicing
     ("qwen_vl tower, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {**MERGED, "vision": "qwen"},
      {"encoder_weights": "sharded"}),
     ("qwen_vl tower, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), IMAGE,
      {**MERGED, "vision": "qwen"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
+    ("qwen_vl tower, M-RoPE under cp=2", dict(dp_shard=1, cp=2), IMAGE, {**MERGED, "vision": "qwen"}, {}),
 ]
 
 

@@ -175,7 +175,7 @@ class QwenVisionProcessor:
         # -> (group row, group col, row in group, col in group) x (channel, frame, pixel row, pixel col)
         x = x.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(gh * gw, c * t * p * p)
         return MediaItem(features=torch.from_numpy(np.ascontiguousarray(x)), size=(1, gh, gw),
-                         num_tokens=gh * gw // (m * m))
+                         num_tokens=gh * gw // (m * m), rope_grid=(1, gh // m, gw // m, 1.0))
 
 
 def merge_order_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:

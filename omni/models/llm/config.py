@@ -13,6 +13,10 @@ from typing import Any, Dict, List, Optional
 FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# Vision-language checkpoints whose language model is a supported family: model_type -> that of
+# their text model (a Qwen2 with M-RoPE). Their weights sit under model.language_model. (older
+# checkpoints: model.) beside the vision tower's, which the encoder slot loads (``qwen_vl``).
+VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -128,7 +132,8 @@ class DecoderConfig:
         family = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}.get(hf.get("model_type"), hf.get("model_type"))
         if family not in FAMILIES:
             raise ValueError(
-                f"config.json model_type={family!r} is not supported; supported: {FAMILIES}."
+                f"config.json model_type={family!r} is not supported; supported: {FAMILIES}, and the language "
+                f"model of {' / '.join(VLM_TEXT_MODELS)} checkpoints."
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":

@@ -140,40 +140,6 @@ def _length_threshold(config: DecoderConfig) -> Optional[int]:
     return None
 
 
-def mrope_position_ids(length: int, items: Sequence[Tuple[int, int, int, int, float]], merge: int) -> torch.Tensor:
-    """M-RoPE positions [3, length] (temporal, height, width) of one document of ``length``
-    tokens whose media items are ``(start, t, h, w, time_interval)``: the item's first
-    placeholder in the document, its grid in patches (merge groups of ``merge`` x ``merge``
-    patches are its placeholders, t x h/merge x w/merge of them) and the temporal step between
-    its frames (1 for an image; a video's ``tokens_per_second x seconds per temporal patch``).
-
-    As Qwen2-VL's ``get_rope_index`` (transformers 5.24): text runs count up by one in all three
-    rows; an item's placeholders get (start + floor(frame x interval), start + row, start +
-    col), start being the next text position; after it text continues at start + max(h, w) /
-    merge. Each item is placed on its own, so adjacent items need no text between them."""
-    out = torch.empty(3, length, dtype=torch.int64)
-    pos = cursor = 0
-    for start, t, h, w, interval in sorted(items):
-        if start < cursor:
-            raise ValueError(f"media item at {start} overlaps the previous one (ending at {cursor})")
-        out[:, cursor:start] = torch.arange(start - cursor) + pos
-        pos += start - cursor
-        gh, gw = h // merge, w // merge
-        n = t * gh * gw
-        if start + n > length:
-            raise ValueError(f"a {t}x{h}x{w} item at {start} runs past the document's {length} tokens")
-        frames = torch.arange(t)
-        if interval != 1:  # float32, as the processor's seconds per temporal patch are
-            frames = frames * torch.tensor(interval, dtype=torch.float32)
-        out[0, start:start + n] = frames.long().repeat_interleave(gh * gw) + pos
-        out[1, start:start + n] = torch.arange(gh).repeat_interleave(gw).repeat(t) + pos
-        out[2, start:start + n] = torch.arange(gw).repeat(t * gh) + pos
-        pos += max(gh, gw)
-        cursor = start + n
-    out[:, cursor:] = torch.arange(length - cursor) + pos
-    return out
-
-
 def mrope_components(section: Sequence[int]) -> torch.Tensor:
     """M-RoPE (Qwen2-VL, arXiv:2409.12191 §2.1): which position row (0 temporal, 1 height,
     2 width) each of the head_dim / 2 frequencies rotates with: the first ``section[0]``

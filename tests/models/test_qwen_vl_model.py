@@ -1,0 +1,67 @@
+"""A whole Qwen2.5-VL checkpoint through Omni equals transformers: the language model from
+``model.pretrained``, the vision tower and its merger from the ``qwen_vl`` slot's
+``pretrained``, one image processed by the plugin's processor and packed by the data plane
+(placeholders, M-RoPE positions); the summed loss over the text targets equals the one from
+transformers' logits. Without the M-RoPE positions it differs."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dataloading.batch import IGNORE_INDEX
+from dataloading.constructor import Tokenized, assemble
+from omni.models.build import build_model, media_processors
+from omni.models.config import EncoderSlot, ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE_TOKEN = 100
+
+
+def _save(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32,
+                           window_size=56, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE_TOKEN, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # weights large enough that positions and windows matter
+        for name, p in model.named_parameters():
+            if "norm" not in name and "ln_q" not in name:
+                p.normal_(0.0, 0.15)
+    model = model.eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_the_whole_model_equals_transformers(tmp_path):
+    hf = _save(tmp_path)
+    ours = build_model(ModelConfig(pretrained=str(tmp_path)), {"vision": EncoderSlot(name="qwen_vl",
+                                                                                     pretrained=str(tmp_path))},
+                       vocab_needed=128, seed=0).eval()
+    assert ours.llm.config.mrope_section == [1, 1, 2]
+    proc = media_processors(ours)["image"]
+    img = np.random.default_rng(0).integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
+    item = proc(img)
+    assert item.size == (1, 4, 6) and item.num_tokens == 6
+    # text, vision start, six placeholders, vision end, text
+    ids = np.array([5, 6, 102] + [IMAGE_TOKEN] * 6 + [103, 7, 8, 9, 10, 11], dtype=np.int64)
+    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
+    labels[9:-1] = ids[10:]  # the text after the image predicts its next token
+    mb = assemble([Tokenized("s", ids, labels, [("image", item, np.arange(3, 9))])])
+    with torch.no_grad():
+        got = ours(mb).ce_sum
+        flat = ours(dataclasses.replace(mb, rope_position_ids=None)).ce_sum
+        logits = hf(input_ids=torch.from_numpy(ids)[None], pixel_values=item.features,
+                    image_grid_thw=torch.tensor([[1, 4, 6]]), position_ids=mb.rope_position_ids[:, None]).logits
+    keep = torch.from_numpy(labels) != IGNORE_INDEX
+    want = F.cross_entropy(logits[0][keep].float(), torch.from_numpy(labels)[keep], reduction="sum")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert abs(float(flat) - float(want)) > 1e-3
