@@ -155,11 +155,10 @@ def _model(cfg: OmniConfig):
 
 def pretrained_architecture(path: str):
     """The backbone config of a Hugging Face checkpoint folder, from its config.json alone."""
-    from omni.models.hf_checkpoint import read_hf_config
-    from omni.models.llm.config import DecoderConfig
+    from omni.models.hf_io import read_decoder_config
 
     try:
-        return DecoderConfig.from_hf(read_hf_config(path))
+        return read_decoder_config(path)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"model.pretrained={path}: {exc}") from None
 

@@ -253,7 +253,9 @@ def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, fused_experts: b
 # ---------------------------------------------------------------------------- files
 
 
-def _read_config(path: str) -> DecoderConfig:
+def read_decoder_config(path: str) -> DecoderConfig:
+    """The backbone config of a checkpoint directory, from its config.json alone (a
+    vision-language checkpoint's language model, ``VLM_TEXT_MODELS``)."""
     hf = read_hf_config(path)
     kind = hf.get("model_type")
     if kind in VLM_TEXT_MODELS:
@@ -280,7 +282,7 @@ def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Decoder:
 def pretrained_on_meta(path: str) -> tuple[Decoder, CheckpointSource]:
     """The checkpoint's ``Decoder`` on the meta device and the source of its weights, checked
     against each other (names and shapes) before anything is read."""
-    config = _read_config(path)
+    config = read_decoder_config(path)
     with torch.device("meta"):
         model = Decoder(config)
     source = CheckpointSource(path, config)

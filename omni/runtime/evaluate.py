@@ -37,10 +37,12 @@ def greedy_generate(
     generated: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
     rows = torch.arange(batch, device=device)
+    rope = mrope_generation_positions(prompts, width, device) if model.llm.config.mrope_section is not None else None
     for _ in range(max_new_tokens):
         cur = max(lengths)
         pos = torch.arange(cur, device=device).expand(batch, cur)
-        out = model.llm(inputs_embeds=buf[:, :cur], position_ids=pos, output_hidden=True)
+        out = model.llm(inputs_embeds=buf[:, :cur], position_ids=pos, output_hidden=True,
+                        rope_position_ids=None if rope is None else rope[:, :, :cur])
         last = out.hidden_states[rows, torch.tensor(lengths, device=device) - 1]
         next_ids = model.llm.lm_logits(last).argmax(-1)
         new_embeds = model.llm.embed(next_ids)
@@ -57,6 +59,20 @@ def greedy_generate(
         if all(done):
             break
     return generated
+
+
+def mrope_generation_positions(prompts: list[MicroBatch], width: int, device: torch.device) -> torch.Tensor:
+    """M-RoPE positions [3, batch, width] for generating after each prompt: the prompt's own
+    (``rope_position_ids``; text-only: its 1-D positions in every row), then every row counting
+    on from the prompt's largest position plus one, as transformers' generation does (its
+    ``mrope_position_deltas``)."""
+    out = torch.empty(3, len(prompts), width, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        n = p.num_tokens
+        own = p.rope_position_ids if p.rope_position_ids is not None else p.position_ids.expand(3, n)
+        out[:, i, :n] = own.cpu()
+        out[:, i, n:] = int(own.max()) + 1 + torch.arange(width - n) if n else torch.arange(width)
+    return out.to(device)
 
 
 def evaluate(

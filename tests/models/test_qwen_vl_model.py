@@ -59,9 +59,35 @@ def test_the_whole_model_equals_transformers(tmp_path):
     with torch.no_grad():
         got = ours(mb).ce_sum
         flat = ours(dataclasses.replace(mb, rope_position_ids=None)).ce_sum
+        # transformers computes its own M-RoPE positions from the token types (1: image)
+        types = torch.from_numpy((ids == IMAGE_TOKEN).astype(np.int64))[None]
         logits = hf(input_ids=torch.from_numpy(ids)[None], pixel_values=item.features,
-                    image_grid_thw=torch.tensor([[1, 4, 6]]), position_ids=mb.rope_position_ids[:, None]).logits
+                    image_grid_thw=torch.tensor([[1, 4, 6]]), mm_token_type_ids=types).logits
     keep = torch.from_numpy(labels) != IGNORE_INDEX
     want = F.cross_entropy(logits[0][keep].float(), torch.from_numpy(labels)[keep], reduction="sum")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert abs(float(flat) - float(want)) > 1e-3
+
+
+def test_greedy_generation_equals_transformers_generate(tmp_path):
+    """The evaluation's generation (M-RoPE positions continuing after the prompt's largest)
+    picks the tokens transformers' ``generate`` picks for one image and a prompt."""
+    from omni.runtime.evaluate import greedy_generate
+
+    hf = _save(tmp_path)
+    ours = build_model(ModelConfig(pretrained=str(tmp_path)), {"vision": EncoderSlot(name="qwen_vl",
+                                                                                     pretrained=str(tmp_path))},
+                       vocab_needed=128, seed=0).eval()
+    img = np.random.default_rng(0).integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
+    item = media_processors(ours)["image"](img)
+    ids = np.array([5, 6, 102] + [IMAGE_TOKEN] * 6 + [103, 7, 8], dtype=np.int64)
+    prompt = assemble([Tokenized("p", ids, np.full(ids.shape, IGNORE_INDEX), [("image", item, np.arange(3, 9))])])
+    with torch.no_grad():
+        # mm_token_type_ids (1: image) is what makes transformers compute M-RoPE positions; its
+        # processor returns them, and without them it falls back to 1-D positions
+        types = torch.from_numpy((ids == IMAGE_TOKEN).astype(np.int64))[None]
+        want = hf.generate(input_ids=torch.from_numpy(ids)[None], pixel_values=item.features,
+                           image_grid_thw=torch.tensor([[1, 4, 6]]), mm_token_type_ids=types, max_new_tokens=8,
+                           do_sample=False)
+    got = greedy_generate(ours, [prompt], eos_id=-1, max_new_tokens=8, device=torch.device("cpu"))
+    assert got[0] == want[0, len(ids):].tolist()
