@@ -176,3 +176,25 @@ def test_a_pretrained_slot_loads_the_tower_and_its_merger_as_the_projector(tmp_p
                         vocab_needed=272, seed=0)
     assert model.projectors["image"].fc1.out_features == 32 * 4  # the merger's width: ViT width x merge^2
     assert fresh.projectors["image"].fc1.out_features == 24  # projector.hidden_mult x the LLM width
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputed_layers_give_the_same_gradients(mode):
+    """``parallel.encoder_activation_checkpoint`` (the encoder's ``activation_checkpoint``)
+    recomputes each block in the backward: same outputs and gradients as keeping everything."""
+    torch.manual_seed(0)
+    cfg = QwenVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                           window_size=56, fullatt_block_indexes=[1])
+    kept, redone = QwenVisionEncoder(cfg), QwenVisionEncoder(cfg)
+    redone.load_state_dict(kept.state_dict())
+    redone.activation_checkpoint = mode
+    grid = torch.tensor([[1, 8, 4], [2, 4, 4]])
+    x = torch.randn(int(grid.prod(-1).sum()), cfg.patch_dim)
+    outs = []
+    for enc in (kept, redone):
+        y = enc(x, grid)
+        y.square().mean().backward()
+        outs.append((y.detach(), {n: p.grad for n, p in enc.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    for name, g in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], g, rtol=1e-5, atol=1e-6)

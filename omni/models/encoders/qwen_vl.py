@@ -42,6 +42,7 @@ from omni.models.attention import segment_attention
 from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
 from omni.models.encoders.images import resized_normalised, rgb_uint8
 from omni.models.projector import PretrainedProjector
+from omni.models.recompute import recompute
 
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -321,8 +322,8 @@ class QwenVisionEncoder(EncoderAnchor):
         cos, sin = angles.cos(), angles.sin()
         frames, windows = _segments(grids, c)
         frames, windows = frames.to(device), (windows.to(device) if windows is not None else None)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, windows if c.windowed(i) else frames)
+        for i, block in enumerate(self.blocks):  # under parallel.encoder_activation_checkpoint
+            x = recompute(block, x, cos, sin, windows if c.windowed(i) else frames, mode=self.activation_checkpoint)
         return x
 
     # --- the planner's view --------------------------------------------------------------------
