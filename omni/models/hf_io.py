@@ -293,19 +293,23 @@ def pretrained_on_meta(path: str) -> tuple[Decoder, CheckpointSource]:
 def export_pretrained(model: Decoder, path: str, max_shard_bytes: Optional[int] = None) -> None:
     """Write ``config.json`` + safetensors that ``AutoModelForCausalLM.from_pretrained`` loads.
     ``max_shard_bytes`` splits the weights into shards with a ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     config = model.config
     hf_cfg = config.to_hf()
     sd = native_state_dict_to_hf(model.state_dict(), config)
-    # safetensors refuses tensors that share storage (expert slices do): give each its own copy.
-    sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
-    dtype = next(iter(sd.values())).dtype
-    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    hf_cfg["dtype"] = hf_cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2, sort_keys=True)
+    write_safetensors(sd, path, max_shard_bytes)
 
+
+def write_safetensors(sd: Tensors, path: str, max_shard_bytes: Optional[int] = None) -> None:
+    """``sd`` as ``model.safetensors``, or as shards of at most ``max_shard_bytes`` with a
+    ``model.safetensors.index.json`` (what transformers writes and reads)."""
+    from safetensors.torch import save_file
+
+    # safetensors refuses tensors that share storage (expert slices do): give each its own copy.
+    sd = {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}
     metadata = {"format": "pt"}
     index_path = os.path.join(path, "model.safetensors.index.json")
     if max_shard_bytes is None:

@@ -75,5 +75,5 @@ def test_a_qwen2_5_vl_directory_loads_its_language_model_and_equals_it(tmp_path)
     assert not torch.allclose(plain, want, atol=1e-3)  # 1-D positions differ where the images are
     with pytest.raises(ValueError, match="must be three sections"):
         DecoderConfig(hidden_size=32, num_heads=4, num_kv_heads=2, mrope_section=[1, 1, 1]).validate()
-    with pytest.raises(ValueError, match="M-RoPE.*not supported yet"):
+    with pytest.raises(ValueError, match="M-RoPE.*exports with its vision tower"):
         cfg.to_hf()

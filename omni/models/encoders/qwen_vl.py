@@ -386,13 +386,33 @@ class QwenVisionEncoder(EncoderAnchor):
         layer = params["variant"] == "qwen2_vl"
         out = vision.get("hidden_size") if layer else vision.get("out_hidden_size")
         width = int(params["hidden_size"]) * int(params.get("spatial_merge", 2)) ** 2
-        names = {"fc1.weight": "merger.mlp.0.weight", "fc1.bias": "merger.mlp.0.bias",
-                 "fc2.weight": "merger.mlp.2.weight", "fc2.bias": "merger.mlp.2.bias",
-                 "norm.weight": "merger.ln_q.weight"}
-        if layer:
-            names["norm.bias"] = "merger.ln_q.bias"
         return PretrainedProjector(out_dim=int(out), hidden=width, activation="gelu", norm="layer" if layer else "rms",
-                                   names={k: prefix + v for k, v in names.items()})
+                                   names=merger_names(params["variant"], prefix))
+
+    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
+        if name == "patch_embed.weight":
+            c = self.config
+            return tensor.reshape(tensor.shape[0], c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        return tensor
+
+    def hf_vision_config(self, out_dim: int) -> Dict[str, Any]:
+        """The checkpoint's ``vision_config`` of this tower, whose merger maps into ``out_dim``."""
+        c = self.config
+        common = {"depth": c.num_hidden_layers, "num_heads": c.num_attention_heads, "in_channels": c.in_channels,
+                  "patch_size": c.patch_size, "temporal_patch_size": c.temporal_patch_size,
+                  "spatial_merge_size": c.spatial_merge, "hidden_act": c.hidden_act,
+                  "rope_parameters": {"rope_type": "axial", "rope_theta": c.rope_theta}}
+        if c.variant == "qwen2_vl":
+            if c.intermediate_size % c.hidden_size:
+                raise ValueError(f"a Qwen2-VL tower's MLP is a whole multiple of its width (mlp_ratio); "
+                                 f"{c.intermediate_size} / {c.hidden_size} is not")
+            return {**common, "embed_dim": c.hidden_size, "mlp_ratio": c.intermediate_size // c.hidden_size,
+                    "hidden_size": out_dim}
+        return {**common, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                "out_hidden_size": out_dim, "window_size": c.window_size,
+                "fullatt_block_indexes": list(c.fullatt_block_indexes)}
 
     @classmethod
     def hf_name(cls, name: str) -> str:
@@ -400,6 +420,16 @@ class QwenVisionEncoder(EncoderAnchor):
         if name == "patch_embed.weight":
             return "patch_embed.proj.weight"
         return name
+
+
+def merger_names(variant: str, prefix: str) -> Dict[str, str]:
+    """The projector's tensor names -> the checkpoint's merger names (below ``prefix``): its
+    norm (LayerNorm with a bias in Qwen2-VL, RMSNorm in Qwen2.5-VL) and two linear layers."""
+    names = {"fc1.weight": "merger.mlp.0.weight", "fc1.bias": "merger.mlp.0.bias",
+             "fc2.weight": "merger.mlp.2.weight", "fc2.bias": "merger.mlp.2.bias", "norm.weight": "merger.ln_q.weight"}
+    if variant == "qwen2_vl":
+        names["norm.bias"] = "merger.ln_q.bias"
+    return {k: prefix + v for k, v in names.items()}
 
 
 def _segments(grids: Sequence[Tuple[int, int, int]], c: QwenVisionConfig) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -188,13 +188,15 @@ class DecoderConfig:
         c.validate()
         return c
 
-    def to_hf(self) -> Dict[str, Any]:
-        """``config.json`` contents for ``self.family`` (transformers 5.x layout, readable by 4.x too)."""
+    def to_hf(self, text_of_vlm: bool = False) -> Dict[str, Any]:
+        """``config.json`` contents for ``self.family`` (transformers 5.x layout, readable by 4.x too).
+        ``text_of_vlm``: the ``text_config`` of a vision-language checkpoint (Qwen2-VL), M-RoPE
+        sections included; a backbone with M-RoPE exports only so (a plain Qwen2 would drop them)."""
         self.validate()
         f = self.family
-        if self.mrope_section is not None:
-            raise ValueError("a backbone with M-RoPE (model.mrope_section) is a Qwen2-VL text model, which exports "
-                             "with its vision tower as a Qwen2-VL checkpoint; that export is not supported yet")
+        if self.mrope_section is not None and not text_of_vlm:
+            raise ValueError("a backbone with M-RoPE (model.mrope_section) is a Qwen2-VL text model: it exports "
+                             "with its vision tower as a Qwen2-VL checkpoint (omni.models.hf_vlm.export_qwen_vl)")
         if f in ("llama", "qwen2") and self.num_experts > 0:
             raise ValueError(f"family={f!r} has no MoE layers; set family='mixtral' or 'qwen2_moe' for num_experts>0.")
         if f in MOE_FAMILIES and self.num_experts == 0:
@@ -260,6 +262,10 @@ class DecoderConfig:
                 mlp_only_layers=list(self.mlp_only_layers),
                 use_sliding_window=False,
             )
+        if text_of_vlm:
+            hf.pop("architectures")
+            if self.mrope_section is not None:
+                hf["rope_parameters"]["mrope_section"] = list(self.mrope_section)
         return hf
 
 
