@@ -7,9 +7,9 @@ their own), so pairing an early chunk with its mirror gives every rank the same 
 contiguous split would leave the last rank with the most. Cutting per document (not the row as a
 whole) keeps attention inside documents and the work balanced however lengths mix.
 
-Positions keep their values in the whole document, so RoPE is unchanged (M-RoPE rows too). Every rank keeps all of
-the row's media items (each rank runs or receives the encoder outputs); ``output_rows`` says which
-rows of the encoder output its local placeholders take.
+Positions keep their values in the whole document, so RoPE is unchanged (M-RoPE rows too).
+Every rank keeps all of the row's media items (each rank runs or receives the encoder outputs);
+``output_rows`` says which rows of the encoder output its local placeholders take.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ def slice_for_cp(mb: MicroBatch, cp_size: int, cp_rank: int, pad_id: int) -> Mic
     safe = torch.where(real, orig, last)  # a valid index; padding values are replaced below
     # Padding continues the document's positions: it comes after every real token, so under the
     # causal mask no real token attends to it.
-    position_ids = torch.where(real, mb.position_ids[safe], mb.position_ids[last] + offset - doc_lens[doc] + 1)
-    rope = None
-    if mb.rope_position_ids is not None:  # M-RoPE rows: padding counts on from the last real token's
-        pad_step = offset - doc_lens[doc] + 1
+    pad_step = offset - doc_lens[doc] + 1
+    position_ids = torch.where(real, mb.position_ids[safe], mb.position_ids[last] + pad_step)
+    rope = None  # M-RoPE rows: padding counts on from the last real token's, as above
+    if mb.rope_position_ids is not None:
         rope = torch.where(real, mb.rope_position_ids[:, safe], mb.rope_position_ids[:, last] + pad_step)
     input_ids = torch.where(real, mb.input_ids[safe], torch.full_like(offset, pad_id))
     labels = torch.where(real, mb.labels[safe], torch.full_like(offset, IGNORE_INDEX))

@@ -42,13 +42,12 @@ def export_qwen_vl(model: OmniModel, path: str, image_token_id: int, max_shard_b
                          f"family={llm.family!r} with mrope_section={llm.mrope_section}")
     variant = enc.config.variant
     proj = model.projectors["image"]
-    norm = "layer" if variant == "qwen2_vl" else "rms"
+    norm = nn.LayerNorm if variant == "qwen2_vl" else nn.RMSNorm
     expected = (enc.output_dim * enc.tokens_per_row, enc.tokens_per_row, llm.hidden_size)
     if (proj.fc1.out_features, proj.merge, proj.fc2.out_features) != expected or \
-            type(getattr(proj, "norm", None)).__name__ != {"layer": "LayerNorm", "rms": "RMSNorm"}[norm] or \
-            not isinstance(proj.act, nn.GELU):
-        raise ValueError(f"the image projector is not {variant}'s patch merger ({norm} norm, a GELU MLP of width "
-                         f"{expected[0]} over {expected[1]} patches)")
+            not isinstance(getattr(proj, "norm", None), norm) or not isinstance(proj.act, nn.GELU):
+        raise ValueError(f"the image projector is not {variant}'s patch merger ({norm.__name__}, a GELU MLP of "
+                         f"width {expected[0]} over {expected[1]} patches)")
     config_cls, model_cls = (getattr(transformers, n) for n in _CLASSES[variant])
     text = llm.to_hf(text_of_vlm=True)
     text["model_type"] = f"{variant}_text"

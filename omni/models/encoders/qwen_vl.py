@@ -34,13 +34,13 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
 from omni.models.attention import segment_attention
 from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
 from omni.models.encoders.images import resized_normalised, rgb_uint8
+from omni.models.llm.layers import RMSNorm
 from omni.models.projector import PretrainedProjector
 from omni.models.recompute import recompute
 
@@ -204,20 +204,6 @@ def window_ids(t: int, h: int, w: int, merge: int, window: int) -> torch.Tensor:
     return torch.cat([patch_window + f * per_frame for f in range(t)])
 
 
-class _RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (Qwen2.5-VL's), weight applied in the input's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-
 class _Attention(nn.Module):
     def __init__(self, c: QwenVisionConfig):
         super().__init__()
@@ -246,7 +232,7 @@ class _Block(nn.Module):
     def __init__(self, c: QwenVisionConfig):
         super().__init__()
         norm = (lambda: nn.LayerNorm(c.hidden_size, eps=c.norm_eps)) if c.variant == "qwen2_vl" \
-            else (lambda: _RMSNorm(c.hidden_size, c.norm_eps))
+            else (lambda: RMSNorm(c.hidden_size, c.norm_eps))
         self.norm1, self.norm2 = norm(), norm()
         self.attn = _Attention(c)
         self.act = activation(c.hidden_act)
