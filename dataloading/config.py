@@ -49,3 +49,6 @@ class DataConfig:
     max_skip_fraction: float = 0.01
     # Demo dataset size multiplier (only used when `mixture` is None).
     demo_scale: float = 1.0
+    # Which of the demo's mixtures (only used when `mixture` is None): "mixture" (shapes, tones,
+    # text) or "vision" (shapes and text, for a model without an audio encoder).
+    demo_mixture: str = "mixture"

@@ -158,7 +158,8 @@ def _progress(it: Iterator[dict], total: int, desc: str, show: bool) -> Iterator
 
 
 def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, progress: bool = True) -> Path:
-    """Write the demo dataset into ``out_dir`` and return it; the mixture is ``out_dir/mixture.yaml``."""
+    """Write the demo dataset into ``out_dir`` and return it; the mixture is ``out_dir/mixture.yaml``
+    (``vision.yaml``: the sources without audio)."""
     from dataloading.index import build_index
     from dataloading.shards import write_shards
 
@@ -179,6 +180,10 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
     lines += [f"  - name: {name}\n    path: {name}\n    weight: {WEIGHTS[name]}" for name in SIZES]
     lines += ["eval: eval", ""]
     (out / "mixture.yaml").write_text("\n".join(lines))
+    # The same without the tones, for models without an audio encoder (data.demo_mixture=vision).
+    vision = [lines[0], "sources:"] + [f"  - name: {name}\n    path: {name}\n    weight: {WEIGHTS[name]}"
+                                       for name in SIZES if name != "tones"] + ["eval: eval", ""]
+    (out / "vision.yaml").write_text("\n".join(vision))
     return out
 
 
@@ -188,14 +193,14 @@ def cache_root() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return cache_root() / "demo-v4"
+    return cache_root() / "demo-v5"  # v5: vision.yaml
 
 
 def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,
                         progress: bool = True) -> Path:
-    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v4``
-    (``~/.cache/omni/demo-v4`` without OMNI_CACHE); a non-default seed or scale gets its own
-    folder (``demo-v4-seed1-x0.5``). Generation goes to a temp folder that is renamed into
+    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v5``
+    (``~/.cache/omni/demo-v5`` without OMNI_CACHE); a non-default seed or scale gets its own
+    folder (``demo-v5-seed1-x0.5``). Generation goes to a temp folder that is renamed into
     place, so a crashed or concurrent run never leaves half a dataset."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if seed != 0 or scale != 1.0:

@@ -7,6 +7,13 @@ model has encoders for are given ids (``modalities``): a vision-only model's voc
 ``<audio>``, so it is not larger than the user's tokenizer, and the text "<audio>" is plain text
 to it.
 
+A model family may write a placeholder with tokens of its own vocabulary (``PlaceholderTokens``):
+Qwen2-VL's image is ``<|vision_start|><|image_pad|><|vision_end|>``, its ``<|image_pad|>``
+repeated once per encoder output. A Hugging Face tokenizer given such a spec turns ``<image>``
+into the three ids, and the family's own token, as a chat template writes it between its
+markers, into the one placeholder id: data in Omni's format and prompts rendered by the
+model's chat template then give the ids the family was trained with.
+
 ``save_tokenizer`` writes the tokenizer a run used into a folder that ``load_tokenizer`` reads
 back with the same ids (``<run_dir>/tokenizer``).
 """
@@ -15,8 +22,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from dataloading.errors import DataError
 from dataloading.media import PLACEHOLDERS
@@ -53,6 +61,16 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+@dataclass(frozen=True)
+class PlaceholderTokens:
+    """A modality's placeholder in a model family's vocabulary: ``token`` is repeated once per
+    encoder output; ``before``/``after`` (may be empty) frame each item once."""
+
+    token: str
+    before: str = ""
+    after: str = ""
+
+
 def split_placeholders(text: str) -> list[str]:
     """``"a<image>b"`` -> ``["a", "<image>", "b"]`` (empty pieces dropped)."""
     return [p for p in _PLACEHOLDER_RE.split(text) if p]
@@ -64,15 +82,25 @@ def estimate_text_tokens(tokenizer: Tokenizer, n_bytes: int) -> int:
 
 
 def encode_with_placeholders(
-    text: str, placeholder_ids: dict[str, int], encode_piece: Callable[[str], Iterable[int]]
+    text: str, placeholder_ids: dict[str, int], encode_piece: Callable[[str], Iterable[int]],
+    expansions: Mapping[str, Sequence[int]] | None = None,
 ) -> list[int]:
     """Text -> ids, each placeholder of ``placeholder_ids`` (``<image>``, ``<audio>``) becoming its
     single id and the text between them (a placeholder of another modality included) going through
-    the tokenizer's own ``encode_piece``."""
+    the tokenizer's own ``encode_piece``. ``expansions``: pieces of text that become given ids
+    instead (a family's framed placeholder, its own placeholder token)."""
+    if not expansions:
+        pieces = split_placeholders(text)
+        expansions = {}
+    else:
+        keys = sorted(set(expansions) | {PLACEHOLDERS[m] for m in placeholder_ids}, key=len, reverse=True)
+        pieces = [p for p in re.split("(" + "|".join(re.escape(k) for k in keys) + ")", text) if p]
     ids: list[int] = []
-    for piece in split_placeholders(text):
+    for piece in pieces:
         modality = _MODALITY_OF.get(piece)
-        if modality in placeholder_ids:
+        if piece in expansions:
+            ids.extend(expansions[piece])
+        elif modality in placeholder_ids:
             ids.append(placeholder_ids[modality])
         else:
             ids.extend(encode_piece(piece))
@@ -108,15 +136,47 @@ class ByteTokenizer:
         (directory / OMNI_TOKENIZER_FILE).write_text(json.dumps(
             {"kind": "byte", "modalities": list(self.placeholder_ids)}, indent=1) + "\n")
 
+    def save_hf(self, directory: str | Path) -> None:
+        """The same tokenizer as transformers files (``tokenizer.json``...), for an exported
+        model: a byte-level BPE without merges gives each byte its own token, and the byte-level
+        alphabet (GPT-2's printable stand-in for each byte) is ordered so that byte b is id b;
+        the specials follow at their ids. ``AutoTokenizer`` then encodes and decodes as this does."""
+        import transformers
+        from tokenizers import Tokenizer as Core, decoders, models, pre_tokenizers
+
+        stand_in = _byte_stand_ins()
+        core = Core(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        core.decoder = decoders.ByteLevel()
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core)
+        fast.add_tokens(list(self.SPECIALS), special_tokens=True)  # ids 256.. in order
+        fast.pad_token, fast.bos_token, fast.eos_token = self.SPECIALS[:3]
+        fast.save_pretrained(str(directory))
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
 
+def _byte_stand_ins() -> dict[int, str]:
+    """Byte -> the printable character byte-level BPEs write it as (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the others for code points 256 and up, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
 class HFTokenizer:
     """Wraps ``transformers.AutoTokenizer`` loaded from a local directory. The placeholders of
-    ``modalities`` (None: all) that its vocabulary lacks are appended as special tokens."""
+    ``modalities`` (None: all) that its vocabulary lacks are appended as special tokens, except
+    those ``family_tokens`` writes with the family's own tokens (which must be in the vocabulary)."""
 
-    def __init__(self, directory: str | Path, modalities: Iterable[str] | None = None):
+    def __init__(self, directory: str | Path, modalities: Iterable[str] | None = None,
+                 family_tokens: Mapping[str, PlaceholderTokens] | None = None):
         from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
         self.directory = Path(directory)
@@ -131,14 +191,28 @@ class HFTokenizer:
                             "(auto_map), which omni never runs; use a directory saved with a standard transformers "
                             "tokenizer class (tokenizer.json)", kind="config") from None
         wanted = _modalities(modalities)
-        missing = [PLACEHOLDERS[m] for m in wanted if PLACEHOLDERS[m] not in tok.get_vocab()]
+        self.family_tokens = {m: spec for m, spec in (family_tokens or {}).items() if m in wanted}
+        vocab = tok.get_vocab()
+        for m, spec in self.family_tokens.items():
+            absent = [t for t in (spec.token, spec.before, spec.after) if t and t not in vocab]
+            if absent:
+                raise DataError(f"tokenizer {self.directory}: the model writes its {m} placeholder as "
+                                f"{spec.before}{spec.token}{spec.after}, but {absent[0]!r} is not in the vocabulary; "
+                                "use the model's own tokenizer", kind="config")
+        missing = [PLACEHOLDERS[m] for m in wanted if m not in self.family_tokens and PLACEHOLDERS[m] not in vocab]
         if missing:
             # Added as special tokens so they are never split; the model's embedding table
             # must then be resized to vocab_size (the backbone loader does this).
             tok.add_tokens(missing, special_tokens=True)
         self._tok = tok
         self.vocab_size = len(tok)
-        self.placeholder_ids = {m: int(tok.convert_tokens_to_ids(PLACEHOLDERS[m])) for m in wanted}
+        self.placeholder_ids = {m: int(tok.convert_tokens_to_ids(
+            self.family_tokens[m].token if m in self.family_tokens else PLACEHOLDERS[m])) for m in wanted}
+        self._expansions: dict[str, list[int]] = {}
+        for m, spec in self.family_tokens.items():
+            framed = [t for t in (spec.before, spec.token, spec.after) if t]
+            self._expansions[PLACEHOLDERS[m]] = [int(tok.convert_tokens_to_ids(t)) for t in framed]
+            self._expansions[spec.token] = [self.placeholder_ids[m]]
         self.bos_id = tok.bos_token_id
         if tok.eos_token_id is None:
             raise DataError(f"tokenizer {self.directory} has no eos_token; set eos_token in its "
@@ -149,8 +223,23 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return encode_with_placeholders(
-            text, self.placeholder_ids, lambda piece: self._tok.encode(piece, add_special_tokens=False)
-        )
+            text, self.placeholder_ids, lambda piece: self._tok.encode(piece, add_special_tokens=False),
+            self._expansions)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (None: it has none)."""
+        return getattr(self._tok, "chat_template", None) or None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """``messages`` through the tokenizer's chat template (transformers' ``apply_chat_template``)."""
+        if self.chat_template is None:
+            raise DataError(f"tokenizer {self.directory} has no chat template", kind="config")
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        bos = self._tok.bos_token
+        # The data plane puts BOS in front of every sample itself: a template that writes it
+        # (Llama's) would give two.
+        return text[len(bos):] if bos and self.bos_id is not None and text.startswith(bos) else text
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -159,8 +248,9 @@ class HFTokenizer:
         """``save_pretrained`` (the appended placeholders included) plus which ones are used."""
         directory = Path(directory)
         self._tok.save_pretrained(str(directory))
-        (directory / OMNI_TOKENIZER_FILE).write_text(json.dumps(
-            {"kind": "hf", "modalities": list(self.placeholder_ids)}, indent=1) + "\n")
+        meta = {"kind": "hf", "modalities": list(self.placeholder_ids),
+                "family_tokens": {m: asdict(spec) for m, spec in self.family_tokens.items()}}
+        (directory / OMNI_TOKENIZER_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.directory)!r})"
@@ -175,10 +265,12 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
     save(directory)
 
 
-def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None) -> Tokenizer:
+def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None,
+                   family_tokens: Mapping[str, PlaceholderTokens] | None = None) -> Tokenizer:
     """``"byte"`` -> ByteTokenizer; anything else is a local directory: one written by
     ``save_tokenizer`` or a Hugging Face tokenizer. ``modalities``: whose placeholders get ids
-    (None: those a saved tokenizer recorded, else all)."""
+    (None: those a saved tokenizer recorded, else all). ``family_tokens``: the model family's
+    placeholder tokens (None: those a saved tokenizer recorded, else Omni's ``<image>``...)."""
     if str(spec) == "byte":
         return ByteTokenizer(modalities)
     path = Path(spec).expanduser()
@@ -192,6 +284,8 @@ def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None) ->
         meta = json.loads(saved.read_text())
         kind = meta.get("kind", "hf")
         modalities = meta.get("modalities") if modalities is None else modalities
+        if family_tokens is None:
+            family_tokens = {m: PlaceholderTokens(**t) for m, t in meta.get("family_tokens", {}).items()}
     if kind == "byte":
         return ByteTokenizer(modalities)
-    return HFTokenizer(path, modalities)
+    return HFTokenizer(path, modalities, family_tokens)

@@ -1,5 +1,5 @@
 """The ``omni`` command line: ``omni train``, ``omni data demo|index|plan|calibrate``, ``omni simulate``,
-``omni plan``, ``omni plugins``."""
+``omni plan``, ``omni export``, ``omni generate``, ``omni plugins``."""
 from __future__ import annotations
 
 import argparse
@@ -131,15 +131,79 @@ def _sim_parsers(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--placement", default="colocated", help="placement to plan for (default colocated)")
 
 
+EXPORT_EPILOG = """\
+MODEL is one of:
+  a run directory          runs/NAME: its newest completed checkpoint (or --step N)
+  a checkpoint folder      runs/NAME/checkpoints/step_00000100 (saved under any layout)
+  a Hugging Face directory a supported family (omni.models.families), e.g. to change its dtype
+
+the model is written in its family's own transformers class: Qwen2-VL / Qwen2.5-VL for a qwen_vl
+vision tower with its patch merger, the LLM's own class (LlamaForCausalLM, ...) for an LLM alone;
+the tokenizer is the one the run trained with (chat template included).
+
+examples:
+  omni export runs/qwen-ft --out exported/qwen-ft
+  omni export runs/qwen-ft --step 200 --dtype bf16 --out exported/qwen-ft-200
+"""
+
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory (model, tokenizer, processor)",
+        description="Write a trained model in its Hugging Face class, loadable by transformers "
+                    "(AutoModelForImageTextToText / AutoModelForCausalLM) and by `omni train model.pretrained=`.",
+        epilog=EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="a run directory, a checkpoint folder or a Hugging Face directory")
+    p.add_argument("--out", required=True, help="the folder to write (new or empty, unless --force)")
+    p.add_argument("--step", type=int, default=None, help="the run's checkpoint of this step (default: the newest)")
+    p.add_argument("--dtype", default=None, help="cast the weights: bf16, fp16 or fp32 (default: as trained)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+
+
+GENERATE_EPILOG = """\
+MODEL: a Hugging Face directory of a supported family, a run directory (its newest checkpoint,
+or --step N) or a checkpoint folder. The prompt is one user turn, the media first, rendered with
+the tokenizer's chat template (generation prompt added).
+
+examples:
+  omni generate --model /ckpt/Qwen2.5-VL-7B-Instruct --image cat.jpg --prompt "What is this?"
+  omni generate --model runs/demo --image shapes.png --prompt "Describe the image." --greedy
+  omni generate --model runs/qwen-ft --image a.png --prompt "Caption it." --temperature 0.7 --top-p 0.9 --json
+"""
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text for a prompt and its media (KV cache; greedy or sampled)",
+        description="Generate an answer to one prompt with images / audio, from a trained run or a Hugging "
+                    "Face directory.", epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a Hugging Face directory, a run directory or a checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the user's text")
+    p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image (repeat for more)")
+    p.add_argument("--video", action="append", default=[], metavar="FILE", help="a video (mp4, webm)")
+    p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an audio file (wav, flac)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--greedy", action="store_true", help="the most likely token each step (the default)")
+    p.add_argument("--temperature", type=float, default=None, help="sample with this temperature")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of this probability")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
+    p.add_argument("--step", type=int, default=None, help="a run's checkpoint of this step (default: the newest)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids (generated only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni",
         description="Omni: train multimodal LLMs under dynamic workloads.",
     )
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{train,data,simulate,plan,plugins}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="{train,data,simulate,plan,export,generate,plugins}")
     _train_parser(sub)
     _data_parsers(sub)
     _sim_parsers(sub)
+    _export_parser(sub)
+    _generate_parser(sub)
     sub.add_parser("plugins", help="list registered plugins (encoders) and where they come from")
     return parser
 
@@ -173,6 +237,17 @@ def _run(args: argparse.Namespace) -> int:
         from recipes.simulate_cmd import plan_main
 
         return plan_main(args.overrides, as_json=args.json, top=args.top, placement=args.placement)
+    if args.cmd == "export":
+        from recipes.export_cmd import export_main
+
+        return export_main(args.model, args.out, step=args.step, dtype=args.dtype, force=args.force)
+    if args.cmd == "generate":
+        from recipes.generate_cmd import generate_main
+
+        return generate_main(args.model, args.prompt, images=args.image, videos=args.video, audios=args.audio,
+                             max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, as_json=args.json, step=args.step,
+                             device=args.device)
     if args.cmd == "plugins":
         from recipes.plugins_cmd import plugins_main
 

@@ -15,7 +15,12 @@ def mixture_path(cfg: OmniConfig, is_main: bool = True, progress: bool = True, b
         ensure_demo_dataset(scale=cfg.data.demo_scale, progress=progress)
     if barrier is not None:
         barrier()  # the other ranks then find it in the cache
-    return str(ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False) / "mixture.yaml")
+    if cfg.data.demo_mixture not in ("mixture", "vision"):
+        from omni.errors import ConfigError
+
+        raise ConfigError(f"data.demo_mixture={cfg.data.demo_mixture!r}: the demo has 'mixture' (shapes, tones, text) "
+                          "and 'vision' (shapes, text)")
+    return str(ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False) / f"{cfg.data.demo_mixture}.yaml")
 
 
 def cost_model(cfg: OmniConfig, model):

@@ -98,7 +98,13 @@ def configured_modalities(cfg) -> list[str]:
 
 
 def run_tokenizer(cfg):
-    """data.tokenizer, with the placeholders of the configured modalities."""
+    """data.tokenizer, with the placeholders of the configured modalities, written as the
+    family of ``model.pretrained`` writes them (Qwen2-VL: ``<|vision_start|><|image_pad|>...``)."""
     from dataloading.tokenizer import load_tokenizer
 
-    return load_tokenizer(cfg.data.tokenizer, modalities=configured_modalities(cfg))
+    family_tokens = None
+    if cfg.model.pretrained and str(cfg.data.tokenizer) != "byte":
+        from omni.models.families import family_of
+
+        family_tokens = dict(family_of(cfg.model.pretrained)[1].family_tokens) or None
+    return load_tokenizer(cfg.data.tokenizer, modalities=configured_modalities(cfg), family_tokens=family_tokens)

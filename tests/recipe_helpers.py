@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from recipes.compose import compose_config
 from recipes.train import run
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_overrides(demo_root: Path, run_dir: Path, **extra: object) -> list[str]:
@@ -38,3 +44,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def step_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def torchrun_train(nproc: int, overrides: list[str], cwd: Path) -> None:
+    """`omni train` on ``nproc`` CPU ranks (gloo) through torchrun, as a user launches it."""
+    omni = shutil.which("omni", path=str(Path(sys.executable).parent))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    if omni:  # the user-facing path: torchrun --no-python omni train ...
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "--no-python", omni, "train", *overrides]
+    else:  # not installed as a script (e.g. a bare checkout): the same CLI as a module
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "recipes.cli", "train", *overrides]
+    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout[-2000:] + out.stderr[-4000:])

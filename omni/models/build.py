@@ -121,14 +121,18 @@ def build_projector(slot_name: str, slot: EncoderSlot, enc: EncoderAnchor,
     holds beside it (``EncoderAnchor.pretrained_projector``, e.g. Qwen-VL's merger) when
     ``projector.pretrained`` allows and it maps into this LLM's width, else None (a fresh
     one, shaped by ``projector.hidden_mult`` and ``activation``)."""
-    held = type(enc).pretrained_projector(slot.pretrained) if slot.pretrained and slot.projector.pretrained else None
+    try:
+        held = type(enc).pretrained_projector(slot.pretrained) if slot.pretrained and slot.projector.pretrained else None
+    except ValueError as exc:  # a checkpoint projector Omni's cannot hold (the message names the fix)
+        raise ConfigError(f"encoders.{slot_name}: {exc}") from None
     if held is not None and held.out_dim != llm_width:
         warnings.warn(f"encoders.{slot_name}: the projector in {slot.pretrained} maps to width {held.out_dim}, this "
                       f"LLM takes {llm_width}: the projector starts fresh", stacklevel=2)
         held = None
     if held is None:
         with torch.device("meta"):
-            return Projector(enc.output_dim, llm_width, merge=enc.tokens_per_row, **_projector_kwargs(slot)), None
+            return Projector(enc.output_dim, llm_width, merge=enc.tokens_per_row,
+                             **{**_projector_kwargs(slot), **enc.fresh_projector()}), None
     from omni.models.hf_checkpoint import CheckpointReader
 
     with torch.device("cpu"):

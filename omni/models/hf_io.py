@@ -269,7 +269,7 @@ def read_decoder_config(path: str) -> DecoderConfig:
     return DecoderConfig.from_hf(hf)
 
 
-def load_pretrained(path: str, dtype: torch.dtype = torch.float32) -> Decoder:
+def load_pretrained_llm(path: str, dtype: torch.dtype = torch.float32) -> Decoder:
     """Build a ``Decoder`` from a local HF checkpoint directory, weights cast to ``dtype``
     (whole, on the host; the training start-up reads per shard, see ``omni.models.build``)."""
     model, source = pretrained_on_meta(path)

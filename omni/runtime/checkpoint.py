@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from omni.errors import ConfigError
+from omni.models.materialize import SeededInit, Sources, WeightSource, materialize
 from omni.runtime.checkpoint_manifest import MANIFEST, fsync_dir, read_manifest, seal, verify, write_manifest
 from omni.runtime.config import CheckpointConfig
 from omni.runtime.model_fingerprint import describe, fingerprint, local_entries, merge
@@ -363,3 +364,43 @@ def _merged_state(optim: PartOptimizers) -> dict:
         model_sd.update(m)
         optim_sd.update(o)
     return {"model": model_sd, "optim": optim_sd}
+
+
+class _FilledByCheckpoint(WeightSource):
+    """Storage only, for the tensors a checkpoint holds (DCP writes them next)."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def read(self, name, model, shape, index):
+        return torch.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)])
+
+
+def load_model_weights(model: nn.Module, path: str | Path) -> None:
+    """The model weights of the checkpoint folder ``path`` (saved under any layout) into
+    ``model``, the whole model built on the meta device, in this one process: what ``omni
+    export`` and ``omni generate`` read. Refused in one line, before any weight is read, when
+    the checkpoint holds another model; tensors no checkpoint holds (computed buffers such as
+    the rotary frequencies) come from the model's own rules."""
+    path = Path(path)
+    if not (path / MARKER).exists():
+        raise ConfigError(f"{path} is not a completed checkpoint folder (no {MARKER} file)")
+    manifest, _ = read_manifest(path)
+    saved = (manifest or {}).get("model")
+    here = fingerprint(local_entries([model]))
+    if isinstance(saved, dict) and saved.get("sha256") != here["sha256"]:
+        raise ConfigError(f"checkpoint {path} holds another model ({describe(saved)}) than its run's config "
+                          f"builds ({describe(here)})")
+    with _single_process_quietly():
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    held = {k[len("model."):] for k in keys if k.startswith("model.")}
+    wanted = set(model.state_dict())
+    if wanted - held:
+        missing = sorted(wanted - held)
+        raise ConfigError(f"checkpoint {path} lacks {len(missing)} of the model's tensors (first: {missing[0]})")
+    materialize([model], Sources([("", _FilledByCheckpoint(held))], SeededInit(0)), torch.device("cpu"))
+    with _single_process_quietly():
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)

@@ -86,3 +86,17 @@ def test_saved_tokenizer_round_trips(tmp_path, kind, modalities):
     assert (again.vocab_size, again.placeholder_ids, again.bos_id, again.eos_id, again.pad_id) == \
         (tok.vocab_size, tok.placeholder_ids, tok.bos_id, tok.eos_id, tok.pad_id)
     assert again.decode(tok.encode(_sample())) == tok.decode(tok.encode(_sample()))
+
+
+def test_the_byte_tokenizer_as_transformers_files_encodes_and_decodes_the_same(tmp_path):
+    """What `omni export` writes beside a model trained with the byte tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    ours = ByteTokenizer(["image"])
+    ours.save_hf(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["héllo wörld ✓ 123\n\t x", "  two  spaces ", "".join(map(chr, range(256))), "<image>\nWhat is it?"]:
+        ids = ours.encode(text)
+        assert theirs(text, add_special_tokens=False)["input_ids"] == ids
+        assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
+    assert (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id) == (ours.pad_id, ours.bos_id, ours.eos_id)
+    assert theirs.convert_tokens_to_ids("<image>") == ours.placeholder_ids["image"]

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from omni.models.hf_io import export_pretrained, load_pretrained
+from omni.models.hf_io import export_pretrained, load_pretrained_llm as load_pretrained
 from omni.models.llm import Decoder, DecoderConfig
 
 from model_helpers import randomize, rel_err

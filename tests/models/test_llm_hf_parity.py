@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from omni.models.hf_io import load_pretrained
+from omni.models.hf_io import load_pretrained_llm as load_pretrained
 from omni.models.llm import DecoderConfig
 from omni.models.llm.rope import rope_parameters
 

@@ -55,7 +55,7 @@ def test_a_qwen2_5_vl_directory_loads_its_language_model_and_equals_it(tmp_path)
     """``load_pretrained`` (what model.pretrained uses) on a whole Qwen2.5-VL directory: the
     text model with M-RoPE (the vision tower's weights are left to the encoder slot); logits
     equal transformers' for 3-D positions around two images, and differ with 1-D ones."""
-    from omni.models.hf_io import load_pretrained
+    from omni.models.hf_io import load_pretrained_llm as load_pretrained
 
     hf = _vlm()
     with torch.no_grad():  # weights large enough that positions matter

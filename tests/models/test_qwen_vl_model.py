@@ -70,24 +70,33 @@ def test_the_whole_model_equals_transformers(tmp_path):
 
 
 def test_greedy_generation_equals_transformers_generate(tmp_path):
-    """The evaluation's generation (M-RoPE positions continuing after the prompt's largest)
-    picks the tokens transformers' ``generate`` picks for one image and a prompt."""
-    from omni.runtime.evaluate import greedy_generate
+    """The KV-cached generation (M-RoPE positions continuing after each prompt's largest) picks
+    the tokens transformers' ``generate`` picks, for prompts with an image batched beside a
+    longer and a text-only one."""
+    from omni.runtime.generate import generate
 
     hf = _save(tmp_path)
     ours = build_model(ModelConfig(pretrained=str(tmp_path)), {"vision": EncoderSlot(name="qwen_vl",
                                                                                      pretrained=str(tmp_path))},
                        vocab_needed=128, seed=0).eval()
-    img = np.random.default_rng(0).integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
-    item = media_processors(ours)["image"](img)
-    ids = np.array([5, 6, 102] + [IMAGE_TOKEN] * 6 + [103, 7, 8], dtype=np.int64)
-    prompt = assemble([Tokenized("p", ids, np.full(ids.shape, IGNORE_INDEX), [("image", item, np.arange(3, 9))])])
+    proc = media_processors(ours)["image"]
+    rng = np.random.default_rng(0)
+    images = [proc(rng.integers(0, 256, size=(56, 84, 3), dtype=np.uint8)) for _ in range(2)]
+    specs = [  # (ids, the image's first placeholder or None)
+        (np.array([5, 6, 102] + [IMAGE_TOKEN] * 6 + [103, 7, 8], dtype=np.int64), 3),
+        (np.array([9, 102] + [IMAGE_TOKEN] * 6 + [103, 12, 13, 14, 15, 16, 17], dtype=np.int64), 2),
+        (np.array([20, 21, 22, 23], dtype=np.int64), None),
+    ]
+    prompts = [assemble([Tokenized(str(i), ids, np.full(ids.shape, IGNORE_INDEX),
+                                   [] if at is None else [("image", images[i], np.arange(at, at + 6))])])
+               for i, (ids, at) in enumerate(specs)]
     with torch.no_grad():
-        # mm_token_type_ids (1: image) is what makes transformers compute M-RoPE positions; its
-        # processor returns them, and without them it falls back to 1-D positions
-        types = torch.from_numpy((ids == IMAGE_TOKEN).astype(np.int64))[None]
-        want = hf.generate(input_ids=torch.from_numpy(ids)[None], pixel_values=item.features,
-                           image_grid_thw=torch.tensor([[1, 4, 6]]), mm_token_type_ids=types, max_new_tokens=8,
-                           do_sample=False)
-    got = greedy_generate(ours, [prompt], eos_id=-1, max_new_tokens=8, device=torch.device("cpu"))
-    assert got[0] == want[0, len(ids):].tolist()
+        got = generate(ours, prompts, eos_ids=(), max_new_tokens=8, device=torch.device("cpu"))
+        for i, (ids, at) in enumerate(specs):
+            # mm_token_type_ids (1: image) is what makes transformers compute M-RoPE positions;
+            # its processor returns them, and without them it falls back to 1-D positions
+            media = {} if at is None else dict(
+                pixel_values=images[i].features, image_grid_thw=torch.tensor([[1, 4, 6]]),
+                mm_token_type_ids=torch.from_numpy((ids == IMAGE_TOKEN).astype(np.int64))[None])
+            want = hf.generate(input_ids=torch.from_numpy(ids)[None], max_new_tokens=8, do_sample=False, **media)
+            assert got[i] == want[0, len(ids):].tolist(), f"prompt {i}"

@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from recipe_helpers import read_metrics, step_losses, tiny_overrides, train
+from recipe_helpers import read_metrics, step_losses, tiny_overrides, torchrun_train as _torchrun, train
 
-REPO = Path(__file__).resolve().parents[2]
 COMMON = {"trainer.max_steps": 3, "data.global_batch_size": 8}
-
-
-def _torchrun(nproc: int, overrides: list[str], cwd: Path) -> None:
-    omni = shutil.which("omni", path=str(Path(sys.executable).parent))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    if omni:  # the user-facing path: torchrun --no-python omni train ...
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "--no-python", omni, "train", *overrides]
-    else:  # not installed as a script (e.g. a bare checkout): the same CLI as a module
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "recipes.cli", "train", *overrides]
-    out = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, (out.stdout[-2000:] + out.stderr[-4000:])
 
 
 _REFERENCE: dict = {}

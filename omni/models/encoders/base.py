@@ -221,6 +221,13 @@ class EncoderAnchor(nn.Module):
         its merger), or None (default: the projector starts fresh)."""
         return None
 
+    def fresh_projector(self) -> Dict[str, Any]:
+        """``Projector`` arguments that fix the shape of a fresh projector (not loaded from a
+        checkpoint), e.g. ``{"norm": "rms", "hidden": 1280}``: a tower whose family has a
+        projector of its own (Qwen-VL's patch merger) gets that, so a model trained from scratch
+        is a checkpoint of the family. Default: none (``projector.hidden_mult`` decides)."""
+        return {}
+
     @classmethod
     def hf_name(cls, name: str) -> str:
         """The checkpoint's name (below the weight prefix) of our parameter ``name`` (default: the same)."""

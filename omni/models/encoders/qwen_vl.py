@@ -375,6 +375,11 @@ class QwenVisionEncoder(EncoderAnchor):
         return PretrainedProjector(out_dim=int(out), hidden=width, activation="gelu", norm="layer" if layer else "rms",
                                    names=merger_names(params["variant"], prefix))
 
+    def fresh_projector(self) -> Dict[str, Any]:
+        """The patch merger's shape: the norm of the variant, an MLP as wide as its input."""
+        return {"norm": "layer" if self.config.variant == "qwen2_vl" else "rms",
+                "hidden": self.output_dim * self.tokens_per_row}
+
     # --- export (omni.models.hf_vlm) ------------------------------------------------------------
     def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""

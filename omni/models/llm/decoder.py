@@ -2,7 +2,8 @@
 
 Input is packed: a row may hold several documents, each starting where ``position_ids == 0``.
 Attention never crosses a document (``segment_attention``) and RoPE uses ``position_ids``, so a
-packed row computes exactly what running each document alone would.
+packed row computes exactly what running each document alone would. For generation, a
+``KVCache`` passed to ``forward`` keeps the earlier tokens' keys and values (``kv_cache.py``).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..attention import segment_ids_from_position_ids
 from .config import DecoderConfig
+from .kv_cache import KVCache
 from .layers import DecoderBlock, RMSNorm, attach_aux_loss, run_block
 from .moe import Experts, Router
 from .rope import RotaryEmbedding
@@ -121,11 +123,16 @@ class Decoder(nn.Module):
         inputs_embeds: Optional[torch.Tensor] = None,
         output_hidden: bool = False,
         rope_position_ids: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
     ) -> DecoderOutput:
         """input_ids [B, T] (or [T], treated as B=1) or inputs_embeds [B, T, H]; position_ids [B, T]
         or [T] (default: 0..T-1, one document per row): where documents start (at 0) and, without
         ``rope_position_ids``, the rotary positions. ``rope_position_ids`` [3, B, T] or [3, T]:
-        M-RoPE positions (temporal, height, width; ``model.mrope_section``)."""
+        M-RoPE positions (temporal, height, width; ``model.mrope_section``).
+
+        ``cache`` (generation only): the T tokens of each row follow the row's cached ones and
+        attend to them; their keys join the cache (every row advances by T). ``position_ids`` are
+        then only the rotary positions (default: each row's cached length onwards)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder.forward needs exactly one of input_ids or inputs_embeds.")
         if inputs_embeds is None:
@@ -133,6 +140,8 @@ class Decoder(nn.Module):
         else:
             h = inputs_embeds[None] if inputs_embeds.dim() == 2 else inputs_embeds
         b, t = h.shape[:2]
+        if cache is not None:
+            return self._forward_cached(h, position_ids, rope_position_ids, cache, output_hidden)
         if position_ids is None:
             # One document per row: plain causal attention, no mask needed.
             position_ids = torch.arange(t, device=h.device).expand(b, t)
@@ -146,6 +155,32 @@ class Decoder(nn.Module):
             rope_position_ids = rope_position_ids.expand(3, b, t)
         rotary = rope_position_ids if rope_position_ids is not None else position_ids
         h, aux_loss = self.run_layers(h, self.rotary(rotary, h.dtype), segment_ids)
+        h = self.norm(h)
+        if output_hidden:
+            return DecoderOutput(logits=None, hidden_states=h, aux_loss=aux_loss)
+        return DecoderOutput(logits=self.lm_logits(h), hidden_states=None, aux_loss=aux_loss)
+
+    def _forward_cached(self, h: torch.Tensor, position_ids: Optional[torch.Tensor],
+                        rope_position_ids: Optional[torch.Tensor], cache: KVCache,
+                        output_hidden: bool) -> DecoderOutput:
+        """``forward`` through a KV cache. Its own loop rather than ``run_layers``: each layer
+        gets its view of the cache, and nothing of training (activation recompute, router
+        losses carried to the loss) applies."""
+        b, t = h.shape[:2]
+        if position_ids is None:
+            position_ids = cache.next_positions(t)
+        position_ids = (position_ids[None] if position_ids.dim() == 1 else position_ids).expand(b, t)
+        if rope_position_ids is not None:
+            rope_position_ids = rope_position_ids[:, None] if rope_position_ids.dim() == 2 else rope_position_ids
+            rope_position_ids = rope_position_ids.expand(3, b, t)
+        cos_sin = self.rotary(rope_position_ids if rope_position_ids is not None else position_ids, h.dtype)
+        step = cache.step(t)
+        aux_loss = None
+        for layer in self.layers:
+            h, aux = layer(h, cos_sin, step.layer(layer.layer_idx))
+            if aux is not None:
+                aux_loss = aux if aux_loss is None else aux_loss + aux
+        cache.advance(t)
         h = self.norm(h)
         if output_hidden:
             return DecoderOutput(logits=None, hidden_states=h, aux_loss=aux_loss)

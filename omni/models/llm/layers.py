@@ -15,6 +15,7 @@ from torch import nn
 from ..attention import ContextParallelSegments, PackedSegments, segment_attention
 from ..recompute import recompute
 from .config import DecoderConfig
+from .kv_cache import LayerCache
 from .moe import MoE
 from .rope import apply_rotary
 
@@ -34,7 +35,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped KV heads; packed rows are separated by ``segment_ids``."""
+    """Causal self-attention with grouped KV heads; packed rows are separated by ``segment_ids``
+    (or the attention is described by a ``ContextParallelSegments``, a ``PackedSegments``, or in
+    generation a ``LayerCache`` that also holds the earlier tokens' keys)."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -59,7 +62,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, *cos_sin)
-        if isinstance(segment_ids, (ContextParallelSegments, PackedSegments)):  # CP chunks / varlen kernels
+        if isinstance(segment_ids, (ContextParallelSegments, PackedSegments, LayerCache)):  # CP / varlen / KV cache
             out = segment_ids.attend(q, k, v, scale=self.head_dim**-0.5)
         else:
             out = segment_attention(q, k, v, segment_ids, causal=True, scale=self.head_dim**-0.5)

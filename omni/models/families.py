@@ -1,0 +1,130 @@
+"""Model families: the Hugging Face checkpoints Omni loads and writes as whole multimodal models.
+
+A family is what a ``config.json``'s ``model_type`` names: the LLM (read by ``hf_io``), the
+encoder plugin of its vision tower (which also loads the tower's projector, e.g. Qwen2-VL's
+patch merger), how its vocabulary writes a media placeholder, and the function that writes a
+model back in the family's own transformers class. Adding a family is one module (the tower
+plugin and the exporter) plus an entry in ``FAMILIES``.
+
+``load_pretrained(dir)`` builds the whole model of a family's directory; ``family_of_model``
+finds the family a built (or trained) model can be written as, for ``omni export``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+from dataloading.tokenizer import PlaceholderTokens, Tokenizer, load_tokenizer
+from omni.errors import ConfigError
+from omni.models.config import EncoderSlot, ModelConfig
+from omni.models.hf_checkpoint import read_hf_config
+from omni.models.llm.config import FAMILIES as LLM_FAMILIES
+from omni.models.multimodal import OmniModel
+
+# Qwen2-VL's vocabulary frames each image (video) with vision start/end tokens around the
+# placeholder it repeats once per merged patch.
+_QWEN_VL_TOKENS = {"image": PlaceholderTokens("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kind of checkpoint directory. ``vision``: the encoder plugin of its vision tower
+    (None: an LLM alone). ``export``: ``(model, path, tokenizer)`` writing a model in the
+    family's transformers class; ``matches``: whether a built model has the family's parts."""
+
+    vision: Optional[str] = None
+    family_tokens: Mapping[str, PlaceholderTokens] = field(default_factory=dict)
+    export: Optional[Callable[[OmniModel, str, Tokenizer], None]] = None
+    matches: Optional[Callable[[OmniModel], bool]] = None
+
+
+def _export_llm(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+    from omni.models.hf_io import export_pretrained
+
+    export_pretrained(model.llm, path)
+
+
+def _is_llm(model: OmniModel) -> bool:
+    return not model.encoders
+
+
+def _export_qwen_vl(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+    """The model, and the image processor's settings as transformers' Qwen2-VL image processor
+    reads them (its PIL variant: the default one needs torchvision, and both write the same file)."""
+    import transformers
+
+    from omni.models.hf_vlm import export_qwen_vl
+
+    export_qwen_vl(model, path, image_token_id=tokenizer.placeholder_ids["image"])
+    proc = type(model.encoders["image"]).processor(model.encoders["image"].config)
+    transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels}, patch_size=proc.patch,
+        temporal_patch_size=proc.frames, merge_size=proc.merge, image_mean=[float(v) for v in proc.mean],
+        image_std=[float(v) for v in proc.std]).save_pretrained(path)
+
+
+def _is_qwen_vl(variant: str) -> Callable[[OmniModel], bool]:
+    def matches(model: OmniModel) -> bool:
+        from omni.models.encoders.qwen_vl import QwenVisionEncoder
+
+        enc = model.encoders["image"] if "image" in model.encoders else None
+        return isinstance(enc, QwenVisionEncoder) and enc.config.variant == variant
+    return matches
+
+
+FAMILIES: dict[str, Family] = {
+    **{t: Family(export=_export_llm, matches=_is_llm) for t in LLM_FAMILIES},
+    "qwen2_vl": Family(vision="qwen_vl", family_tokens=_QWEN_VL_TOKENS, export=_export_qwen_vl,
+                       matches=_is_qwen_vl("qwen2_vl")),
+    "qwen2_5_vl": Family(vision="qwen_vl", family_tokens=_QWEN_VL_TOKENS, export=_export_qwen_vl,
+                         matches=_is_qwen_vl("qwen2_5_vl")),
+}
+
+
+def family_of(path: str) -> tuple[str, Family]:
+    """The family of a checkpoint directory, from its config.json; one line when unsupported."""
+    model_type = read_hf_config(path).get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"{path}: config.json model_type={model_type!r} is not a family Omni loads; "
+                          f"supported: {', '.join(FAMILIES)}")
+    return model_type, FAMILIES[model_type]
+
+
+def encoder_slots(path: str) -> dict[str, EncoderSlot]:
+    """The encoder slots of a family's directory: its vision tower (and the tower's projector)
+    loaded from the same directory."""
+    _, family = family_of(path)
+    return {"vision": EncoderSlot(name=family.vision, pretrained=path)} if family.vision else {}
+
+
+def pretrained_tokenizer(path: str, modalities=None) -> Tokenizer:
+    """The directory's own tokenizer, its placeholders written the family's way."""
+    _, family = family_of(path)
+    if modalities is None:
+        modalities = ["image"] if family.vision else []
+    return load_tokenizer(path, modalities=modalities, family_tokens=family.family_tokens)
+
+
+def load_pretrained(path: str, attn_backend: str = "auto") -> OmniModel:
+    """The whole multimodal model of a family's directory (LLM, vision tower, projector), on
+    the host in the checkpoint's weights. The vocabulary is the tokenizer's when that adds
+    placeholders the checkpoint lacks (``pretrained_tokenizer``)."""
+    from omni.models.build import build_model
+
+    slots = encoder_slots(path)
+    has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+    # Without a tokenizer beside the weights, the checkpoint's own vocabulary.
+    vocab = pretrained_tokenizer(path, modalities=["image"] if slots else []).vocab_size if has_tokenizer else 0
+    return build_model(ModelConfig(pretrained=path, attn_backend=attn_backend), slots, vocab_needed=vocab, seed=0)
+
+
+def family_of_model(model: OmniModel) -> tuple[str, Family]:
+    """The family whose transformers class can hold ``model``; one line naming what does not fit."""
+    for name, family in FAMILIES.items():
+        if family.matches is not None and family.matches(model):
+            return name, family
+    parts = ", ".join(f"{m}={type(e).__name__}" for m, e in model.encoders.items())
+    raise ConfigError(f"no Hugging Face family holds this model (encoders: {parts}); exportable: an LLM alone, "
+                      f"or {', '.join(n for n, f in FAMILIES.items() if f.vision)} "
+                      f"(encoders.vision.name={', '.join(sorted({f.vision for f in FAMILIES.values() if f.vision}))})")

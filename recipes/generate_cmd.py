@@ -1,0 +1,116 @@
+"""``omni generate``: one prompt with its media through a model (a Hugging Face directory, a run
+directory or a checkpoint folder), KV-cached (``omni.runtime.generate``, the engine the
+end-of-run evaluation uses too).
+
+The prompt is one user turn holding the media and then the text, rendered by the tokenizer's
+chat template with the generation prompt added; a tokenizer without one (Omni's byte tokenizer)
+gets the media placeholders, each on its own line, then the text, as Omni's sample format
+writes them. Every argument is checked before the model is read."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omni.errors import ConfigError
+
+
+def _sampling(greedy: bool, temperature: Optional[float], top_p: Optional[float], top_k: Optional[int], seed: int):
+    from omni.runtime.generate import Sampling
+
+    drawn = temperature is not None or top_p is not None or top_k is not None
+    if greedy and drawn:
+        raise ConfigError("--greedy picks the most likely token; drop it to sample with --temperature/--top-p/--top-k")
+    try:
+        if not drawn:
+            return Sampling(greedy=True)
+        return Sampling(greedy=False, temperature=1.0 if temperature is None else temperature,
+                        top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, seed=seed)
+    except ValueError as e:
+        raise ConfigError(f"--{str(e).replace('_', '-')}") from None
+
+
+def _media_files(images: Sequence[str], videos: Sequence[str], audios: Sequence[str]) -> list[tuple[str, Path]]:
+    files = [("image", Path(p)) for p in images] + [("video", Path(p)) for p in videos] + \
+            [("audio", Path(p)) for p in audios]
+    for kind, path in files:
+        if not path.is_file():
+            raise ConfigError(f"--{kind} {path}: no such file")
+    return files
+
+
+def _decode(kind: str, path: Path):
+    from dataloading.sample import decode_audio, decode_image
+
+    data = path.read_bytes()
+    if kind == "image":
+        return decode_image(data)
+    if kind == "audio":
+        return decode_audio(data)
+    raise ConfigError(f"--video {path}: this build of omni generate does not decode video yet")
+
+
+def prompt_text(tokenizer, kinds: list[str], prompt: str) -> str:
+    from dataloading.media import PLACEHOLDERS
+
+    if getattr(tokenizer, "chat_template", None):
+        content = [{"type": k} for k in kinds] + [{"type": "text", "text": prompt}]
+        return tokenizer.render_chat([{"role": "user", "content": content}], add_generation_prompt=True)
+    return "".join(PLACEHOLDERS[k] + "\n" for k in kinds) + prompt
+
+
+def _eos_ids(loaded) -> set[int]:
+    """The tokenizer's end of sequence, and those the model's generation config adds (chat
+    models stop at the end of their turn as well)."""
+    eos = {int(loaded.tokenizer.eos_id)}
+    config = Path(loaded.weights) / "generation_config.json"
+    if config.is_file():
+        extra = json.loads(config.read_text()).get("eos_token_id")
+        eos.update(int(e) for e in (extra if isinstance(extra, list) else [extra] if extra is not None else []))
+    return eos
+
+
+def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: Sequence[str] = (),
+                  audios: Sequence[str] = (), max_new_tokens: int = 128, greedy: bool = False,
+                  temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
+                  seed: int = 0, as_json: bool = False, step: Optional[int] = None, device: str = "cpu") -> int:
+    import torch
+
+    from dataloading.constructor import SampleConstructor
+    from dataloading.sample import DecodedSample
+    from omni.models.build import media_processors
+    from omni.runtime.generate import generate
+    from recipes.model_source import load_model, locate
+
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    sampling = _sampling(greedy, temperature, top_p, top_k, seed)
+    files = _media_files(images, videos, audios)
+    where = locate(model, step)
+    media = [(kind, _decode(kind, path)) for kind, path in files]
+    loaded = load_model(where)
+    processors = media_processors(loaded.model)
+    for kind, path in files:
+        if kind not in processors:
+            have = ", ".join(sorted(processors)) or "none"
+            raise ConfigError(f"--{kind} {path}: the model has no {kind} encoder (it has: {have})")
+    tokenizer = loaded.tokenizer
+    text = prompt_text(tokenizer, [k for k, _ in files], prompt)
+    ids = tokenizer.encode(text)
+    for kind in {k for k, _ in files}:
+        written = ids.count(tokenizer.placeholder_ids[kind])
+        given = sum(k == kind for k, _ in files)
+        if written != given:
+            raise ConfigError(f"the chat template wrote {written} {kind} placeholder(s) for {given} --{kind} file(s); "
+                              "the model's template must place each media item")
+    constructor = SampleConstructor({}, tokenizer, processors, None)
+    batch, _ = constructor.build_prompt(DecodedSample("prompt", text, None, media))
+    dev = torch.device(device)
+    loaded.model.to(dev)
+    out = generate(loaded.model, [batch], _eos_ids(loaded), max_new_tokens, dev, sampling)[0]
+    answer = tokenizer.decode(out)
+    if as_json:
+        print(json.dumps({"text": answer, "token_ids": out}), flush=True)
+    else:
+        print(answer, flush=True)
+    return 0

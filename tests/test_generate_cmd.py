@@ -1,0 +1,97 @@
+"""`omni generate`: greedy on a Hugging Face directory gives transformers' `generate` tokens for
+the same image and prompt (the image prepared by transformers' own image processor, the prompt
+by the tokenizer's chat template); a trained run answers; every wrong argument is one line
+before the model is read."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hf_family_helpers import save_tiny_qwen2_5_vl
+from recipe_helpers import tiny_overrides, train
+from recipes.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def _image(path, h=56, w=84, seed=1):
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(h, w, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _json_out(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_greedy_on_a_qwen_directory_equals_transformers_generate(tmp_path, capsys):
+    hf, tok = save_tiny_qwen2_5_vl(tmp_path / "hf")
+    img = _image(tmp_path / "a.png")
+    argv = ["generate", "--model", str(tmp_path / "hf"), "--image", str(img), "--prompt", "what is this?",
+            "--max-new-tokens", "12", "--greedy", "--json"]
+    assert main(argv) == 0
+    got = _json_out(capsys)
+    # the reference: transformers' image processor, the chat template, the placeholder repeated
+    # once per merged patch (what Qwen2-VL's processor does), and generate
+    proc = transformers.Qwen2VLImageProcessorPil.from_pretrained(tmp_path / "hf")
+    pixels = proc(images=[Image.open(img)], return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    n = int(grid.prod()) // 4
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                 {"type": "text", "text": "what is this?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = np.asarray(tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False)["input_ids"])
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    with torch.no_grad():
+        types = torch.as_tensor(ids == pad, dtype=torch.int64)[None]
+        want = hf.generate(input_ids=torch.as_tensor(ids)[None], pixel_values=pixels["pixel_values"],
+                           image_grid_thw=grid, mm_token_type_ids=types, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]  # omni leaves the end of turn out of its answer
+    assert got["token_ids"] == want and len(want) >= 3
+    assert got["text"] == tok.decode(want, skip_special_tokens=True)
+
+
+def test_sampling_repeats_with_its_seed(tmp_path, capsys):
+    save_tiny_qwen2_5_vl(tmp_path / "hf", std=0.05)  # small weights: a flat distribution to draw from
+    argv = ["generate", "--model", str(tmp_path / "hf"), "--prompt", "hello", "--max-new-tokens", "8",
+            "--temperature", "1.5", "--top-p", "0.95", "--json"]
+    runs = []
+    for seed in ("1", "1", "2"):
+        assert main(argv + ["--seed", seed]) == 0
+        runs.append(_json_out(capsys)["token_ids"])
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--greedy", "--temperature", "0.7"], "--greedy picks the most likely token"),
+    (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
+    (["--image", "/no/such.png"], "--image /no/such.png: no such file"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
+])
+def test_wrong_arguments_are_one_line(tmp_path, capsys, extra, message):
+    (tmp_path / "m").mkdir()  # never read: the arguments fail first
+    assert main(["generate", "--model", str(tmp_path / "m"), "--prompt", "hi", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("omni: error: ") and message in err and "\n" not in err, err
+
+
+def test_a_trained_run_answers_and_refuses_media_it_has_no_encoder_for(demo_root, tmp_path, capsys):
+    run = tmp_path / "run"
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: shapes, path: {demo_root / 'shapes'}, weight: 1.0}}\n")
+    train(tiny_overrides(demo_root, run, **{"trainer.max_steps": 2, "data.mixture": mix}) + ["encoders=vision_only"])
+    img = _image(tmp_path / "s.png", 64, 64)
+    assert main(["generate", "--model", str(run), "--image", str(img), "--prompt", "Describe the image.",
+                 "--max-new-tokens", "5", "--json"]) == 0
+    out = _json_out(capsys)
+    assert 0 < len(out["token_ids"]) <= 5 and isinstance(out["text"], str)
+    wav = tmp_path / "t.wav"
+    import soundfile
+
+    soundfile.write(wav, np.zeros(1600, dtype=np.float32), 16000)
+    assert main(["generate", "--model", str(run), "--audio", str(wav), "--prompt", "hi"]) == 2
+    assert "the model has no audio encoder (it has: image)" in capsys.readouterr().err
