@@ -72,11 +72,56 @@ def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, std: float = 0.15):
     return model, tok
 
 
-def qwen_hf_inputs(ids: np.ndarray, items, image_token_id: int) -> dict:
-    """transformers' Qwen2-VL inputs for a prompt Omni built: the image patches and grids of
-    ``items`` (Omni's MediaItems, in order) and the token types (1: image) from which
-    transformers computes its M-RoPE positions."""
-    return dict(input_ids=torch.as_tensor(ids)[None],
-                pixel_values=torch.cat([it.features for it in items]),
-                image_grid_thw=torch.tensor([list(it.size) for it in items]),
-                mm_token_type_ids=torch.as_tensor(np.asarray(ids) == image_token_id, dtype=torch.int64)[None])
+# LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:"), each image as <image>.
+LLAVA_CHAT = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %} {% else %}ASSISTANT: "
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def save_tiny_llava_chat(path: Path, seed: int = 0, std: float = 0.15):
+    """A tiny LLaVA-1.5 (CLIP tower of 3 layers on 30 x 30 images in 6 x 6 patches, feature
+    layer -2, a Llama with grouped-query attention), its tokenizer (``<s>`` BOS, ``</s>``,
+    ``<image>``) with LLaVA's chat format and its image processor (shorter side 36, 30-pixel
+    crop) in ``path``; returns (the transformers model, the tokenizer)."""
+    import transformers
+
+    tok = byte_level_tokenizer(["<unk>", "<s>", "</s>", "<image>"], eos="</s>", chat_template=LLAVA_CHAT)
+    tok.bos_token = "<s>"
+    torch.manual_seed(seed)
+    cfg = transformers.LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", image_size=30, patch_size=6, hidden_size=32,
+                           intermediate_size=48, num_hidden_layers=3, num_attention_heads=4),
+        text_config=dict(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=272,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), image_seq_length=25)
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
+    model = model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
+    return model, tok
+
+
+SAVERS = {"qwen2_5_vl": save_tiny_qwen2_5_vl, "llava": save_tiny_llava_chat}
+
+
+def hf_inputs(directory: Path, images, ids: np.ndarray, image_token_id: int) -> dict:
+    """transformers' inputs for ``ids`` (the image placeholders already expanded) and PIL
+    ``images``, prepared by the directory's own image processor (its PIL variant: the default
+    needs torchvision); Qwen2-VL also takes the token types (1: image) it computes M-RoPE from."""
+    import transformers
+
+    pixels = dict(transformers.AutoImageProcessor.from_pretrained(directory)(images=list(images), return_tensors="pt"))
+    out = dict(input_ids=torch.as_tensor(ids)[None], **pixels)
+    if "image_grid_thw" in pixels:
+        out["mm_token_type_ids"] = torch.as_tensor(np.asarray(ids) == image_token_id, dtype=torch.int64)[None]
+    return out

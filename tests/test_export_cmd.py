@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_family_helpers import qwen_hf_inputs, save_tiny_qwen2_5_vl
+from hf_family_helpers import SAVERS, hf_inputs
 from recipe_helpers import tiny_overrides, torchrun_train, train
 from recipes.cli import main
 
@@ -21,20 +21,21 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
+IMAGE = np.random.default_rng(1).integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
+
+
 def _prompt(loaded):
-    """One image and a chat prompt, built as `omni generate` builds it: the ids, Omni's
-    micro-batch and the image's MediaItem."""
+    """One image and a chat prompt, built as `omni generate` builds it: Omni's micro-batch and
+    the image's MediaItem."""
     from dataloading.constructor import SampleConstructor
     from dataloading.sample import DecodedSample
     from omni.models.build import media_processors
-
     from recipes.generate_cmd import prompt_text
 
-    img = np.random.default_rng(1).integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
     text = prompt_text(loaded.tokenizer, ["image"], "what is this?")
     c = SampleConstructor({}, loaded.tokenizer, media_processors(loaded.model), None)
-    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, [("image", img)]))
-    return mb, media_processors(loaded.model)["image"](img)
+    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, [("image", IMAGE)]))
+    return mb, media_processors(loaded.model)["image"](IMAGE)
 
 
 def _omni_logits(model, mb) -> torch.Tensor:
@@ -46,15 +47,16 @@ def _omni_logits(model, mb) -> torch.Tensor:
 
 
 def _check_export(out: Path, loaded) -> None:
-    """transformers loads ``out`` whole, and its logits equal those of Omni's ``loaded`` model."""
+    """transformers loads ``out`` whole (model, image processor, tokenizer), and its logits
+    for the image prepared by its own image processor equal those of Omni's ``loaded`` model."""
+    from PIL import Image
+
     hf = transformers.AutoModelForImageTextToText.from_pretrained(out).eval()
-    proc = transformers.Qwen2VLImageProcessorPil.from_pretrained(out)
-    ours_proc = type(loaded.model.encoders["image"]).processor(loaded.model.encoders["image"].config)
-    assert (proc.size["shortest_edge"], proc.size["longest_edge"]) == (ours_proc.min_pixels, ours_proc.max_pixels)
     mb, item = _prompt(loaded)
     pad = loaded.tokenizer.placeholder_ids["image"]
+    assert hf.config.image_token_id == pad
     with torch.no_grad():
-        want = hf(**qwen_hf_inputs(mb.input_ids.numpy(), [item], pad)).logits[0]
+        want = hf(**hf_inputs(out, [Image.fromarray(IMAGE)], mb.input_ids.numpy(), pad)).logits[0]
     got = _omni_logits(loaded.model, mb)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
     # the exported tokenizer (and chat template) give the ids Omni built: the prompt as the
@@ -73,13 +75,14 @@ def _check_export(out: Path, loaded) -> None:
     assert mb.input_ids.tolist() == want_ids
 
 
-def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path):
+@pytest.mark.parametrize("family", sorted(SAVERS))
+def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path, family):
     from recipes.model_source import load_model
 
-    hf, _ = save_tiny_qwen2_5_vl(tmp_path / "hf")
+    hf, _ = SAVERS[family](tmp_path / "hf")
     assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
     back = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "a")
-    assert type(back).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(back) is type(hf)
     want = hf.state_dict()
     got = back.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
@@ -90,10 +93,15 @@ def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path):
         [k for k in first if first[k] != second.get(k)]
 
 
-def _qwen_run(demo_root: Path, tmp_path: Path, run: str, **layout) -> tuple[Path, list[str]]:
+TOWERS = {"qwen2_5_vl": "qwen_vl", "llava": "clip"}
+
+
+def _family_run(demo_root: Path, tmp_path: Path, run: str, family: str = "qwen2_5_vl",
+                **layout) -> tuple[Path, list[str]]:
+    """A fine-tuning run of a family's tiny directory on the demo's images and text."""
     hf_dir = tmp_path / "hf"
     if not hf_dir.exists():
-        save_tiny_qwen2_5_vl(hf_dir)
+        SAVERS[family](hf_dir)
     mix = tmp_path / "mix.yaml"  # images and text: the model has no audio encoder
     mix.write_text(f"sources:\n  - {{name: shapes, path: {demo_root / 'shapes'}, weight: 0.7}}\n"
                    f"  - {{name: text, path: {demo_root / 'text'}, weight: 0.3}}\n")
@@ -101,13 +109,14 @@ def _qwen_run(demo_root: Path, tmp_path: Path, run: str, **layout) -> tuple[Path
              "data.tokenizer": hf_dir, "encoders.vision.pretrained": hf_dir, "data.micro_batch_tokens": 512,
              **{f"parallel.{k}": v for k, v in layout.items()}}
     overrides = tiny_overrides(demo_root, tmp_path / run, **extra)
-    return tmp_path / run, overrides + ["encoders=vision_only", "encoders/vision=qwen_vl"]
+    return tmp_path / run, overrides + ["encoders=vision_only", f"encoders/vision={TOWERS[family]}"]
 
 
-def test_a_trained_run_exports_and_transformers_gives_omnis_logits(demo_root, tmp_path):
+@pytest.mark.parametrize("family", sorted(SAVERS))
+def test_a_trained_run_exports_and_transformers_gives_omnis_logits(demo_root, tmp_path, family):
     from recipes.model_source import load_model
 
-    run, overrides = _qwen_run(demo_root, tmp_path, "run")
+    run, overrides = _family_run(demo_root, tmp_path, "run", family)
     train(overrides)
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
     loaded = load_model(str(run))
@@ -138,7 +147,7 @@ def test_the_tiny_qwen_experiment_trains_exports_and_loads_in_transformers(demo_
 def test_a_run_of_another_layout_exports(demo_root, tmp_path, nproc, layout):
     from recipes.model_source import load_model
 
-    run, overrides = _qwen_run(demo_root, tmp_path, "run", **layout)
+    run, overrides = _family_run(demo_root, tmp_path, "run", **layout)
     torchrun_train(nproc, overrides, cwd=tmp_path)
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
     _check_export(tmp_path / "out", load_model(str(run)))

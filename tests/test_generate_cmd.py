@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_family_helpers import save_tiny_qwen2_5_vl
+from hf_family_helpers import SAVERS, hf_inputs, save_tiny_qwen2_5_vl
 from recipe_helpers import tiny_overrides, train
 from recipes.cli import main
 
@@ -27,30 +27,30 @@ def _json_out(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_greedy_on_a_qwen_directory_equals_transformers_generate(tmp_path, capsys):
-    hf, tok = save_tiny_qwen2_5_vl(tmp_path / "hf")
+@pytest.mark.parametrize("family", sorted(SAVERS))
+def test_greedy_on_a_family_directory_equals_transformers_generate(tmp_path, capsys, family):
+    hf, tok = SAVERS[family](tmp_path / "hf")
     img = _image(tmp_path / "a.png")
     argv = ["generate", "--model", str(tmp_path / "hf"), "--image", str(img), "--prompt", "what is this?",
             "--max-new-tokens", "12", "--greedy", "--json"]
     assert main(argv) == 0
     got = _json_out(capsys)
-    # the reference: transformers' image processor, the chat template, the placeholder repeated
-    # once per merged patch (what Qwen2-VL's processor does), and generate
-    proc = transformers.Qwen2VLImageProcessorPil.from_pretrained(tmp_path / "hf")
-    pixels = proc(images=[Image.open(img)], return_tensors="pt")
-    grid = pixels["image_grid_thw"]
-    n = int(grid.prod()) // 4
+    # the reference: the chat template, the image placeholder repeated once per image token (what
+    # the family's processor does), transformers' own image processor, and generate
+    placeholder = tok.convert_ids_to_tokens(hf.config.image_token_id)
+    probe = transformers.AutoImageProcessor.from_pretrained(tmp_path / "hf")(images=[Image.open(img)],
+                                                                             return_tensors="pt")
+    n = int(probe["image_grid_thw"].prod()) // 4 if "image_grid_thw" in probe else hf.config.image_seq_length
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                  {"type": "text", "text": "what is this?"}]}],
                                    tokenize=False, add_generation_prompt=True)
-    ids = np.asarray(tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False)["input_ids"])
-    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    bos = [] if tok.bos_token_id is None else [tok.bos_token_id]
+    ids = np.asarray(bos + tok(text.replace(placeholder, placeholder * n), add_special_tokens=False)["input_ids"])
     with torch.no_grad():
-        types = torch.as_tensor(ids == pad, dtype=torch.int64)[None]
-        want = hf.generate(input_ids=torch.as_tensor(ids)[None], pixel_values=pixels["pixel_values"],
-                           image_grid_thw=grid, mm_token_type_ids=types, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        inputs = hf_inputs(tmp_path / "hf", [Image.open(img)], ids, hf.config.image_token_id)
+        want = hf.generate(**inputs, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     if want and want[-1] == tok.eos_token_id:
-        want = want[:-1]  # omni leaves the end of turn out of its answer
+        want = want[:-1]  # omni leaves the end of sequence out of its answer
     assert got["token_ids"] == want and len(want) >= 3
     assert got["text"] == tok.decode(want, skip_special_tokens=True)
 

@@ -73,12 +73,27 @@ def _is_qwen_vl(variant: str) -> Callable[[OmniModel], bool]:
     return matches
 
 
+def _export_llava(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+    """The model and its processor's preprocessor_config.json (``export_llava`` writes both)."""
+    from omni.models.hf_vlm import export_llava
+
+    export_llava(model, path, image_token_id=tokenizer.placeholder_ids["image"])
+
+
+def _is_llava(model: OmniModel) -> bool:
+    from omni.models.encoders.clip import ClipEncoder
+
+    return isinstance(model.encoders["image"] if "image" in model.encoders else None, ClipEncoder)
+
+
 FAMILIES: dict[str, Family] = {
     **{t: Family(export=_export_llm, matches=_is_llm) for t in LLM_FAMILIES},
     "qwen2_vl": Family(vision="qwen_vl", family_tokens=_QWEN_VL_TOKENS, export=_export_qwen_vl,
                        matches=_is_qwen_vl("qwen2_vl")),
     "qwen2_5_vl": Family(vision="qwen_vl", family_tokens=_QWEN_VL_TOKENS, export=_export_qwen_vl,
                          matches=_is_qwen_vl("qwen2_5_vl")),
+    # LLaVA's vocabulary has the placeholder Omni writes, <image>, once per image token.
+    "llava": Family(vision="clip", export=_export_llava, matches=_is_llava),
 }
 
 

@@ -108,3 +108,16 @@ class CheckpointReader:
             with safe_open(file, framework="pt") as f:
                 out.update({k: f.get_tensor(k) for k in names})
         return out
+
+
+def transformers_config(hf: Dict[str, Any]):
+    """config.json contents parsed by transformers' own config class for its ``model_type``: a
+    key the file leaves out gets the default transformers itself would use (llava-hf's
+    LLaVA-1.5 files list only what differs from ``LlamaConfig`` and ``CLIPVisionConfig``), so
+    Omni builds the model transformers builds from the same file."""
+    from transformers import CONFIG_MAPPING
+
+    kind = hf.get("model_type")
+    if kind not in CONFIG_MAPPING:
+        raise ValueError(f"config.json model_type={kind!r} is not known to the installed transformers")
+    return CONFIG_MAPPING[kind].from_dict(dict(hf))

@@ -3,7 +3,8 @@
 A checkpoint is ``config.json`` + ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json``. Supported: LlamaForCausalLM, Qwen2ForCausalLM,
 MixtralForCausalLM, Qwen2MoeForCausalLM, and the language model of Qwen2-VL / Qwen2.5-VL
-checkpoints (Qwen2 with M-RoPE; their vision tower is the ``qwen_vl`` encoder's to load).
+checkpoints (Qwen2 with M-RoPE; their vision tower is the ``qwen_vl`` encoder's to load) and of
+LLaVA checkpoints (a Llama or Qwen2; the CLIP tower and projector are the ``clip`` encoder's).
 
 Native names are HF names without the ``model.`` prefix, except for the MoE parts:
 
@@ -26,12 +27,23 @@ from typing import Dict, Optional
 
 import torch
 
-from .hf_checkpoint import CheckpointReader, read_hf_config
+from .hf_checkpoint import CheckpointReader, read_hf_config, transformers_config
 from .materialize import SeededInit, Sources, WeightSource, full_index, materialize
 from .llm.config import VLM_TEXT_MODELS, DecoderConfig
 from .llm.decoder import Decoder
 
 Tensors = Dict[str, torch.Tensor]
+
+# Tensors of a vision-language checkpoint that are not its language model's: Qwen2-VL's tower
+# and merger (``model.visual.``; ``visual.`` before transformers 4.52), LLaVA's tower and
+# projector (under ``model.`` as transformers 5 holds them, without it as LLaVA-1.5 files and
+# transformers' own save_pretrained write them).
+_VLM_NOT_LLM = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                "multi_modal_projector.")
+# Vision-language checkpoints in LLaVA's layout: the language model is ``text_config``, a model
+# of a supported family, its weights under ``language_model.model.`` and
+# ``language_model.lm_head.`` (or ``model.language_model.`` and ``lm_head.``).
+LLAVA_MODEL_TYPES = ("llava",)
 
 # Per-expert projection names in HF checkpoints: (gate, up, down).
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
@@ -42,14 +54,14 @@ def hf_name_to_native(name: str, config: DecoderConfig):
     """One HF tensor name -> ``(native name, None)``, ``(None, (layer, expert, projection))``
     for a per-expert weight (stacked into ``w_gate_up`` / ``w_down``), or None for a tensor
     that is not loaded (a tied model's head copy, the derived RoPE buffer)."""
-    if name == "lm_head.weight":
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):  # the latter: LLaVA's layout
         # Tied: the head is the embedding (some checkpoints still store a copy).
-        return None if config.tie_word_embeddings else (name, None)
+        return None if config.tie_word_embeddings else ("lm_head.weight", None)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # older checkpoints store the derived RoPE buffer; we recompute it
-    if name.startswith(("model.visual.", "visual.")):
-        return None  # a vision-language checkpoint's tower: the encoder slot loads it
-    for prefix in ("model.language_model.", "model."):
+    if name.startswith(_VLM_NOT_LLM):
+        return None  # a vision-language checkpoint's tower or projector: the encoder slot loads it
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
@@ -258,6 +270,8 @@ def read_decoder_config(path: str) -> DecoderConfig:
     vision-language checkpoint's language model, ``VLM_TEXT_MODELS``)."""
     hf = read_hf_config(path)
     kind = hf.get("model_type")
+    if kind in LLAVA_MODEL_TYPES:
+        return DecoderConfig.from_hf(llava_text_config(hf))
     if kind in VLM_TEXT_MODELS:
         # transformers 5 nests the text model's config; 4.x wrote it at the top level
         text = dict(hf.get("text_config") or hf)
@@ -267,6 +281,15 @@ def read_decoder_config(path: str) -> DecoderConfig:
         text["model_type"] = VLM_TEXT_MODELS[kind]
         hf = text
     return DecoderConfig.from_hf(hf)
+
+
+def llava_text_config(hf: dict) -> dict:
+    """The language model's config of a LLaVA config.json, every key filled in as transformers
+    fills it (``transformers_config``); the head is tied as the whole model's config says."""
+    config = transformers_config(hf)
+    text = config.text_config.to_dict()
+    text["tie_word_embeddings"] = bool(config.tie_word_embeddings)
+    return text
 
 
 def load_pretrained_llm(path: str, dtype: torch.dtype = torch.float32) -> Decoder:

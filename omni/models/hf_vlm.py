@@ -5,17 +5,29 @@ is its patch merger and whose backbone is a Qwen2 with M-RoPE becomes a Qwen2-VL
 Qwen2.5-VL directory (config.json and safetensors, the names and shapes transformers saves),
 which ``Qwen2VLForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration`` (and
 ``AutoModelForImageTextToText``) load, and which Omni loads back bit-exactly
-(``model.pretrained`` plus the ``qwen_vl`` slot's ``pretrained``). The config is written by
-transformers' own config classes, so every field a reader expects is there.
+(``model.pretrained`` plus the ``qwen_vl`` slot's ``pretrained``).
+
+``export_llava``: a model whose image encoder is the ``clip`` tower, whose image projector is
+a two-layer MLP as wide as the LLM without a merge (LLaVA's ``multi_modal_projector``, and
+Omni's default projector) and whose backbone has 1-D RoPE becomes a LLaVA directory that
+``LlavaForConditionalGeneration`` loads, and Omni loads back bit-exactly (``model.pretrained``
+plus the ``clip`` slot's ``pretrained``), with the processor's preprocessor_config.json.
+
+The config is written by transformers' own config classes, so every field a reader expects is
+there.
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from torch import nn
 
+from omni.models.encoders.clip import LLAVA_ACTIVATIONS, ClipEncoder, llava_projector_names
 from omni.models.encoders.qwen_vl import QwenVisionEncoder, merger_names
+from omni.models.encoders.siglip import SiglipEncoder
 from omni.models.hf_io import native_state_dict_to_hf, write_safetensors
 from omni.models.multimodal import OmniModel
 
@@ -30,12 +42,7 @@ def export_qwen_vl(model: OmniModel, path: str, image_token_id: int, max_shard_b
     that is not the tower's merger, a backbone without M-RoPE, other modalities."""
     import transformers
 
-    enc = model.encoders["image"] if "image" in model.encoders else None
-    if not isinstance(enc, QwenVisionEncoder):
-        raise ValueError("export_qwen_vl needs the qwen_vl image encoder (encoders.vision.name=qwen_vl)")
-    if set(model.encoders) != {"image"}:
-        raise ValueError(f"a Qwen2-VL checkpoint holds an image encoder only; this model also has "
-                         f"{sorted(set(model.encoders) - {'image'})}")
+    enc = _image_encoder(model, QwenVisionEncoder, "export_qwen_vl", "qwen_vl", "a Qwen2-VL")
     llm = model.llm.config
     if llm.family != "qwen2" or llm.mrope_section is None:
         raise ValueError(f"a Qwen2-VL checkpoint's language model is a Qwen2 with M-RoPE; this backbone is "
@@ -53,14 +60,99 @@ def export_qwen_vl(model: OmniModel, path: str, image_token_id: int, max_shard_b
     text["model_type"] = f"{variant}_text"
     config = config_cls(text_config=text, vision_config=enc.hf_vision_config(llm.hidden_size),
                         image_token_id=int(image_token_id), tie_word_embeddings=llm.tie_word_embeddings)
-    config.architectures = [model_cls.__name__]
-    sd = {}
-    for name, t in enc.state_dict().items():
-        sd["model.visual." + enc.hf_name(name)] = enc.to_hf_tensor(name, t)
+    sd = {"model.visual." + enc.hf_name(name): enc.to_hf_tensor(name, t) for name, t in enc.state_dict().items()}
     merger = merger_names(variant, "model.visual.")
     sd.update({merger[name]: t for name, t in proj.state_dict().items()})
-    for name, t in native_state_dict_to_hf(model.llm.state_dict(), llm).items():
-        sd[name if name == "lm_head.weight" else "model.language_model." + name[len("model."):]] = t
+    sd.update(_language_model(model, "model.language_model.", "lm_head.weight"))
+    _write(config, model_cls.__name__, sd, path, max_shard_bytes)
+
+
+def export_llava(model: OmniModel, path: str, image_token_id: int, max_shard_bytes: Optional[int] = None) -> None:
+    """Write ``model`` (host tensors) to ``path`` as a LLaVA checkpoint
+    (``LlavaForConditionalGeneration``). ``image_token_id``: the tokenizer's image placeholder.
+
+    The weights are named as LLaVA-1.5's files name them (``language_model.model.*``,
+    ``language_model.lm_head.weight``, ``multi_modal_projector.linear_{1,2}.*``,
+    ``vision_tower.vision_model.*``), which transformers 4.x reads as they are and transformers
+    5 maps to its own layout on load. Refused, naming the part, for a model that is not one:
+    another image encoder (a ``siglip`` tower's output is its post-layernorm state, which LLaVA
+    does not compute), a projector that is not LLaVA's MLP, a backbone with M-RoPE, other
+    modalities."""
+    import transformers
+
+    enc = model.encoders["image"] if "image" in model.encoders else None
+    if isinstance(enc, SiglipEncoder):
+        raise ValueError("a siglip tower does not export as LLaVA: its output is the post-layernorm state of its last "
+                         "layer (and NaViT-sized grids), while LlavaForConditionalGeneration projects a tower's "
+                         "hidden_states[vision_feature_layer], taken before that norm, of fixed-size images; train "
+                         "with the clip encoder (encoders/vision=clip_tiny or clip) to export as LLaVA")
+    enc = _image_encoder(model, ClipEncoder, "export_llava", "clip", "a LLaVA")
+    llm = model.llm.config
+    if llm.mrope_section is not None:
+        raise ValueError(f"a LLaVA checkpoint's language model has 1-D RoPE; this backbone rotates by M-RoPE "
+                         f"(mrope_section={llm.mrope_section}), which only a Qwen2-VL checkpoint holds")
+    act = _llava_projector(model.projectors["image"], enc.output_dim, llm.hidden_size)
+    c = enc.config
+    config = transformers.LlavaConfig(
+        text_config=llm.to_hf(text_of_vlm=True), vision_config=enc.hf_vision_config(), image_token_id=int(image_token_id),
+        image_seq_length=c.tokens_per_image, projector_hidden_act=act, vision_feature_layer=c.vision_feature_layer,
+        vision_feature_select_strategy=c.vision_feature_select_strategy, multimodal_projector_bias=True,
+        tie_word_embeddings=llm.tie_word_embeddings)
+    sd = {"vision_tower.vision_model." + enc.hf_name(name): enc.to_hf_tensor(name, t)
+          for name, t in enc.state_dict().items()}
+    names = llava_projector_names("multi_modal_projector.")
+    sd.update({names[name]: t for name, t in model.projectors["image"].state_dict().items()})
+    sd.update(_language_model(model, "language_model.model.", "language_model.lm_head.weight"))
+    _write(config, "LlavaForConditionalGeneration", sd, path, max_shard_bytes)
+    # The processor's settings (resize, crop, padding, normalisation) are the tower's input
+    # contract: written beside it, so the directory loads back with the same preprocessing.
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(enc.hf_preprocessor_config(), f, indent=2)
+
+
+def _llava_projector(proj: nn.Module, in_dim: int, width: int) -> str:
+    """LLaVA's ``projector_hidden_act`` for an Omni projector that is LLaVA's MLP (linear_1 from
+    the tower's width to the LLM's, the activation, linear_2 from the LLM's width to itself);
+    a ValueError naming the difference otherwise."""
+    merge = getattr(proj, "merge", 1)
+    if merge != 1:
+        raise ValueError(f"the image projector merges {merge} tower tokens per LLM token (spatial_merge), with a norm; "
+                         f"LLaVA's projector maps each token alone, without one")
+    shape = (proj.fc1.in_features, proj.fc1.out_features, proj.fc2.out_features)
+    if shape != (in_dim, width, width) or proj.fc1.bias is None or proj.fc2.bias is None:
+        raise ValueError(f"the image projector is {shape[0]} -> {shape[1]} -> {shape[2]}; LLaVA's is {in_dim} -> "
+                         f"{width} -> {width} with biases (its hidden width is the LLM's: projector.hidden_mult=1)")
+    by_module = {nn.GELU: "gelu", nn.SiLU: "silu", nn.ReLU: "relu"}
+    act = by_module.get(type(proj.act))
+    if act is None or act not in LLAVA_ACTIVATIONS or (act == "gelu" and proj.act.approximate != "none"):
+        raise ValueError(f"the image projector's activation {proj.act} has no LLaVA projector_hidden_act "
+                         f"(supported: exact {', '.join(LLAVA_ACTIVATIONS)})")
+    return act
+
+
+def _image_encoder(model: OmniModel, cls: type, fn: str, plugin: str, what: str) -> Any:
+    """The model's image encoder, refused unless it is a ``cls`` and the only encoder."""
+    enc = model.encoders["image"] if "image" in model.encoders else None
+    if not isinstance(enc, cls):
+        raise ValueError(f"{fn} needs the {plugin} image encoder (encoders.vision.name={plugin})")
+    if set(model.encoders) != {"image"}:
+        raise ValueError(f"{what} checkpoint holds an image encoder only; this model also has "
+                         f"{sorted(set(model.encoders) - {'image'})}")
+    return enc
+
+
+def _language_model(model: OmniModel, prefix: str, head: str) -> dict[str, torch.Tensor]:
+    """The backbone's tensors under the checkpoint's names: ``prefix`` for the decoder (in place
+    of a causal LM's ``model.``), ``head`` for an untied LM head."""
+    out = {}
+    for name, t in native_state_dict_to_hf(model.llm.state_dict(), model.llm.config).items():
+        out[head if name == "lm_head.weight" else prefix + name[len("model."):]] = t
+    return out
+
+
+def _write(config: Any, architecture: str, sd: dict[str, torch.Tensor], path: str,
+           max_shard_bytes: Optional[int]) -> None:
+    config.architectures = [architecture]
     os.makedirs(path, exist_ok=True)
     config.dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
     config.save_pretrained(path)

@@ -20,3 +20,41 @@ def randomize(model: torch.nn.Module) -> torch.nn.Module:
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+# A tiny LLaVA-1.5: a CLIP tower of 3 layers over 30 x 30 pixel images in 6 x 6 patches (25
+# patches), a Llama with grouped-query attention, the image placeholder 100.
+LLAVA_VISION = dict(model_type="clip_vision_model", image_size=30, patch_size=6, hidden_size=32, intermediate_size=48,
+                    num_hidden_layers=3, num_attention_heads=4)
+LLAVA_TEXT = dict(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
+LLAVA_IMAGE_TOKEN = 100
+
+
+def save_tiny_llava(path, shortest_edge: int = 36, **config):
+    """A random ``LlavaForConditionalGeneration`` (``config`` overrides ``LlavaConfig``'s fields)
+    saved to ``path`` with a ``CLIPImageProcessor`` (shorter side to ``shortest_edge``, then the
+    30-pixel centre crop); returned in eval mode. Weights are drawn large (norm gains about 1):
+    with the default init attention is nearly uniform and positions would barely matter."""
+    import transformers
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    torch.manual_seed(0)
+    cfg = transformers.LlavaConfig(**{"vision_config": LLAVA_VISION, "text_config": LLAVA_TEXT,
+                                      "image_token_id": LLAVA_IMAGE_TOKEN, "image_seq_length": 25, **config})
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    CLIPImageProcessorPil(size={"shortest_edge": shortest_edge}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
+    return model.eval()
+
+
+def omni_logits(model, mb) -> torch.Tensor:
+    """[T, vocab]: an ``OmniModel``'s logits at every position of the packed row ``mb`` (its
+    training forward computes them only where there is a target)."""
+    p = model.prepare(mb)
+    h, _ = model._body(model._input_hidden(p), p)
+    head = model.llm.embed_tokens if model.llm.lm_head is None else model.llm.lm_head
+    return torch.nn.functional.linear(model.llm.norm(h)[0], head.weight)

@@ -175,7 +175,10 @@ def test_a_pretrained_slot_loads_the_tower_and_its_merger_as_the_projector(tmp_p
                                                     projector=ProjectorConfig(pretrained=False))},
                         vocab_needed=272, seed=0)
     assert model.projectors["image"].fc1.out_features == 32 * 4  # the merger's width: ViT width x merge^2
-    assert fresh.projectors["image"].fc1.out_features == 24  # projector.hidden_mult x the LLM width
+    # projector.pretrained=false: a fresh merger (the family's projector shape, fresh_projector),
+    # not the checkpoint's weights
+    assert fresh.projectors["image"].fc1.out_features == 32 * 4
+    assert not torch.equal(fresh.projectors["image"].fc1.weight, model.projectors["image"].fc1.weight)
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])

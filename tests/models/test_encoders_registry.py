@@ -64,6 +64,10 @@ def test_builtins_are_available():
     assert SiglipEncoder.modality == "image" and WhisperEncoder.modality == "audio"
     assert available_encoders()["qwen_vl"] == "omni (built-in)"
     assert get_encoder_class("qwen_vl").__name__ == "QwenVisionEncoder"
+    assert available_encoders()["clip"] == "omni (built-in)"
+    assert get_encoder_class("clip").__name__ == "ClipEncoder"
+    assert available_encoders()["siglip2"] == "omni (built-in)"
+    assert get_encoder_class("siglip2").__name__ == "Siglip2Encoder"
 
 
 def test_unknown_name_lists_registered_encoders():
@@ -96,7 +100,9 @@ def test_entry_point_plugin(toy_plugin):
     with pytest.warns(UserWarning):
         enc = build_encoder("toy", {"width": 3})
     assert enc.output_dim == 3 and enc(torch.ones(5, 1), torch.ones(5, 1, dtype=torch.int64)).shape == (5, 3)
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match="registered encoders: siglip, whisper, qwen_vl, toy"):
+    # the built-ins in their order, then the plugin
+    names = ", ".join([*(n for n, origin in avail.items() if origin == "omni (built-in)"), "toy"])
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=f"registered encoders: {names} "):
         get_encoder_class("nope")
 
 

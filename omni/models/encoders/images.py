@@ -21,15 +21,69 @@ def rgb_uint8(raw: Any, channels: int) -> np.ndarray:
     return img[:, :, :channels]
 
 
-def resized_normalised(img: np.ndarray, height: int, width: int, mean: Sequence[float] | np.ndarray,
-                       std: Sequence[float] | np.ndarray) -> np.ndarray:
-    """float32 [height, width, C]: the image resized with PIL's bicubic filter (as transformers'
-    image processors resample; skipped when the size already matches), then x/255, then
-    (x - mean) / std per channel."""
-    if img.shape[:2] != (height, width):
-        from PIL import Image
+def resized(img: np.ndarray, height: int, width: int, resample: str = "bicubic") -> np.ndarray:
+    """uint8 [height, width, C]: the image resized with PIL's ``resample`` filter (bicubic or
+    bilinear), as transformers' image processors resample (most bicubic, SigLIP2's bilinear);
+    the same array when the size already matches."""
+    if img.shape[:2] == (height, width):
+        return img
+    from PIL import Image
 
-        img = np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize((width, height), Image.BICUBIC))
+    filters = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}
+    if resample not in filters:
+        raise ValueError(f"resample {resample!r} is not one of {', '.join(filters)}")
+    return np.asarray(Image.fromarray(np.ascontiguousarray(img)).resize((width, height), filters[resample]))
+
+
+def normalised(img: np.ndarray, mean: Sequence[float] | np.ndarray, std: Sequence[float] | np.ndarray) -> np.ndarray:
+    """float32 [H, W, C]: x/255, then (x - mean) / std per channel."""
     mean = np.asarray(mean, dtype=np.float32)
     std = np.asarray(std, dtype=np.float32)
     return (img.astype(np.float32) * np.float32(1 / 255) - mean) / std
+
+
+def resized_normalised(img: np.ndarray, height: int, width: int, mean: Sequence[float] | np.ndarray,
+                       std: Sequence[float] | np.ndarray, resample: str = "bicubic") -> np.ndarray:
+    """float32 [height, width, C]: ``resized``, then ``normalised``."""
+    return normalised(resized(img, height, width, resample), mean, std)
+
+
+def padded_to_square(img: np.ndarray, colour: Sequence[int]) -> np.ndarray:
+    """uint8 [S, S, C] with S the longer side: the image centred on a ``colour`` background
+    (LLaVA-1.5's ``image_aspect_ratio: pad``, transformers' ``LlavaImageProcessor(do_pad=True)``;
+    the offset rounds down, as there)."""
+    h, w, c = img.shape
+    if h == w:
+        return img
+    side = max(h, w)
+    out = np.empty((side, side, c), dtype=img.dtype)
+    out[:] = np.asarray(colour, dtype=img.dtype)
+    top, left = (side - h) // 2, (side - w) // 2
+    out[top:top + h, left:left + w] = img
+    return out
+
+
+def shortest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:
+    """(height, width) with the shorter side ``edge`` and the longer one scaled by the same
+    factor, rounded down (transformers' ``get_resize_output_image_size(default_to_square=False)``)."""
+    if height < 1 or width < 1:
+        raise ValueError(f"image has no pixels ({height}x{width})")
+    short, long = (width, height) if width <= height else (height, width)
+    new_long = int(edge * long / short)
+    return (new_long, edge) if width <= height else (edge, new_long)
+
+
+def center_cropped(img: np.ndarray, height: int, width: int) -> np.ndarray:
+    """[height, width, C]: the centre of the image (offsets rounded down); a side shorter than
+    the crop is first padded with zeros around the image (offsets rounded up), as transformers'
+    ``center_crop`` does."""
+    h, w = img.shape[:2]
+    top, left = (h - height) // 2, (w - width) // 2
+    if top >= 0 and left >= 0:
+        return img[top:top + height, left:left + width]
+    nh, nw = max(height, h), max(width, w)
+    pad_top, pad_left = -(-(nh - h) // 2), -(-(nw - w) // 2)
+    out = np.zeros((nh, nw, *img.shape[2:]), dtype=img.dtype)
+    out[pad_top:pad_top + h, pad_left:pad_left + w] = img
+    top, left = top + pad_top, left + pad_left
+    return out[max(0, top):min(nh, top + height), max(0, left):min(nw, left + width)]

@@ -26,10 +26,10 @@ from omni.models.encoders.base import (
     activation,
     check_sizes,
     AttentionSpec,
-    packed_self_attention,
     transformer_activation_bytes,
     transformer_flops,
 )
+from omni.models.encoders.vit import ViTLayers
 
 
 @dataclass
@@ -223,49 +223,6 @@ def merge_order(grid_h: int, grid_w: int, m: int) -> torch.Tensor:
     return idx.permute(0, 2, 1, 3).reshape(-1)
 
 
-class _MLP(nn.Module):
-    def __init__(self, config: SiglipEncoderConfig):
-        super().__init__()
-        self.act = activation(config.hidden_act)
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class _Attention(nn.Module):
-    def __init__(self, config: SiglipEncoderConfig):
-        super().__init__()
-        d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        return packed_self_attention(
-            x, self.q_proj, self.k_proj, self.v_proj, self.out_proj, self.num_heads, attention
-        )
-
-
-class _Layer(nn.Module):
-    def __init__(self, config: SiglipEncoderConfig):
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = _Attention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = _MLP(config)
-
-    def forward(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), attention)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class _Stack(nn.Module):
-    def __init__(self, config: SiglipEncoderConfig):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
-
-
 class SiglipEncoder(EncoderAnchor):
     """Packed SigLIP vision tower; output: post-layernorm hidden state, one token per patch.
 
@@ -284,7 +241,7 @@ class SiglipEncoder(EncoderAnchor):
         self.output_dim = config.hidden_size
         self.spatial_merge = config.spatial_merge
         self.embeddings = _Embeddings(config)
-        self.encoder = _Stack(config)
+        self.encoder = ViTLayers(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     @classmethod
