@@ -21,7 +21,8 @@ import torch
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.media import MediaItem, MediaProcessor, configure_processors
+from dataloading.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
+                              encoder_modality, processor_for)
 from dataloading.mixture import SourceOptions
 from dataloading.planner import PIECE_SEP, split_piece
 from dataloading.positions import mrope_position_ids
@@ -84,32 +85,33 @@ class SampleConstructor:
                             kind="config")
         return decode_sample(sample_id, self.readers[source].get(key))
 
-    def _media_items(self, sample_id: str, modality: str, raw) -> list[MediaItem]:
-        """One placeholder's media: a single item, or consecutive chunks (e.g. long audio)."""
-        proc = self._processors(sample_id).get(modality)
-        if proc is None:
-            raise DataError(f"sample {sample_id} has {modality} media but no {modality} processor was given; "
-                            f"configure a {modality} encoder or drop the source", kind="config")
+    def _media_items(self, sample_id: str, kind: str, raw) -> list[MediaItem]:
+        """One placeholder's media: a single item, or consecutive chunks (e.g. long audio); a
+        video is one item made by the image processor's ``video`` method."""
+        proc = processor_for(self._processors(sample_id), kind, f"sample {sample_id}")
         try:
-            item = proc(raw)
+            item = proc.video(raw) if kind == "video" else proc(raw)
+        except DataError:
+            raise  # already one line with its kind (e.g. the video decoder is not installed)
         except Exception as e:  # a processor failing on one input is that sample's problem
-            raise DataError(f"sample {sample_id}: the {modality} processor failed ({type(e).__name__}: {e}); "
+            raise DataError(f"sample {sample_id}: the {kind} processor failed ({type(e).__name__}: {e}); "
                             "check the media or the processor settings", kind="media_error") from None
         items = list(item) if isinstance(item, (list, tuple)) else [item]
         if not items or any(it.num_tokens < 1 for it in items):
-            raise DataError(f"sample {sample_id}: the {modality} processor gave an item without tokens; "
+            raise DataError(f"sample {sample_id}: the {kind} processor gave an item without tokens; "
                             "a media item needs at least one", kind="media_error")
         return items
 
     def tokenize(self, sample: DecodedSample, prompt_only: bool = False) -> Tokenized:
         tok = self.tokenizer
-        items = [(m, self._media_items(sample.sample_id, m, raw)) for m, raw in sample.media]
+        # Items go under their encoder's modality: a video is packed and encoded as an image item.
+        items = [(encoder_modality(m), self._media_items(sample.sample_id, m, raw)) for m, raw in sample.media]
         template = self._options(sample.sample_id).chat_template
         text = template.replace("{prompt}", sample.text) if template else sample.text
         ids: list[int] = [] if tok.bos_id is None else [tok.bos_id]
         media: list[tuple[str, MediaItem, np.ndarray]] = []
         k = 0
-        for t in tok.encode(text):
+        for t in tok.encode(as_encoder_placeholders(text)):
             if t in self._placeholder_set:
                 modality, chunks = items[k]  # parse_fields checked count and modalities
                 k += 1
@@ -294,10 +296,10 @@ class EvalSet:
         with_response = [m for m in index.samples if m.response_bytes is not None]
         # A model without (say) an audio encoder cannot answer audio questions: evaluate what it
         # can, and say how much was left out.
-        usable = [m for m in with_response if all(mod in processors for mod, _ in m.media)]
+        usable = [m for m in with_response if all(encoder_modality(mod) in processors for mod, _ in m.media)]
         self.left_out = len(with_response) - len(usable)
         if self.left_out:
-            missing = sorted({mod for m in with_response for mod, _ in m.media} - set(processors))
+            missing = sorted({encoder_modality(mod) for m in with_response for mod, _ in m.media} - set(processors))
             log.warning("eval %s: %d sample(s) need a %s encoder the model lacks; evaluating the other %d",
                         folder, self.left_out, "/".join(missing), len(usable))
         self.keys = [m.key for m in usable][:limit]

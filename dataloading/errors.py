@@ -26,6 +26,11 @@ class DataError(Exception):
         super().__init__(" ".join(str(message).split()))
         self.kind = kind
 
+    def __reduce__(self):
+        # Keep the kind across processes (an index pool worker, a spawned loader worker):
+        # the default pickling rebuilds from the message alone.
+        return type(self), (str(self), self.kind)
+
 
 class ProblemCounter:
     """Counts data problems per kind and applies the ``on_error`` policy.

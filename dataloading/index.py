@@ -10,7 +10,8 @@ sample::
      "response_bytes": 28, "media": [["image", {"height": 48, "width": 64}]]}
 
 ``response_bytes`` is null when the sample has no ``response.txt``. Media metadata is read
-from file headers only (PIL / soundfile), never by decoding pixels or samples.
+from file headers only (PIL / soundfile / PyAV), never by decoding pixels, samples or frames;
+a video's is ``{"width", "height", "frames", "fps", "duration"}`` (``dataloading.video``).
 """
 from __future__ import annotations
 
@@ -167,6 +168,8 @@ def _scan_shard(job: tuple[ShardSet, str]) -> dict:
                 raw = parse_fields(f"{key} (shard {rel})", fields)
                 media = read_meta(raw)
             except DataError as e:
+                if e.kind == "config":  # e.g. the video decoder is not installed: no sample's fault
+                    raise
                 out["problems"].append((e.kind, str(e)))
                 continue
             out["samples"].append({
@@ -174,6 +177,8 @@ def _scan_shard(job: tuple[ShardSet, str]) -> dict:
                 "response_bytes": None if raw.response is None else len(raw.response.encode("utf-8")),
                 "media": [[m, meta] for m, meta in media]})
     except DataError as e:
+        if e.kind == "config":
+            raise
         out["error"] = str(e)
     finally:
         shard.close()
@@ -201,18 +206,20 @@ def build_index(source: str | Path | ShardSet, workers: int | None = None, progr
     jobs = [(replace(source, shards=(r,), sizes=(source.size(r),) if source.remote else ()), r) for r in rels]
     bar = tqdm(total=len(rels), desc=f"index {source.target}", unit="shard", disable=not progress)
     results = []
-    if workers == 1:
-        for job in jobs:
-            results.append(_scan_shard(job))
-            bar.update()
-    else:
-        # fork: workers need no torch and start in milliseconds; spawn would re-import it.
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        with ctx.Pool(workers) as pool:
-            for res in pool.imap(_scan_shard, jobs):
-                results.append(res)
+    try:
+        if workers == 1:
+            for job in jobs:
+                results.append(_scan_shard(job))
                 bar.update()
-    bar.close()
+        else:
+            # fork: workers need no torch and start in milliseconds; spawn would re-import it.
+            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+            with ctx.Pool(workers) as pool:
+                for res in pool.imap(_scan_shard, jobs):
+                    results.append(res)
+                    bar.update()
+    finally:
+        bar.close()  # also on an error (a missing decoder): its message then starts a line of its own
 
     samples: list[dict] = []
     shards, bad_shards, problems, examples, first = {}, {}, {}, {}, None

@@ -22,14 +22,16 @@ import yaml
 from dataloading.errors import DataError
 
 REQUIRED_KEYS = ("name", "path", "weight")
-OPTION_KEYS = ("max_media", "image", "audio", "chat_template", "bucket", "over_budget")
+OPTION_KEYS = ("max_media", "image", "audio", "video", "chat_template", "bucket", "over_budget")
 SOURCE_KEYS = REQUIRED_KEYS + OPTION_KEYS
 TOP_KEYS = ("sources", "eval")
 OVER_BUDGET_POLICIES = ("error", "truncate", "split", "skip")
 BUCKETS = ("auto", "short", "long")
-# Per-modality preprocessing options a source may set; the encoder's processor applies them.
+# Per-kind preprocessing options a source may set; the encoder's processor applies them (a
+# video's: the image processor that encodes videos; see dataloading/video.py and docs/data.md).
 MEDIA_OPTIONS = {"image": {"max_patches": int, "min_patches": int, "resize": ("fit", "square")},
-                 "audio": {"chunk_seconds": float}}
+                 "audio": {"chunk_seconds": float},
+                 "video": {"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int}}
 
 
 @dataclass(frozen=True)

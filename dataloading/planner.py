@@ -33,7 +33,7 @@ from dataloading.balance import arrange
 from dataloading.cost import CostModel
 from dataloading.errors import DataError
 from dataloading.index import SampleMeta, SourceIndex
-from dataloading.media import PLACEHOLDERS, MediaProcessor, configure_processors
+from dataloading.media import MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality, processor_for
 from dataloading.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
 from dataloading.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
 
@@ -44,15 +44,14 @@ PIECE_SEP = "#"  # "<source>/<key>#<k>": piece k of a sample split over the budg
 
 
 def media_tokens(meta: SampleMeta, processors: Mapping[str, MediaProcessor], where: str = "") -> list[int]:
-    """Encoder tokens per media item, from index metadata."""
+    """Encoder tokens per media item, from index metadata (a video's from the image processor
+    that encodes it)."""
     out = []
-    for modality, m in meta.media:
-        if modality not in processors:
-            raise DataError(f"{where or 'sample'} {meta.key}: has {modality} media but no {modality} processor "
-                            f"was given; configure a {modality} encoder or drop the source", kind="config")
+    for kind, m in meta.media:
+        proc = processor_for(processors, kind, f"{where or 'sample'} {meta.key}:")
         try:
-            out.append(int(processors[modality].num_tokens_from_meta(m)))
-        except ValueError as e:  # e.g. an audio clip over max_frames without chunking
+            out.append(int(proc.num_tokens_from_meta(m)))
+        except ValueError as e:  # e.g. an audio clip over max_frames without chunking, a video over its budget
             raise DataError(f"{where or 'sample'} {meta.key}: {e}", kind="media_error") from None
     return out
 
@@ -60,7 +59,7 @@ def media_tokens(meta: SampleMeta, processors: Mapping[str, MediaProcessor], whe
 def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
                     where: str = "", template_bytes: int = 0) -> int:
     """Packed length of a sample from index metadata (exact for ByteTokenizer)."""
-    placeholder_bytes = sum(len(PLACEHOLDERS[m].encode()) for m, _ in meta.media)
+    placeholder_bytes = sum(len(MEDIA_PLACEHOLDERS[m].encode()) for m, _ in meta.media)
     n = (tokenizer.bos_id is not None) + 1  # BOS (if any) + EOS
     n += estimate_text_tokens(tokenizer, meta.text_bytes - placeholder_bytes + template_bytes)
     if meta.response_bytes is not None:
@@ -107,11 +106,13 @@ class SourceTable:
         for i, meta in enumerate(index.samples):
             items = media_tokens(meta, self.processors, where)
             self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
-            self.media_cost[i] = sum(float(cost.media_cost(m, k)) for (m, _), k in zip(meta.media, items))
+            # A video costs what its encoder's item of that many tokens costs (an image item's).
+            modalities = [encoder_modality(m) for m, _ in meta.media]
+            self.media_cost[i] = sum(float(cost.media_cost(m, k)) for m, k in zip(modalities, items))
             self.num_media[i] = len(items)
             self.media_start[i] = len(flat_tokens)
             flat_tokens += items
-            flat_modality += [m for m, _ in meta.media]
+            flat_modality += modalities
         self.media_tokens = np.asarray(flat_tokens, dtype=np.int64)
         self.media_modality = flat_modality
         self.cost = np.asarray(cost.llm_cost(self.tokens)) + self.media_cost

@@ -3,7 +3,9 @@
 A sample is the files of a webdataset shard that share a key (see docs/data.md):
 ``txt`` (required), ``response.txt`` (optional), ``json`` (optional) and media: one item as
 a plain extension (``png``) or several as numbered fields (``0.png``, ``1.wav``, ...), the
-i-th placeholder of ``txt`` taking field i.
+i-th placeholder of ``txt`` taking field i. A media item's *kind* (image, audio, video) is
+what its field and placeholder say; a video is encoded by the image encoder
+(``dataloading.media.ENCODED_AS``) but keeps its kind here and in the index.
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from dataloading.errors import DataError
-from dataloading.media import MODALITY_EXTENSIONS, PLACEHOLDERS
-from dataloading.tokenizer import split_placeholders
+from dataloading.media import MEDIA_PLACEHOLDERS, MODALITY_EXTENSIONS
 
 _MODALITY_OF_EXT = {ext: m for m, exts in MODALITY_EXTENSIONS.items() for ext in exts}
-_MODALITY_OF_PLACEHOLDER = {p: m for m, p in PLACEHOLDERS.items()}
+_MODALITY_OF_PLACEHOLDER = {p: m for m, p in MEDIA_PLACEHOLDERS.items()}
+_PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in MEDIA_PLACEHOLDERS.values()))
 _NUMBERED = re.compile(r"^(\d+)\.([A-Za-z0-9]+)$")
 _FORMAT_HINT = "see docs/data.md (sample format)"
 
@@ -41,13 +43,15 @@ class DecodedSample:
     sample_id: str
     text: str
     response: str | None
-    # image: uint8 [H, W, 3]; audio: (float32 mono waveform [n], sample_rate)
+    # image: uint8 [H, W, 3]; audio: (float32 mono waveform [n], sample_rate);
+    # video: dataloading.video.Video (header read, frames decoded when the processor samples them)
     media: list[tuple[str, Any]]
     meta: dict[str, Any] = field(default_factory=dict)
 
 
 def placeholder_modalities(text: str) -> list[str]:
-    return [_MODALITY_OF_PLACEHOLDER[p] for p in split_placeholders(text) if p in _MODALITY_OF_PLACEHOLDER]
+    """The media kinds of the placeholders in ``text`` (``<image>``, ``<audio>``, ``<video>``), in order."""
+    return [_MODALITY_OF_PLACEHOLDER[p] for p in _PLACEHOLDER_RE.findall(text)]
 
 
 def _text(sample_id: str, fields: dict[str, bytes], name: str) -> str:
@@ -131,8 +135,8 @@ def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(wave.mean(axis=1), dtype=np.float32), int(rate)
 
 
-def media_meta(modality: str, data: bytes) -> dict[str, int]:
-    """Header-only metadata for the index: the pixels / samples are not decoded."""
+def media_meta(modality: str, data: bytes) -> dict[str, Any]:
+    """Header-only metadata for the index: the pixels / samples / frames are not decoded."""
     if modality == "image":
         from PIL import Image
 
@@ -144,6 +148,10 @@ def media_meta(modality: str, data: bytes) -> dict[str, int]:
 
         info = soundfile.info(io.BytesIO(data))
         return {"num_samples": int(info.frames), "sample_rate": int(info.samplerate)}
+    if modality == "video":
+        from dataloading.video import video_meta
+
+        return video_meta(data)
     raise ValueError(f"unknown modality {modality!r}")
 
 
@@ -157,9 +165,21 @@ def read_meta(raw: RawSample) -> list[tuple[str, dict]]:
     for modality, name, data in raw.media:
         try:
             out.append((modality, media_meta(modality, data)))
-        except Exception as e:  # PIL and soundfile raise many types on bad bytes
+        except DataError:
+            raise  # not this file's fault (a decoder extra is missing): the message says so
+        except Exception as e:  # PIL, soundfile and PyAV raise many types on bad bytes
             raise _media_error(raw.sample_id, name, e) from None
     return out
+
+
+def _decode(modality: str, data: bytes) -> Any:
+    if modality == "image":
+        return decode_image(data)
+    if modality == "audio":
+        return decode_audio(data)
+    from dataloading.video import decode_video
+
+    return decode_video(data)
 
 
 def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
@@ -167,7 +187,9 @@ def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
     media = []
     for modality, name, data in raw.media:
         try:
-            media.append((modality, decode_image(data) if modality == "image" else decode_audio(data)))
+            media.append((modality, _decode(modality, data)))
+        except DataError:
+            raise
         except Exception as e:
             raise _media_error(sample_id, name, e) from None
     return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta)
