@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from dataloading.errors import DataError
-from dataloading.media import PLACEHOLDERS
+from dataloading.media import MEDIA_PLACEHOLDERS, PLACEHOLDERS, encoder_modality
 
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")")
 _MODALITY_OF = {p: m for m, p in PLACEHOLDERS.items()}
@@ -144,7 +144,7 @@ class ByteTokenizer:
         import transformers
         from tokenizers import Tokenizer as Core, decoders, models, pre_tokenizers
 
-        stand_in = _byte_stand_ins()
+        stand_in = byte_stand_ins()
         core = Core(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))
         core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         core.decoder = decoders.ByteLevel()
@@ -157,7 +157,7 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def _byte_stand_ins() -> dict[int, str]:
+def byte_stand_ins() -> dict[int, str]:
     """Byte -> the printable character byte-level BPEs write it as (GPT-2's table): printable
     Latin-1 bytes stand for themselves, the others for code points 256 and up, in byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -191,7 +191,8 @@ class HFTokenizer:
                             "(auto_map), which omni never runs; use a directory saved with a standard transformers "
                             "tokenizer class (tokenizer.json)", kind="config") from None
         wanted = _modalities(modalities)
-        self.family_tokens = {m: spec for m, spec in (family_tokens or {}).items() if m in wanted}
+        # A video's spec (Qwen2-VL's <|video_pad|>) is kept when its encoder's (image) is wanted.
+        self.family_tokens = {m: spec for m, spec in (family_tokens or {}).items() if encoder_modality(m) in wanted}
         vocab = tok.get_vocab()
         for m, spec in self.family_tokens.items():
             absent = [t for t in (spec.token, spec.before, spec.after) if t and t not in vocab]
@@ -210,9 +211,13 @@ class HFTokenizer:
             self.family_tokens[m].token if m in self.family_tokens else PLACEHOLDERS[m])) for m in wanted}
         self._expansions: dict[str, list[int]] = {}
         for m, spec in self.family_tokens.items():
-            framed = [t for t in (spec.before, spec.token, spec.after) if t]
-            self._expansions[PLACEHOLDERS[m]] = [int(tok.convert_tokens_to_ids(t)) for t in framed]
-            self._expansions[spec.token] = [self.placeholder_ids[m]]
+            # A video's token becomes its encoder's placeholder id: the id at an encoder output's
+            # position is never seen by the model (the output replaces its embedding), and one id
+            # per encoder keeps the data plane's rule of one placeholder per slot.
+            pid = self.placeholder_ids[encoder_modality(m)]
+            frame = [int(tok.convert_tokens_to_ids(t)) for t in (spec.before, spec.after)]
+            self._expansions[MEDIA_PLACEHOLDERS[m]] = frame[:1] * bool(spec.before) + [pid] + frame[1:] * bool(spec.after)
+            self._expansions[spec.token] = [pid]
         self.bos_id = tok.bos_token_id
         if tok.eos_token_id is None:
             raise DataError(f"tokenizer {self.directory} has no eos_token; set eos_token in its "

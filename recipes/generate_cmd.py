@@ -47,16 +47,19 @@ def _decode(kind: str, path: Path):
         return decode_image(data)
     if kind == "audio":
         return decode_audio(data)
-    raise ConfigError(f"--video {path}: this build of omni generate does not decode video yet")
+    from dataloading.video import decode_video
+
+    return decode_video(data)  # frames are decoded when the processor samples them
 
 
 def prompt_text(tokenizer, kinds: list[str], prompt: str) -> str:
-    from dataloading.media import PLACEHOLDERS
+    """One user turn: the media of ``kinds`` (image, video, audio), then ``prompt``."""
+    from dataloading.media import MEDIA_PLACEHOLDERS
 
     if getattr(tokenizer, "chat_template", None):
         content = [{"type": k} for k in kinds] + [{"type": "text", "text": prompt}]
         return tokenizer.render_chat([{"role": "user", "content": content}], add_generation_prompt=True)
-    return "".join(PLACEHOLDERS[k] + "\n" for k in kinds) + prompt
+    return "".join(MEDIA_PLACEHOLDERS[k] + "\n" for k in kinds) + prompt
 
 
 def _eos_ids(loaded) -> set[int]:
@@ -77,6 +80,7 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
     import torch
 
     from dataloading.constructor import SampleConstructor
+    from dataloading.media import as_encoder_placeholders, encoder_modality, processor_for
     from dataloading.sample import DecodedSample
     from omni.models.build import media_processors
     from omni.runtime.generate import generate
@@ -91,18 +95,19 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
     loaded = load_model(where)
     processors = media_processors(loaded.model)
     for kind, path in files:
-        if kind not in processors:
+        if encoder_modality(kind) not in processors:
             have = ", ".join(sorted(processors)) or "none"
-            raise ConfigError(f"--{kind} {path}: the model has no {kind} encoder (it has: {have})")
+            raise ConfigError(f"--{kind} {path}: the model has no {encoder_modality(kind)} encoder (it has: {have})")
+        processor_for(processors, kind, f"--{kind} {path}")  # one that cannot take a video says so
     tokenizer = loaded.tokenizer
     text = prompt_text(tokenizer, [k for k, _ in files], prompt)
-    ids = tokenizer.encode(text)
-    for kind in {k for k, _ in files}:
-        written = ids.count(tokenizer.placeholder_ids[kind])
-        given = sum(k == kind for k, _ in files)
+    ids = tokenizer.encode(as_encoder_placeholders(text))
+    for modality in {encoder_modality(k) for k, _ in files}:
+        written = ids.count(tokenizer.placeholder_ids[modality])
+        given = sum(encoder_modality(k) == modality for k, _ in files)
         if written != given:
-            raise ConfigError(f"the chat template wrote {written} {kind} placeholder(s) for {given} --{kind} file(s); "
-                              "the model's template must place each media item")
+            raise ConfigError(f"the prompt holds {written} {modality} placeholder(s) for {given} media file(s) encoded "
+                              f"as {modality}; the model's chat template must place each media item")
     constructor = SampleConstructor({}, tokenizer, processors, None)
     batch, _ = constructor.build_prompt(DecodedSample("prompt", text, None, media))
     dev = torch.device(device)

@@ -23,13 +23,15 @@ CHATML = (
 
 
 def byte_level_tokenizer(specials: list[str], eos: str, chat_template: str | None = None):
-    """A byte-level BPE without merges (ids 0..255 are bytes) plus ``specials``: any text
+    """A byte-level BPE without merges (id b is byte b) plus ``specials`` (ids 256...): any text
     tokenizes, the vocabulary stays small."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    core = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    from dataloading.tokenizer import byte_stand_ins
+
+    stand_in = byte_stand_ins()
+    core = Tokenizer(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core)
@@ -125,3 +127,46 @@ def hf_inputs(directory: Path, images, ids: np.ndarray, image_token_id: int) -> 
     if "image_grid_thw" in pixels:
         out["mm_token_type_ids"] = torch.as_tensor(np.asarray(ids) == image_token_id, dtype=torch.int64)[None]
     return out
+
+
+# LLaVA-OneVision's chat format (ChatML; an image as <image>, a video as <video>, each on its line).
+LLAVA_OV_CHAT = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'video' %}<video>\n"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAVA_OV_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
+
+
+def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, **config):
+    """A tiny LLaVA-OneVision (SigLIP tower of 3 layers on 16-pixel tiles of 4 x 4 patches, tilings
+    up to 2 x 2, a Qwen2 with grouped-query attention; ``config`` overrides the
+    ``LlavaOnevisionConfig`` fields), its ChatML tokenizer with ``<image>``/``<video>`` and its
+    image processor (the PIL variant) in ``path``; returns (the transformers model, the tokenizer).
+    Weights are drawn large (norm gains about 1) so that positions and layout matter."""
+    import transformers
+
+    tok = byte_level_tokenizer(LLAVA_OV_SPECIALS, eos="<|im_end|>", chat_template=LLAVA_OV_CHAT)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_OV_SPECIALS}
+    pinpoints = [[16, 16], [16, 32], [32, 16], [32, 32]]
+    torch.manual_seed(seed)
+    cfg = transformers.LlavaOnevisionConfig(**{
+        "vision_config": dict(model_type="siglip_vision_model", image_size=16, patch_size=4, hidden_size=32,
+                              intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, vision_use_head=False),
+        "text_config": dict(model_type="qwen2", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=272, bos_token_id=None,
+                            eos_token_id=ids["<|im_end|>"]),
+        "image_token_index": ids["<image>"], "video_token_index": ids["<video>"], "image_grid_pinpoints": pinpoints,
+        **config})
+    model = transformers.LlavaOnevisionForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
+    model = model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    transformers.LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints,
+                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
+    return model, tok

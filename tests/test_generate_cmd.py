@@ -95,3 +95,40 @@ def test_a_trained_run_answers_and_refuses_media_it_has_no_encoder_for(demo_root
     soundfile.write(wav, np.zeros(1600, dtype=np.float32), 16000)
     assert main(["generate", "--model", str(run), "--audio", str(wav), "--prompt", "hi"]) == 2
     assert "the model has no audio encoder (it has: image)" in capsys.readouterr().err
+
+
+def test_greedy_with_a_video_on_a_qwen_directory_equals_transformers_generate(tmp_path, capsys):
+    """A clip through the chat template (<|vision_start|><|video_pad|><|vision_end|>), sampled
+    at the default 2 frames per second; transformers gets the same frames as its video inputs,
+    the video token once per merged patch and the seconds per temporal patch (its M-RoPE steps)."""
+    pytest.importorskip("av")
+    from dataloading.video import decode_video
+    from media_helpers import clip_bytes
+    from omni.models.encoders.qwen_vl import QwenVisionEncoder
+    from recipes.model_source import load_model
+
+    hf, tok = save_tiny_qwen2_5_vl(tmp_path / "hf")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_bytes(frames=30, rate=10, height=56, width=84, texture_seed=0))  # 3 s
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", "what happens?",
+                 "--max-new-tokens", "10", "--json"]) == 0
+    got = _json_out(capsys)
+    enc = load_model(str(tmp_path / "hf")).model.encoders["image"]
+    item = QwenVisionEncoder.processor(enc.config).video(decode_video(clip.read_bytes()))
+    t = item.size[0]
+    assert t == 3  # 3 s at 2 frames per second: 6 frames, 3 temporal patches of 2
+    n = item.num_tokens
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                 {"type": "text", "text": "what happens?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor(tok(text.replace("<|video_pad|>", "<|video_pad|>" * n), add_special_tokens=False)["input_ids"])
+    video = hf.config.video_token_id
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], pixel_values_videos=item.features,
+                           video_grid_thw=torch.tensor([list(item.size)]),
+                           second_per_grid_ts=torch.tensor([2 / (6 / 3.0)]),  # 2 frames per patch at 2 fps
+                           mm_token_type_ids=(ids == video).long()[None] * 2, max_new_tokens=10,
+                           do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]
+    assert got["token_ids"] == want and len(want) >= 3

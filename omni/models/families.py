@@ -24,7 +24,8 @@ from omni.models.multimodal import OmniModel
 
 # Qwen2-VL's vocabulary frames each image (video) with vision start/end tokens around the
 # placeholder it repeats once per merged patch.
-_QWEN_VL_TOKENS = {"image": PlaceholderTokens("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
+_QWEN_VL_TOKENS = {"image": PlaceholderTokens("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),
+                   "video": PlaceholderTokens("<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,23 @@ def _is_llava(model: OmniModel) -> bool:
     return isinstance(model.encoders["image"] if "image" in model.encoders else None, ClipEncoder)
 
 
+def _export_llava_onevision(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+    """The model and its image processor's settings; the video placeholder is the tokenizer's
+    ``<video>`` when its vocabulary has one (Omni itself writes a video's rows at image
+    placeholders, ``dataloading.media.as_encoder_placeholders``)."""
+    from omni.models.hf_vlm import export_llava_onevision
+
+    video = tokenizer.encode("<video>")
+    export_llava_onevision(model, path, image_token_id=tokenizer.placeholder_ids["image"],
+                           video_token_id=video[0] if len(video) == 1 else None)
+
+
+def _is_llava_onevision(model: OmniModel) -> bool:
+    from omni.models.encoders.llava_ov import LlavaOvEncoder
+
+    return isinstance(model.encoders["image"] if "image" in model.encoders else None, LlavaOvEncoder)
+
+
 FAMILIES: dict[str, Family] = {
     **{t: Family(export=_export_llm, matches=_is_llm) for t in LLM_FAMILIES},
     "qwen2_vl": Family(vision="qwen_vl", family_tokens=_QWEN_VL_TOKENS, export=_export_qwen_vl,
@@ -94,6 +112,8 @@ FAMILIES: dict[str, Family] = {
                          matches=_is_qwen_vl("qwen2_5_vl")),
     # LLaVA's vocabulary has the placeholder Omni writes, <image>, once per image token.
     "llava": Family(vision="clip", export=_export_llava, matches=_is_llava),
+    # LLaVA-OneVision's too (<image>, and <video>, which Omni writes as <image>).
+    "llava_onevision": Family(vision="llava_ov", export=_export_llava_onevision, matches=_is_llava_onevision),
 }
 
 

@@ -100,3 +100,28 @@ def test_the_byte_tokenizer_as_transformers_files_encodes_and_decodes_the_same(t
         assert theirs.decode(ids, skip_special_tokens=True) == ours.decode(ids)
     assert (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id) == (ours.pad_id, ours.bos_id, ours.eos_id)
     assert theirs.convert_tokens_to_ids("<image>") == ours.placeholder_ids["image"]
+
+
+def test_a_family_writes_its_placeholders_with_its_own_tokens(tmp_path):
+    """Qwen2-VL: <image> becomes <|vision_start|><|image_pad|><|vision_end|>; the chat template's
+    own <|image_pad|> and <|video_pad|> become the image slot's one placeholder id; the choice is
+    kept with a saved tokenizer; a vocabulary without the family's tokens is one line."""
+    pytest.importorskip("transformers")
+    from dataloading.tokenizer import PlaceholderTokens
+    from hf_family_helpers import QWEN_SPECIALS, byte_level_tokenizer
+
+    byte_level_tokenizer(QWEN_SPECIALS, eos="<|im_end|>").save_pretrained(tmp_path / "qwen")
+    frame = ("<|vision_start|>", "<|vision_end|>")
+    family = {"image": PlaceholderTokens("<|image_pad|>", *frame), "video": PlaceholderTokens("<|video_pad|>", *frame)}
+    tok = load_tokenizer(tmp_path / "qwen", modalities=["image"], family_tokens=family)
+    start, end, pad = (256 + QWEN_SPECIALS.index(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    assert tok.placeholder_ids == {"image": pad} and tok.vocab_size == 256 + len(QWEN_SPECIALS)  # nothing added
+    assert tok.encode("a<image>b") == [ord("a"), start, pad, end, ord("b")]
+    assert tok.encode("<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|video_pad|><|vision_end|>") == \
+        [start, pad, end] * 2
+    tok.save(tmp_path / "run")
+    assert load_tokenizer(tmp_path / "run").encode("<image>") == [start, pad, end]
+    byte_level_tokenizer(["<|endoftext|>"], eos="<|endoftext|>").save_pretrained(tmp_path / "plain")
+    with pytest.raises(DataError, match=r"writes its image placeholder as <\|vision_start\|><\|image_pad\|>"
+                                        r"<\|vision_end\|>, but '<\|image_pad\|>' is not in the vocabulary"):
+        load_tokenizer(tmp_path / "plain", modalities=["image"], family_tokens=family)

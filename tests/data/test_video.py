@@ -23,6 +23,7 @@ from dataloading.planner import estimate_tokens
 from dataloading.shards import write_shards
 from dataloading.tokenizer import ByteTokenizer
 from dataloading.video import decode_video, frame_times, sample_count, video_meta
+from media_helpers import clip_bytes as media_clip_bytes
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder, merge_order_positions
 
 av = pytest.importorskip("av")
@@ -36,18 +37,7 @@ TINY = dict(variant="qwen2_5_vl", hidden_size=64, intermediate_size=128, num_hid
 
 def clip_bytes(fmt: str = "mp4", codec: str = "mpeg4", frames: int = FRAMES, rate: int = RATE) -> bytes:
     """Frame i is flat grey-green with red 10 + 12 i (mod 256), so a decoded frame of the first 20 tells its index."""
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
-        for i in range(frames):
-            img = np.full((H, W, 3), 40, np.uint8)
-            img[..., 0] = (10 + 12 * i) % 256
-            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return media_clip_bytes(fmt, codec, frames, rate, H, W)
 
 
 def frame_index(frame: np.ndarray) -> int:
