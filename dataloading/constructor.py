@@ -284,11 +284,25 @@ def dummy_micro_batch(pad_id: int) -> MicroBatch:
                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32))
 
 
+def eval_options(sources: Sequence) -> tuple[dict[str, SourceOptions], SourceOptions | None]:
+    """The prompt options (chat template, media options) a held-out sample is built with, from
+    the training mixture's sources (``SourceSpec``): per sub-folder, those of the training
+    source of the same name (the demo's eval/shapes answers as the shapes source was trained);
+    for any other sample, the options every training source shares (None when they differ:
+    there is no one way the model was prompted)."""
+    by_name = {s.name: s.options for s in sources}
+    distinct = {repr(o) for o in by_name.values()}
+    shared = next(iter(by_name.values())) if len(distinct) == 1 else None
+    return by_name, shared
+
+
 class EvalSet:
-    """Held-out samples with a response, as (prompt MicroBatch, expected response string)."""
+    """Held-out samples with a response, as (prompt MicroBatch, expected response string).
+    ``options``: ``eval_options`` of the training mixture (None: the samples as written)."""
 
     def __init__(self, folder: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
-                 name: str = "eval", limit: int | None = None, problems: ProblemCounter | None = None):
+                 name: str = "eval", limit: int | None = None, problems: ProblemCounter | None = None,
+                 options: tuple[Mapping[str, SourceOptions], SourceOptions | None] | None = None):
         from dataloading.index import load_index
 
         index = load_index(folder)
@@ -305,6 +319,8 @@ class EvalSet:
         self.keys = [m.key for m in usable][:limit]
         self.constructor = SampleConstructor({name: index.reader(name)}, tokenizer, processors, None,
                                              problems or ProblemCounter("stop"))
+        self._options = options
+        self._by_group: dict[str, SampleConstructor] = {}
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -315,9 +331,24 @@ class EvalSet:
         shard = self.constructor.readers[self.name].locate[sample_id.split("/", 1)[1]][0]
         return shard.split("/", 1)[0] if "/" in shard else "all"
 
+    def _constructor(self, sample_id: str) -> SampleConstructor:
+        """The constructor with the prompt options of the sample's sub-folder (``eval_options``)."""
+        if self._options is None:
+            return self.constructor
+        by_name, shared = self._options
+        group = self.group(sample_id)
+        opts = by_name.get(group, shared)
+        if opts is None:
+            return self.constructor
+        if group not in self._by_group:
+            c = self.constructor
+            self._by_group[group] = SampleConstructor(c.readers, c.tokenizer, c.processors, None, c.problems,
+                                                      options={self.name: opts})
+        return self._by_group[group]
+
     def __iter__(self) -> Iterator[tuple[MicroBatch, str]]:
-        c = self.constructor
         for key in self.keys:
+            c = self._constructor(f"{self.name}/{key}")
             c.problems.add_seen()
             try:
                 item = c.build_prompt(c.fetch(f"{self.name}/{key}"))

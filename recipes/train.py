@@ -22,7 +22,7 @@ def train_main(overrides: list[str], print_cfg: bool = False) -> int:
 
 def run(cfg: OmniConfig):
     """Build everything from a composed config and train; returns the trainer's FitResult."""
-    from dataloading.constructor import EvalSet
+    from dataloading.constructor import EvalSet, eval_options
     from dataloading.mixture import load_mixture
     from omni.models.build import build_meta_model, media_processors
     from omni.runtime.trainer import Trainer
@@ -50,7 +50,8 @@ def run(cfg: OmniConfig):
         processors = media_processors(model)
         mixture = mixture_path(cfg, layout.is_main, show, barrier)
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
-        eval_dir = cfg.data.eval_dir or load_mixture(mixture).eval
+        training_mixture = load_mixture(mixture)
+        eval_dir = cfg.data.eval_dir or training_mixture.eval
         loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
         n_params = sum(p.numel() for p in model.parameters())
         from recipes.data_plane import cost_model
@@ -61,7 +62,10 @@ def run(cfg: OmniConfig):
             record_run(cfg, run_dir, tokenizer, model.llm.config, n_params, describe(layout.sizes), mixture)
 
         def eval_samples():
-            return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples)
+            # Prompted as the model was trained: each sub-folder with its training source's
+            # chat template and media options (dataloading.constructor.eval_options).
+            return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples,
+                           options=eval_options(training_mixture.sources))
 
         trainer = Trainer(
             pm,

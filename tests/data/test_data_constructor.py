@@ -161,3 +161,28 @@ def test_eval_set_prompts(demo_dir, processors):
                               np.nonzero(np.isin(mb.input_ids.numpy(), [IMG, AUD]))[0])
         seen += 1
     assert seen == 64
+
+
+def test_eval_prompts_take_their_training_sources_options(demo_dir, processors, tmp_path):
+    """A held-out sample of eval/shapes is prompted with the shapes source's chat template; one of
+    eval/tones (no source of that name in this mixture, and the sources differ) as written."""
+    from dataloading.constructor import eval_options
+    from dataloading.mixture import load_mixture
+
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: shapes, path: {demo_dir / 'shapes'}, weight: 1, "
+                   f"chat_template: 'Q: {{prompt}} A:'}}\n  - {{name: text, path: {demo_dir / 'text'}, weight: 1}}\n")
+    tok = ByteTokenizer()
+    templated = EvalSet(demo_dir / "eval", tok, processors, options=eval_options(load_mixture(mix).sources))
+    plain = EvalSet(demo_dir / "eval", tok, processors)
+    seen = set()
+    for (ours, _), (theirs, _), key in zip(templated, plain, templated.keys):
+        group = templated.group(f"eval/{key}")
+        seen.add(group)
+        if group == "shapes":
+            n = len(theirs.input_ids)
+            assert ours.input_ids[:4].tolist() == [tok.bos_id, *b"Q: "]
+            assert ours.input_ids[-3:].tolist() == list(b" A:") and len(ours.input_ids) == n + 6
+        else:
+            assert torch.equal(ours.input_ids, theirs.input_ids)
+    assert seen == {"shapes", "tones"}
