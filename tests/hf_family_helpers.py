@@ -43,25 +43,33 @@ def byte_level_tokenizer(specials: list[str], eos: str, chat_template: str | Non
     return fast
 
 
-def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, std: float = 0.15):
-    """A tiny Qwen2.5-VL (window attention, a full-attention layer, M-RoPE), its chat tokenizer
-    and its image processor's settings in ``path``; returns (the transformers model, the tokenizer). Weights are drawn
-    large enough that positions and windows change the output."""
+def save_tiny_qwen_vl(path: Path, variant: str = "qwen2_5_vl", seed: int = 0, std: float = 0.15):
+    """A tiny Qwen2-VL or Qwen2.5-VL (``variant``; 2.5: window attention with a full-attention
+    layer) with M-RoPE, its chat tokenizer and its image processor's settings in ``path``;
+    returns (the transformers model, the tokenizer). Weights are drawn large enough that
+    positions and windows change the output."""
     import transformers
 
     tok = byte_level_tokenizer(QWEN_SPECIALS, eos="<|im_end|>", chat_template=CHATML)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=272, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32,
-                           window_size=56, fullatt_block_indexes=[1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"])
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    text = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=272, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                  eos_token_id=ids["<|im_end|>"])
+    if variant == "qwen2_5_vl":
+        cfg = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                                 out_hidden_size=32, window_size=56, fullatt_block_indexes=[1]),
+            **tokens)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    else:
+        cfg = transformers.Qwen2VLConfig(
+            text_config=text, vision_config=dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=32),
+            **tokens)
+        model = transformers.Qwen2VLForConditionalGeneration(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name and "ln_q" not in name:
@@ -72,6 +80,11 @@ def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, std: float = 0.15):
     # transformers' Qwen2-VL image processor settings (its PIL variant: the default needs torchvision)
     transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 64}).save_pretrained(path)
     return model, tok
+
+
+def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, std: float = 0.15):
+    """``save_tiny_qwen_vl`` of Qwen2.5-VL."""
+    return save_tiny_qwen_vl(path, "qwen2_5_vl", seed, std)
 
 
 # LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:"), each image as <image>.

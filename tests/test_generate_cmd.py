@@ -132,3 +132,23 @@ def test_greedy_with_a_video_on_a_qwen_directory_equals_transformers_generate(tm
     if want and want[-1] == tok.eos_token_id:
         want = want[:-1]
     assert got["token_ids"] == want and len(want) >= 3
+
+
+def test_media_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
+    """An image whose grid the Qwen processor cannot make (aspect ratio over 200) and a video
+    without the decoder extra, each one line; the video's before the model is read."""
+    from media_helpers import clip_bytes
+
+    save_tiny_qwen2_5_vl(tmp_path / "hf")
+    wide = _image(tmp_path / "wide.png", 4, 1200)
+    capsys.readouterr()  # transformers' own progress bar while saving
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--image", str(wide), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("omni: error: ") and "\n" not in err and "aspect ratio over 200" in err, err
+    pytest.importorskip("av")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_bytes())
+    monkeypatch.setitem(__import__("sys").modules, "av", None)  # `import av` fails as if not installed
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("omni: error: ") and "\n" not in err and "pip install 'omni-mm[video]'" in err, err

@@ -131,13 +131,11 @@ def build_projector(slot_name: str, slot: EncoderSlot, enc: EncoderAnchor,
         held = None
     if held is None:
         with torch.device("meta"):
-            return Projector(enc.output_dim, llm_width, merge=enc.tokens_per_row,
-                             **{**_projector_kwargs(slot), **enc.fresh_projector()}), None
+            return enc.new_projector(llm_width, **{**_projector_kwargs(slot), **enc.fresh_projector()}), None
     from omni.models.hf_checkpoint import CheckpointReader
 
     with torch.device("cpu"):
-        proj = Projector(enc.output_dim, llm_width, merge=enc.tokens_per_row, activation=held.activation,
-                         norm=held.norm, hidden=held.hidden)
+        proj = enc.new_projector(llm_width, activation=held.activation, norm=held.norm, hidden=held.hidden)
     raw = CheckpointReader(slot.pretrained).tensors(held.names.values())
     try:
         proj.load_state_dict({ours: raw[theirs].to(torch.get_default_dtype()) for ours, theirs in held.names.items()},

@@ -13,6 +13,9 @@ Omni's default projector) and whose backbone has 1-D RoPE becomes a LLaVA direct
 ``LlavaForConditionalGeneration`` loads, and Omni loads back bit-exactly (``model.pretrained``
 plus the ``clip`` slot's ``pretrained``), with the processor's preprocessor_config.json.
 
+``export_llava_onevision``: the ``llava_ov`` tower, its projector (LLaVA's MLP and the image
+newline) and a backbone with 1-D RoPE become a LLaVA-OneVision directory.
+
 The config is written by transformers' own config classes, so every field a reader expects is
 there.
 """
@@ -108,6 +111,48 @@ def export_llava(model: OmniModel, path: str, image_token_id: int, max_shard_byt
     # contract: written beside it, so the directory loads back with the same preprocessing.
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(enc.hf_preprocessor_config(), f, indent=2)
+
+
+def export_llava_onevision(model: OmniModel, path: str, image_token_id: int, video_token_id: Optional[int] = None,
+                           max_shard_bytes: Optional[int] = None) -> None:
+    """Write ``model`` (host tensors) to ``path`` as a LLaVA-OneVision checkpoint
+    (``LlavaOnevisionForConditionalGeneration``), with its image processor's
+    preprocessor_config.json. ``image_token_id`` / ``video_token_id``: the tokenizer's
+    placeholders (None: transformers' default video id).
+
+    The weights are named as transformers' ``save_pretrained`` names them (``vision_tower.*``,
+    ``multi_modal_projector.linear_{1,2}.*``, ``image_newline``, ``language_model.model.*``,
+    ``language_model.lm_head.weight``). Refused, naming the part, for a model that is not one:
+    another image encoder, a projector that is not LLaVA's MLP, a backbone with M-RoPE, other
+    modalities."""
+    import transformers
+
+    from omni.models.encoders.llava_ov import LlavaOvEncoder
+
+    enc = _image_encoder(model, LlavaOvEncoder, "export_llava_onevision", "llava_ov", "a LLaVA-OneVision")
+    llm = model.llm.config
+    if llm.mrope_section is not None:
+        raise ValueError(f"a LLaVA-OneVision checkpoint's language model has 1-D RoPE; this backbone rotates by M-RoPE "
+                         f"(mrope_section={llm.mrope_section})")
+    proj = model.projectors["image"]
+    act = _llava_projector(proj, enc.output_dim, llm.hidden_size)
+    ids = {"image_token_index": int(image_token_id)}
+    if video_token_id is not None:
+        ids["video_token_index"] = int(video_token_id)
+    config = transformers.LlavaOnevisionConfig(
+        text_config=llm.to_hf(text_of_vlm=True), vision_config=enc.hf_vision_config(), projector_hidden_act=act,
+        multimodal_projector_bias=True, tie_word_embeddings=llm.tie_word_embeddings, **ids, **enc.hf_layout_config())
+    sd = {"vision_tower." + enc.hf_name(name): enc.to_hf_tensor(name, t) for name, t in enc.state_dict().items()}
+    names = {**llava_projector_names("multi_modal_projector."), "image_newline": "image_newline"}
+    sd.update({names[name]: t for name, t in proj.state_dict().items()})
+    sd.update(_language_model(model, "language_model.model.", "language_model.lm_head.weight"))
+    _write(config, "LlavaOnevisionForConditionalGeneration", sd, path, max_shard_bytes)
+    # The processor's settings are the tower's input contract: written beside it (transformers'
+    # PIL variant writes the same file as the default one, which needs torchvision).
+    c = enc.config
+    transformers.LlavaOnevisionImageProcessorPil(
+        size={"height": c.image_size, "width": c.image_size}, image_grid_pinpoints=[list(p) for p in c.image_grid_pinpoints],
+        image_mean=list(c.image_mean), image_std=list(c.image_std)).save_pretrained(path)
 
 
 def _llava_projector(proj: nn.Module, in_dim: int, width: int) -> str:

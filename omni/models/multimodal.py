@@ -200,7 +200,7 @@ class OmniModel(nn.Module):
 
     def embed_media(self, modality: str, media: MediaInputs) -> torch.Tensor:
         feats = self.encoders[modality](media.features, media.sizes)
-        return self.projectors[modality](feats)
+        return self.projectors[modality](feats, media.sizes)
 
     def embed(self, input_ids: torch.Tensor, media: dict[str, MediaInputs]) -> torch.Tensor:
         """Text embeddings of a flat row [T] with media embeddings written at their positions -> [T, H]."""

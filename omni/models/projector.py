@@ -35,7 +35,9 @@ class Projector(nn.Module):
         self.act = ACTIVATIONS[activation]()
         self.fc2 = nn.Linear(hidden, out_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``sizes``: the items' sizes (``EncoderAnchor.new_projector``'s call contract); this
+        projector works token by token and does not read them."""
         if self.merge > 1:
             if x.shape[0] % self.merge:
                 raise ValueError(f"projector: {x.shape[0]} encoder tokens do not make rows of {self.merge}")

@@ -81,9 +81,10 @@ class MediaTower(nn.Module):
                sp_group=None) -> torch.Tensor:
         """This rank's projected encoder rows for one chunk and modality: the short items'
         rows (item after item), then its pieces of the long items (``EncoderAnchor.encode_chunk``)."""
+        whole = long_sizes is None  # the rows are whole items (the projector may lay them out)
         long_sizes = None if long_sizes is None else HostSizes(long_sizes)
         rows = self.encoders[modality].encode_chunk(features, HostSizes(sizes), long_features, long_sizes, sp_group)
-        return self.projectors[modality](rows)
+        return self.projectors[modality](rows, HostSizes(sizes) if whole else None)
 
     def shard(self, mesh: DeviceMesh, precision: MixedPrecisionPolicy, reshard_after_forward: bool = True,
               prefetch: int = 1, weights: str = "sharded") -> list[nn.Parameter]:

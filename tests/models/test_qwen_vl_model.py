@@ -100,3 +100,47 @@ def test_greedy_generation_equals_transformers_generate(tmp_path):
                 mm_token_type_ids=torch.from_numpy((ids == IMAGE_TOKEN).astype(np.int64))[None])
             want = hf.generate(input_ids=torch.from_numpy(ids)[None], max_new_tokens=8, do_sample=False, **media)
             assert got[i] == want[0, len(ids):].tolist(), f"prompt {i}"
+
+
+@pytest.mark.parametrize("variant", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_packed_row_of_images_and_a_video_equals_transformers_per_sample(tmp_path, variant):
+    """One packed row, two samples: two images of different sizes, and a 3 s clip. Omni's logits
+    over the row equal transformers' for each sample run alone (the images and the video as
+    transformers' image and video inputs, token types 1 and 2, seconds per temporal patch)."""
+    pytest.importorskip("av")
+    from dataloading.constructor import SampleConstructor
+    from dataloading.sample import DecodedSample
+    from dataloading.video import decode_video
+    from hf_family_helpers import save_tiny_qwen_vl
+    from media_helpers import clip_bytes
+    from model_helpers import omni_logits, rel_err
+    from omni.models.families import load_pretrained, pretrained_tokenizer
+
+    hf, _ = save_tiny_qwen_vl(tmp_path, variant)
+    ours = load_pretrained(str(tmp_path)).eval()
+    tok = pretrained_tokenizer(str(tmp_path))
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, size=s, dtype=np.uint8) for s in ((56, 84, 3), (84, 112, 3))]
+    clip = decode_video(clip_bytes(frames=30, rate=10, height=56, width=84, texture_seed=1))
+    c = SampleConstructor({}, tok, media_processors(ours), None)
+    first = c.tokenize(DecodedSample("a", "two views <image> and <image> of one thing", "a shape", [
+        ("image", images[0]), ("image", images[1])]))
+    second = c.tokenize(DecodedSample("b", "<video>what happens?", "it turns red", [("video", clip)]))
+    mb = assemble([first, second])
+    with torch.no_grad():
+        got = omni_logits(ours, mb)
+        pad = tok.placeholder_ids["image"]
+        a_items = [it for _, it, _ in first.media]
+        types = torch.as_tensor(first.ids == pad, dtype=torch.int64)[None]
+        want_a = hf(input_ids=torch.as_tensor(first.ids)[None], pixel_values=torch.cat([it.features for it in a_items]),
+                    image_grid_thw=torch.tensor([list(it.size) for it in a_items]), mm_token_type_ids=types).logits[0]
+        (_, video, _), = second.media
+        ids_b = np.where(second.ids == pad, hf.config.video_token_id, second.ids)  # transformers finds videos by id
+        extra = {"second_per_grid_ts": torch.tensor([1.0])} if variant == "qwen2_5_vl" else {}
+        want_b = hf(input_ids=torch.as_tensor(ids_b)[None], pixel_values_videos=video.features,
+                    video_grid_thw=torch.tensor([list(video.size)]), mm_token_type_ids=
+                    torch.as_tensor(ids_b == hf.config.video_token_id, dtype=torch.int64)[None] * 2, **extra).logits[0]
+    assert video.size[0] == 3 and len(a_items) == 2 and a_items[0].size != a_items[1].size
+    n = len(first)
+    assert rel_err(got[:n], want_a) <= 1e-5
+    assert rel_err(got[n:], want_b) <= 1e-5

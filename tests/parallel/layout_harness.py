@@ -17,6 +17,7 @@ import torch
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch, StepBatch
 from dataloading.context_parallel import slice_for_cp
 from dataloading.positions import mrope_position_ids
+from omni.models.encoders.llava_ov import LlavaOvEncoder, LlavaOvEncoderConfig
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, output_frames
@@ -59,6 +60,11 @@ PLACEHOLDER = 95  # any id: the media rows overwrite its embedding
 
 
 QWEN_PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x frames x patch x patch
+# LLaVA-OneVision's tower: 8-pixel tiles of 4 x 4 patches, tilings up to 2 x 2 (max 1 tile's worth
+# of rows: larger grids are shrunk)
+LLAVA_OV = LlavaOvEncoderConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=8, patch_size=2, image_grid_pinpoints=[[8, 8], [8, 16], [16, 8], [16, 16]],
+                                vision_aspect_ratio="anyres_max_1")
 
 
 def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict, dict]:
@@ -72,6 +78,9 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
                                                           num_attention_heads=4, patch_size=2, window_size=8,
                                                           fullatt_block_indexes=[1], min_pixels=16))
         proj["image"] = Projector(16, 32, merge=4, norm="rms")
+    elif "image" in media and vision == "llava_ov":  # a projector that lays out whole items from their sizes
+        enc["image"] = LlavaOvEncoder(LLAVA_OV)
+        proj["image"] = enc["image"].new_projector(32)
     elif "image" in media:
         enc["image"] = SiglipEncoder(SiglipEncoderConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                                          num_attention_heads=4, image_size=16, patch_size=2,
@@ -105,6 +114,15 @@ def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1, 
     """(features, sizes row, tokens) of one item: an image of a x b patches (multiples of
     ``merge``, whose projector joins merge x merge of them into one token; for the Qwen tower
     one temporal patch of a x b, sizes (1, a, b)), an audio clip of ``size`` mel frames."""
+    if modality == "image" and vision == "llava_ov":  # an image of h x w pixels, or (one in three) a video
+        layout = LLAVA_OV.layout
+        h, w = (int(torch.randint(3, 20, (1,), generator=gen)) for _ in range(2))
+        if float(torch.rand(1, generator=gen)) < 1 / 3:
+            frames = int(torch.randint(1, 4, (1,), generator=gen))
+            return torch.randn(frames * 16, PATCH_FEATURES, generator=gen), [frames, h, w, 1], layout.video_tokens(frames)
+        r, c = layout.tiles(h, w)
+        return (torch.randn((1 + r * c) * 16, PATCH_FEATURES, generator=gen), [1 + r * c, h, w, 0],
+                layout.image_tokens(h, w))
     if modality == "image":
         a = int(torch.randint(1, 4, (1,), generator=gen)) if size == 0 else size
         b = int(torch.randint(1, 5, (1,), generator=gen))

@@ -221,6 +221,22 @@ class EncoderAnchor(nn.Module):
         its merger), or None (default: the projector starts fresh)."""
         return None
 
+    def new_projector(self, llm_width: int, **kwargs: Any) -> nn.Module:
+        """A projector for this encoder into an LLM of ``llm_width`` (``kwargs``: ``Projector``'s
+        shape arguments, from the slot, ``fresh_projector`` or the checkpoint). Default: Omni's
+        ``Projector``, merging ``tokens_per_row`` tokens. A family whose projector lays items
+        out (LLaVA-OneVision's tiles and newlines) returns its own module.
+
+        The projector call contract: ``projector(rows, sizes)``, ``rows`` the encoder's output
+        and ``sizes`` the items' sizes as the encoder got them when ``rows`` are whole items,
+        item after item; None when they are not (pieces of long items split over a sequence-
+        parallel group). A projector that reads ``sizes`` needs whole items, so its encoder
+        must not set ``supports_sequence_parallel``; ``sizes`` may come wrapped in
+        ``HostSizes`` (unwrap it)."""
+        from omni.models.projector import Projector
+
+        return Projector(self.output_dim, llm_width, merge=self.tokens_per_row, **kwargs)
+
     def fresh_projector(self) -> Dict[str, Any]:
         """``Projector`` arguments that fix the shape of a fresh projector (not loaded from a
         checkpoint), e.g. ``{"norm": "rms", "hidden": 1280}``: a tower whose family has a

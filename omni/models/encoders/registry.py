@@ -2,7 +2,7 @@
 
 Three ways, tried in order:
 
-1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``clip``, ``siglip2``): always available, also when omni is not pip-installed;
+1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``clip``, ``siglip2``, ``llava_ov``): always available, also when omni is not pip-installed;
 2. installed packages that declare an entry point in the ``omni.encoders`` group, e.g. in their
    pyproject.toml::
 
@@ -41,6 +41,7 @@ _BUILTINS: Dict[str, str] = {
     "qwen_vl": "omni.models.encoders.qwen_vl:QwenVisionEncoder",
     "clip": "omni.models.encoders.clip:ClipEncoder",
     "siglip2": "omni.models.encoders.siglip2:Siglip2Encoder",
+    "llava_ov": "omni.models.encoders.llava_ov:LlavaOvEncoder",
 }
 _REQUIRED = ("modality", "Config", "build_config", "processor", "forward", "cost_coefficients", "from_pretrained")
 

@@ -1,0 +1,117 @@
+"""LLaVA-OneVision's "anyres" layout: how an image of any size becomes tiles of the tower's
+fixed size, and how the tiles' features become the LLM's rows.
+
+Both sides read the same rules from here, so the processor's token count (from the image's
+height and width alone, for planning), the pixels it cuts and the projector's rearrangement
+never disagree:
+
+- **Tiles** (pixels): of the ``pinpoints`` (height, width) the one that keeps the most of the
+  image's pixels when the image is scaled to fit it, then wastes the least (``best_resolution``);
+  the image is resized into it keeping its aspect ratio (``fitted_size``), centred on black, and
+  cut into ``image_size`` squares, row by row. A *base* image, the whole image squashed to one
+  square, comes first.
+- **Rows** (features): the tiles' feature grids stitched into one grid, the rows or columns
+  that only saw the padding cut off again (``unpadded``), the grid scaled down (bilinear) when
+  it holds more than ``max_tiles`` tiles' worth of features (``shrunk``), and a learned newline
+  vector after each row. The base image's features go first, as they are.
+- **Video**: each frame squashed to one square, its projected features pooled 2 x 2 (bilinear
+  to half the side, rounded up), frame after frame, one newline at the end.
+
+An item without tiles (``base_only``: the base image and one newline) is what transformers makes
+of the images of a sample with several of them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+
+def best_resolution(height: int, width: int, pinpoints: Sequence[Sequence[int]]) -> Tuple[int, int]:
+    """The (height, width) of ``pinpoints`` an image is tiled at: the most pixels of the image
+    kept when scaled to fit inside it (never more than the image has), ties broken by the
+    fewest pixels wasted; the first such pinpoint."""
+    best, kept_best, waste_best = None, 0, float("inf")
+    for ph, pw in pinpoints:
+        scale = min(pw / width, ph / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        waste = pw * ph - kept
+        if kept > kept_best or (kept == kept_best and waste < waste_best):
+            best, kept_best, waste_best = (int(ph), int(pw)), kept, waste
+    return best
+
+
+def fitted_size(height: int, width: int, target_h: int, target_w: int) -> Tuple[int, int]:
+    """The image's size resized into (target_h, target_w) keeping its aspect ratio: the side
+    that limits the scale fills the target, the other rounds up (within the target)."""
+    scale_w, scale_h = target_w / width, target_h / height
+    if scale_w < scale_h:
+        return min(math.ceil(height * scale_w), target_h), target_w
+    return target_h, min(math.ceil(width * scale_h), target_w)
+
+
+def unpadded(grid_h: int, grid_w: int, height: int, width: int) -> Tuple[int, int, int, int]:
+    """(top, rows, left, cols) of a grid_h x grid_w feature grid of an image of height x width
+    that show the image rather than its padding: the padded axis loses the same number of rows
+    (columns) on both sides, rounded down (so an odd difference keeps one more)."""
+    if width / height > grid_w / grid_h:
+        kept = int(round(height * (grid_w / width), 7))
+        pad = (grid_h - kept) // 2
+        return pad, grid_h - 2 * pad, 0, grid_w
+    kept = int(round(width * (grid_h / height), 7))
+    pad = (grid_w - kept) // 2
+    return 0, grid_h, pad, grid_w - 2 * pad
+
+
+@dataclass(frozen=True)
+class AnyresLayout:
+    """The layout's numbers: the tower's square ``image_size`` (pixels) and ``patch_size``, the
+    ``pinpoints`` (pixels, multiples of ``image_size``) and ``max_tiles`` (``anyres_max_N``)."""
+
+    image_size: int
+    patch_size: int
+    pinpoints: Tuple[Tuple[int, int], ...]
+    max_tiles: int
+
+    @property
+    def side(self) -> int:
+        """Feature rows (and columns) of one tile."""
+        return self.image_size // self.patch_size
+
+    @property
+    def pooled_side(self) -> int:
+        """A video frame's feature side after 2 x 2 pooling."""
+        return math.ceil(self.side / 2)
+
+    def tiles(self, height: int, width: int) -> Tuple[int, int]:
+        """(rows, cols) of tiles an image of height x width is cut into (the base image apart)."""
+        ph, pw = best_resolution(height, width, self.pinpoints)
+        return ph // self.image_size, pw // self.image_size
+
+    def shrunk(self, rows: int, cols: int) -> Tuple[int, int]:
+        """The feature grid after the ``max_tiles`` limit: scaled down by the side ratio when it
+        holds more than 1.1^2 x ``max_tiles`` tiles' worth, each side rounded down."""
+        ratio = math.sqrt(rows * cols / (self.max_tiles * self.side ** 2))
+        if ratio > 1.1:
+            return int(rows // ratio), int(cols // ratio)
+        return rows, cols
+
+    def image_grid(self, height: int, width: int) -> Tuple[int, int, int, int, int, int]:
+        """(tile rows, tile cols, top, rows, left, cols): an image's tiling, and the part of its
+        tiles' feature grid that is kept (``unpadded``; ``shrunk`` scales it after)."""
+        r, c = self.tiles(height, width)
+        return (r, c, *unpadded(r * self.side, c * self.side, height, width))
+
+    def image_tokens(self, height: int, width: int, base_only: bool = False) -> int:
+        """LLM rows of an image: the base image's features, then (unless ``base_only``) the
+        tiles' unpadded grid with a newline after each row; ``base_only``: one newline after the
+        base image."""
+        if base_only:
+            return self.side ** 2 + 1
+        _, _, _, rows, _, cols = self.image_grid(height, width)
+        rows, cols = self.shrunk(rows, cols)
+        return self.side ** 2 + rows * (cols + 1)
+
+    def video_tokens(self, frames: int) -> int:
+        """LLM rows of a video: each frame's pooled features, then one newline."""
+        return frames * self.pooled_side ** 2 + 1
