@@ -126,7 +126,6 @@ def save_tiny_llava_chat(path: Path, seed: int = 0, std: float = 0.15):
     return model, tok
 
 
-SAVERS = {"qwen2_5_vl": save_tiny_qwen2_5_vl, "llava": save_tiny_llava_chat}
 
 
 def hf_inputs(directory: Path, images, ids: np.ndarray, image_token_id: int) -> dict:
@@ -183,3 +182,7 @@ def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, **co
     transformers.LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints,
                                                  image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
     return model, tok
+
+
+SAVERS = {"qwen2_5_vl": save_tiny_qwen2_5_vl, "llava": save_tiny_llava_chat,
+          "llava_onevision": save_tiny_llava_onevision}

@@ -93,7 +93,7 @@ def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path, fa
         [k for k in first if first[k] != second.get(k)]
 
 
-TOWERS = {"qwen2_5_vl": "qwen_vl", "llava": "clip"}
+TOWERS = {"qwen2_5_vl": "qwen_vl", "llava": "clip", "llava_onevision": "llava_ov"}
 
 
 def _family_run(demo_root: Path, tmp_path: Path, run: str, family: str = "qwen2_5_vl",
@@ -129,14 +129,16 @@ def test_a_trained_run_exports_and_transformers_gives_omnis_logits(demo_root, tm
     assert all(first[k] == second[k] for k in ("config.json", "model.safetensors"))
 
 
-def test_the_tiny_qwen_experiment_trains_exports_and_loads_in_transformers(demo_root, tmp_path):
-    """experiment=qwen2_vl_tiny from scratch (its projector is the tower's patch merger) is a
-    Qwen2.5-VL checkpoint once exported."""
+@pytest.mark.parametrize("experiment", ["qwen2_vl_tiny", "llava_ov_tiny"])
+def test_a_tiny_family_experiment_trains_exports_and_loads_in_transformers(demo_root, tmp_path, experiment):
+    """The CPU presets of the families, trained from scratch (their projectors are the family's:
+    Qwen's patch merger, LLaVA-OneVision's MLP with the image newline), are checkpoints of
+    their family once exported, the byte tokenizer as transformers files."""
     from recipes.model_source import load_model
 
     run = tmp_path / "run"
     train(tiny_overrides(demo_root, run, **{"trainer.max_steps": 2, "data.mixture": demo_root / "vision.yaml"})
-          + ["experiment=qwen2_vl_tiny"])
+          + [f"experiment={experiment}"])
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
     _check_export(tmp_path / "out", load_model(str(run)))
 
