@@ -144,12 +144,14 @@ def test_a_tiny_family_experiment_trains_exports_and_loads_in_transformers(demo_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout", [(2, dict(dp_shard=1, pp=2)), (4, dict(dp_shard=2, tp=2))],
-                         ids=["pp=2", "dp_shard=2 x tp=2"])
-def test_a_run_of_another_layout_exports(demo_root, tmp_path, nproc, layout):
+@pytest.mark.parametrize("family,nproc,layout", [
+    ("qwen2_5_vl", 2, dict(dp_shard=1, pp=2)), ("qwen2_5_vl", 4, dict(dp_shard=2, tp=2)),
+    ("llava", 4, dict(dp_shard=2, tp=2)), ("llava_onevision", 2, dict(dp_shard=1, pp=2))],
+    ids=["qwen2_5_vl pp=2", "qwen2_5_vl dp_shard=2 x tp=2", "llava dp_shard=2 x tp=2", "llava_onevision pp=2"])
+def test_a_run_of_another_layout_exports(demo_root, tmp_path, family, nproc, layout):
     from recipes.model_source import load_model
 
-    run, overrides = _family_run(demo_root, tmp_path, "run", **layout)
+    run, overrides = _family_run(demo_root, tmp_path, "run", family, **layout)
     torchrun_train(nproc, overrides, cwd=tmp_path)
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
     _check_export(tmp_path / "out", load_model(str(run)))
