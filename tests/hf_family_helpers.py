@@ -184,5 +184,5 @@ def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, **co
     return model, tok
 
 
-SAVERS = {"qwen2_5_vl": save_tiny_qwen2_5_vl, "llava": save_tiny_llava_chat,
-          "llava_onevision": save_tiny_llava_onevision}
+SAVERS = {"qwen2_vl": lambda path, **kw: save_tiny_qwen_vl(path, "qwen2_vl", **kw), "qwen2_5_vl": save_tiny_qwen2_5_vl,
+          "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision}
