@@ -184,5 +184,38 @@ def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, **co
     return model, tok
 
 
+def save_tiny_llava_next_chat(path: Path, seed: int = 0, std: float = 0.15, **config):
+    """A tiny LLaVA-NeXT (CLIP tower of 3 layers on 16-pixel tiles of 4 x 4 patches, feature
+    layer -2 without the class token, tilings 1 x 2, 2 x 1 and 2 x 2, a Llama with grouped-query
+    attention; ``config`` overrides the ``LlavaNextConfig`` fields), its tokenizer (``<s>`` BOS,
+    ``</s>``, ``<image>``) with LLaVA's chat format and its image processor (the PIL variant,
+    CLIP's normalisation) in ``path``; returns (the transformers model, the tokenizer). Weights
+    are drawn large (norm gains about 1) so that positions and layout matter."""
+    import transformers
+
+    tok = byte_level_tokenizer(["<unk>", "<s>", "</s>", "<image>"], eos="</s>", chat_template=LLAVA_CHAT)
+    tok.bos_token = "<s>"
+    pinpoints = config.pop("image_grid_pinpoints", [[16, 32], [32, 16], [32, 32]])
+    torch.manual_seed(seed)
+    cfg = transformers.LlavaNextConfig(**{
+        "vision_config": dict(model_type="clip_vision_model", image_size=16, patch_size=4, hidden_size=32,
+                              intermediate_size=48, num_hidden_layers=3, num_attention_heads=4),
+        "text_config": dict(model_type="llama", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=272,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        "image_token_index": tok.convert_tokens_to_ids("<image>"), "image_grid_pinpoints": pinpoints, **config})
+    model = transformers.LlavaNextForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
+    model = model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                            image_grid_pinpoints=pinpoints).save_pretrained(path)
+    return model, tok
+
+
 SAVERS = {"qwen2_vl": lambda path, **kw: save_tiny_qwen_vl(path, "qwen2_vl", **kw), "qwen2_5_vl": save_tiny_qwen2_5_vl,
-          "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision}
+          "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision,
+          "llava_next": save_tiny_llava_next_chat}

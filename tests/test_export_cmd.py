@@ -93,7 +93,8 @@ def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path, fa
         [k for k in first if first[k] != second.get(k)]
 
 
-TOWERS = {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "llava": "clip", "llava_onevision": "llava_ov"}
+TOWERS = {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "llava": "clip", "llava_onevision": "llava_ov",
+          "llava_next": "llava_next"}
 
 
 def _family_run(demo_root: Path, tmp_path: Path, run: str, family: str = "qwen2_5_vl",

@@ -104,6 +104,19 @@ def _is_llava_onevision(model: OmniModel) -> bool:
     return isinstance(model.encoders["image"] if "image" in model.encoders else None, LlavaOvEncoder)
 
 
+def _export_llava_next(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+    """The model and its image processor's settings (``export_llava_next`` writes both)."""
+    from omni.models.hf_vlm import export_llava_next
+
+    export_llava_next(model, path, image_token_id=tokenizer.placeholder_ids["image"])
+
+
+def _is_llava_next(model: OmniModel) -> bool:
+    from omni.models.encoders.llava_next import LlavaNextEncoder
+
+    return isinstance(model.encoders["image"] if "image" in model.encoders else None, LlavaNextEncoder)
+
+
 FAMILIES: dict[str, Family] = {
     **{t: Family(export=_export_llm, matches=_is_llm) for t in LLM_FAMILIES},
     "qwen2_vl": Family(vision="qwen_vl", family_tokens=_QWEN_VL_TOKENS, export=_export_qwen_vl,
@@ -114,6 +127,8 @@ FAMILIES: dict[str, Family] = {
     "llava": Family(vision="clip", export=_export_llava, matches=_is_llava),
     # LLaVA-OneVision's too (<image>, and <video>, which Omni writes as <image>).
     "llava_onevision": Family(vision="llava_ov", export=_export_llava_onevision, matches=_is_llava_onevision),
+    # LLaVA-NeXT's too (<image>).
+    "llava_next": Family(vision="llava_next", export=_export_llava_next, matches=_is_llava_next),
 }
 
 

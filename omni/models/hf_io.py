@@ -39,11 +39,11 @@ Tensors = Dict[str, torch.Tensor]
 # projector (under ``model.`` as transformers 5 holds them, without it as LLaVA-1.5 files and
 # transformers' own save_pretrained write them).
 _VLM_NOT_LLM = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                "multi_modal_projector.", "model.image_newline", "image_newline")  # the last: LLaVA-OneVision's
+                "multi_modal_projector.", "model.image_newline", "image_newline")  # the last: LLaVA-NeXT's and OneVision's
 # Vision-language checkpoints in LLaVA's layout: the language model is ``text_config``, a model
 # of a supported family, its weights under ``language_model.model.`` and
 # ``language_model.lm_head.`` (or ``model.language_model.`` and ``lm_head.``).
-LLAVA_MODEL_TYPES = ("llava", "llava_onevision")
+LLAVA_MODEL_TYPES = ("llava", "llava_onevision", "llava_next")
 
 # Per-expert projection names in HF checkpoints: (gate, up, down).
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}

@@ -13,8 +13,9 @@ Omni's default projector) and whose backbone has 1-D RoPE becomes a LLaVA direct
 ``LlavaForConditionalGeneration`` loads, and Omni loads back bit-exactly (``model.pretrained``
 plus the ``clip`` slot's ``pretrained``), with the processor's preprocessor_config.json.
 
-``export_llava_onevision``: the ``llava_ov`` tower, its projector (LLaVA's MLP and the image
-newline) and a backbone with 1-D RoPE become a LLaVA-OneVision directory.
+``export_llava_onevision`` / ``export_llava_next``: the ``llava_ov`` (``llava_next``) tower,
+its projector (LLaVA's MLP and the image newline) and a backbone with 1-D RoPE become a
+LLaVA-OneVision (LLaVA-NeXT) directory, with the image processor's preprocessor_config.json.
 
 The config is written by transformers' own config classes, so every field a reader expects is
 there.
@@ -130,29 +131,56 @@ def export_llava_onevision(model: OmniModel, path: str, image_token_id: int, vid
     from omni.models.encoders.llava_ov import LlavaOvEncoder
 
     enc = _image_encoder(model, LlavaOvEncoder, "export_llava_onevision", "llava_ov", "a LLaVA-OneVision")
-    llm = model.llm.config
-    if llm.mrope_section is not None:
-        raise ValueError(f"a LLaVA-OneVision checkpoint's language model has 1-D RoPE; this backbone rotates by M-RoPE "
-                         f"(mrope_section={llm.mrope_section})")
-    proj = model.projectors["image"]
-    act = _llava_projector(proj, enc.output_dim, llm.hidden_size)
     ids = {"image_token_index": int(image_token_id)}
     if video_token_id is not None:
         ids["video_token_index"] = int(video_token_id)
-    config = transformers.LlavaOnevisionConfig(
-        text_config=llm.to_hf(text_of_vlm=True), vision_config=enc.hf_vision_config(), projector_hidden_act=act,
-        multimodal_projector_bias=True, tie_word_embeddings=llm.tie_word_embeddings, **ids, **enc.hf_layout_config())
-    sd = {"vision_tower." + enc.hf_name(name): enc.to_hf_tensor(name, t) for name, t in enc.state_dict().items()}
-    names = {**llava_projector_names("multi_modal_projector."), "image_newline": "image_newline"}
-    sd.update({names[name]: t for name, t in proj.state_dict().items()})
-    sd.update(_language_model(model, "language_model.model.", "language_model.lm_head.weight"))
-    _write(config, "LlavaOnevisionForConditionalGeneration", sd, path, max_shard_bytes)
-    # The processor's settings are the tower's input contract: written beside it (transformers'
-    # PIL variant writes the same file as the default one, which needs torchvision).
+    _export_anyres(model, enc, path, transformers.LlavaOnevisionConfig, "LlavaOnevisionForConditionalGeneration",
+                   "vision_tower.", ids, max_shard_bytes)
     c = enc.config
     transformers.LlavaOnevisionImageProcessorPil(
         size={"height": c.image_size, "width": c.image_size}, image_grid_pinpoints=[list(p) for p in c.image_grid_pinpoints],
         image_mean=list(c.image_mean), image_std=list(c.image_std)).save_pretrained(path)
+
+
+def export_llava_next(model: OmniModel, path: str, image_token_id: int, max_shard_bytes: Optional[int] = None) -> None:
+    """Write ``model`` (host tensors) to ``path`` as a LLaVA-NeXT checkpoint
+    (``LlavaNextForConditionalGeneration``), with its image processor's preprocessor_config.json.
+    ``image_token_id``: the tokenizer's image placeholder.
+
+    The weights are named as LLaVA-1.5's and OneVision's (``vision_tower.vision_model.*``, as
+    ``export_llava``; ``multi_modal_projector.linear_{1,2}.*``, ``image_newline``,
+    ``language_model.model.*``, ``language_model.lm_head.weight``). Refused, naming the part,
+    for a model that is not one (as ``export_llava_onevision``)."""
+    import transformers
+
+    from omni.models.encoders.llava_next import LlavaNextEncoder
+
+    enc = _image_encoder(model, LlavaNextEncoder, "export_llava_next", "llava_next", "a LLaVA-NeXT")
+    _export_anyres(model, enc, path, transformers.LlavaNextConfig, "LlavaNextForConditionalGeneration",
+                   "vision_tower.vision_model.", {"image_token_index": int(image_token_id)}, max_shard_bytes)
+    enc.hf_image_processor().save_pretrained(path)
+
+
+def _export_anyres(model: OmniModel, enc: Any, path: str, config_cls: type, architecture: str, tower_prefix: str,
+                   ids: dict, max_shard_bytes: Optional[int]) -> None:
+    """The weights and config.json of a LLaVA family with an anyres layout (NeXT, OneVision):
+    the tower under ``tower_prefix``, LLaVA's MLP and the image newline, the language model; the
+    layout's fields from the tower (``hf_layout_config``)."""
+    llm = model.llm.config
+    if llm.mrope_section is not None:
+        raise ValueError(f"a {architecture} checkpoint's language model has 1-D RoPE; this backbone rotates by M-RoPE "
+                         f"(mrope_section={llm.mrope_section})")
+    proj = model.projectors["image"]
+    act = _llava_projector(proj, enc.output_dim, llm.hidden_size)
+    config = config_cls(
+        text_config=llm.to_hf(text_of_vlm=True), vision_config=enc.hf_vision_config(), projector_hidden_act=act,
+        multimodal_projector_bias=True, tie_word_embeddings=llm.tie_word_embeddings, **ids, **enc.hf_layout_config())
+    sd = {tower_prefix + enc.hf_name(name): enc.to_hf_tensor(name, t) for name, t in enc.state_dict().items()}
+    names = {**llava_projector_names("multi_modal_projector."), "image_newline": "image_newline"}
+    sd.update({names[name]: t for name, t in proj.state_dict().items()})
+    sd.update(_language_model(model, "language_model.model.", "language_model.lm_head.weight"))
+    _write(config, architecture, sd, path, max_shard_bytes)
+    # The processor's settings are the tower's input contract: the caller writes them beside it.
 
 
 def _llava_projector(proj: nn.Module, in_dim: int, width: int) -> str:

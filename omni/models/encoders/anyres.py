@@ -1,5 +1,5 @@
-"""LLaVA-OneVision's "anyres" layout: how an image of any size becomes tiles of the tower's
-fixed size, and how the tiles' features become the LLM's rows.
+"""LLaVA-NeXT's and LLaVA-OneVision's "anyres" layout: how an image of any size becomes tiles of
+the tower's fixed size, and how the tiles' features become the LLM's rows.
 
 Both sides read the same rules from here, so the processor's token count (from the image's
 height and width alone, for planning), the pixels it cuts and the projector's rearrangement
@@ -12,19 +12,30 @@ never disagree:
   square, comes first.
 - **Rows** (features): the tiles' feature grids stitched into one grid, the rows or columns
   that only saw the padding cut off again (``unpadded``), the grid scaled down (bilinear) when
-  it holds more than ``max_tiles`` tiles' worth of features (``shrunk``), and a learned newline
+  it holds more than ``max_tiles`` tiles' worth of features (``shrunk``: OneVision's
+  ``anyres_max_N``; LLaVA-NeXT has no such limit, ``max_tiles`` None), and a learned newline
   vector after each row. The base image's features go first, as they are.
 - **Video**: each frame squashed to one square, its projected features pooled 2 x 2 (bilinear
   to half the side, rounded up), frame after frame, one newline at the end.
 
 An item without tiles (``base_only``: the base image and one newline) is what transformers makes
-of the images of a sample with several of them.
+of the images of a sample with several of them (OneVision).
+
+``AnyresImageProcessor`` cuts the pixels; the projector that lays the features out is
+``omni.models.encoders.llava_ov.LlavaOvProjector``.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dataloading.media import MediaItem
+from omni.models.encoders.images import normalised, padded_to_square, resized, rgb_uint8
 
 
 def best_resolution(height: int, width: int, pinpoints: Sequence[Sequence[int]]) -> Tuple[int, int]:
@@ -63,15 +74,27 @@ def unpadded(grid_h: int, grid_w: int, height: int, width: int) -> Tuple[int, in
     return 0, grid_h, pad, grid_w - 2 * pad
 
 
+def checked_pinpoints(pinpoints: Sequence[Sequence[int]], image_size: int) -> List[List[int]]:
+    """``image_grid_pinpoints`` as [[height, width], ...] ints; a ValueError unless each is a
+    positive multiple of the tower's ``image_size`` (the tiles are whole squares)."""
+    out = [[int(h), int(w)] for h, w in pinpoints]
+    bad = [p for p in out if p[0] % image_size or p[1] % image_size or min(p) < 1]
+    if bad or not out:
+        raise ValueError(f"image_grid_pinpoints {bad or '[]'}: each (height, width) must be a positive multiple of "
+                         f"image_size {image_size}")
+    return out
+
+
 @dataclass(frozen=True)
 class AnyresLayout:
     """The layout's numbers: the tower's square ``image_size`` (pixels) and ``patch_size``, the
-    ``pinpoints`` (pixels, multiples of ``image_size``) and ``max_tiles`` (``anyres_max_N``)."""
+    ``pinpoints`` (pixels, multiples of ``image_size``) and ``max_tiles`` (``anyres_max_N``;
+    None: no limit)."""
 
     image_size: int
     patch_size: int
     pinpoints: Tuple[Tuple[int, int], ...]
-    max_tiles: int
+    max_tiles: Optional[int] = None
 
     @property
     def side(self) -> int:
@@ -90,7 +113,10 @@ class AnyresLayout:
 
     def shrunk(self, rows: int, cols: int) -> Tuple[int, int]:
         """The feature grid after the ``max_tiles`` limit: scaled down by the side ratio when it
-        holds more than 1.1^2 x ``max_tiles`` tiles' worth, each side rounded down."""
+        holds more than 1.1^2 x ``max_tiles`` tiles' worth, each side rounded down; unchanged
+        without a limit."""
+        if self.max_tiles is None:
+            return rows, cols
         ratio = math.sqrt(rows * cols / (self.max_tiles * self.side ** 2))
         if ratio > 1.1:
             return int(rows // ratio), int(cols // ratio)
@@ -115,3 +141,62 @@ class AnyresLayout:
     def video_tokens(self, frames: int) -> int:
         """LLM rows of a video: each frame's pooled features, then one newline."""
         return frames * self.pooled_side ** 2 + 1
+
+
+class AnyresImageProcessor:
+    """An image -> its base image and tiles (module doc), each square cut into patches
+    [side*side, C*patch*patch] (raster order, each patch flattened as (channel, row, col), the
+    Conv2d weight's order), squares one after another; the item's size is ``(squares, height,
+    width, 0)``, the original height and width in pixels (the last column: 1 for a video, which
+    ``LlavaOvProcessor`` adds).
+
+    Pixels as transformers' LLaVA-NeXT and LLaVA-OneVision image processors make them: PIL
+    bicubic resizes of the uint8 image, black padding, x/255, (x - mean) / std. ``anyres=False``
+    (a source's option): the base image alone, padded to a square with the mean colour first."""
+
+    modality = "image"
+
+    def __init__(self, layout: AnyresLayout, channels: int, mean: Sequence[float], std: Sequence[float]):
+        self.layout = layout
+        self.channels = channels
+        self.mean = np.asarray(mean, dtype=np.float32)
+        self.std = np.asarray(std, dtype=np.float32)
+        self.pad_colour = [int(m * 255) for m in mean]
+        self.anyres = True
+
+    def with_options(self, anyres: Optional[bool] = None) -> "AnyresImageProcessor":
+        """A copy with one data source's ``anyres`` (mixture ``image:`` options)."""
+        other = copy.copy(self)
+        other.anyres = bool(anyres) if anyres is not None else self.anyres
+        return other
+
+    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
+        return self.layout.image_tokens(int(meta["height"]), int(meta["width"]), base_only=not self.anyres)
+
+    def squares(self, img: np.ndarray) -> List[np.ndarray]:
+        """uint8 [S, S, C] squares of an image: the base image, then its tiles row by row."""
+        s = self.layout.image_size
+        if not self.anyres:
+            return [resized(padded_to_square(img, self.pad_colour), s, s)]
+        h, w = img.shape[:2]
+        ph, pw = self.layout.tiles(h, w)
+        ph, pw = ph * s, pw * s
+        nh, nw = fitted_size(h, w, ph, pw)
+        canvas = np.zeros((ph, pw, img.shape[2]), dtype=np.uint8)
+        top, left = (ph - nh) // 2, (pw - nw) // 2
+        canvas[top:top + nh, left:left + nw] = resized(img, nh, nw)
+        tiles = [canvas[i:i + s, j:j + s] for i in range(0, ph, s) for j in range(0, pw, s)]
+        return [resized(img, s, s)] + tiles
+
+    def _patches(self, squares: List[np.ndarray]) -> torch.Tensor:
+        side, p, c = self.layout.side, self.layout.patch_size, self.channels
+        x = np.stack([normalised(sq, self.mean, self.std) for sq in squares])  # [n, S, S, C]
+        x = x.reshape(len(squares), side, p, side, p, c).transpose(0, 1, 3, 5, 2, 4)
+        return torch.from_numpy(np.ascontiguousarray(x.reshape(len(squares) * side * side, c * p * p)))
+
+    def __call__(self, raw: Any) -> MediaItem:
+        img = rgb_uint8(raw, self.channels)
+        h, w = img.shape[:2]
+        squares = self.squares(img)
+        return MediaItem(features=self._patches(squares), size=(len(squares), h, w, 0),
+                         num_tokens=self.layout.image_tokens(h, w, base_only=not self.anyres))

@@ -192,17 +192,17 @@ def _position_table(c: ClipEncoderConfig) -> torch.Tensor:
     return torch.cat([torch.zeros(1, c.hidden_size), sincos_2d(c.side, c.hidden_size)])
 
 
-class ClipEncoder(EncoderAnchor):
-    """CLIP vision tower with LLaVA's feature choice (see the module doc).
-
-    ``forward(features [n*side*side, C*P*P], sizes int64 [n, 2] = (side, side))`` ->
-    ``[n * tokens_per_image, hidden_size]``, image after image (class token first with ``full``).
-    Parameter names equal transformers' ``CLIPVisionModel``'s, so a checkpoint loads key by key."""
+class ClipTower(EncoderAnchor):
+    """CLIP's vision tower, the part LLaVA's families share: its modules (parameter names equal
+    transformers' ``CLIPVisionModel``'s, so a checkpoint loads key by key), the run of fixed
+    squares with their class tokens, and the checkpoint's tower config. A family's plugin
+    (``ClipEncoder``, ``omni.models.encoders.llava_next``) adds what an item is: its processor,
+    ``forward`` and projector."""
 
     modality: ClassVar[str] = "image"
     Config: ClassVar[type] = ClipEncoderConfig
-    hf_model_types: ClassVar[Tuple[str, ...]] = ("llava", "clip_vision_model", "clip")
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = TOWER_PREFIXES
+    plugin: ClassVar[str] = "clip"  # the plugin's name, for messages
 
     def __init__(self, config: ClipEncoderConfig):
         super().__init__(config)
@@ -217,10 +217,6 @@ class ClipEncoder(EncoderAnchor):
         for unused in [*self.encoder.layers[c.layers_run:], self.post_layernorm]:
             unused.requires_grad_(False)
 
-    @classmethod
-    def processor(cls, config: ClipEncoderConfig) -> ClipProcessor:
-        return ClipProcessor(cls.build_config(config))
-
     def init_rule(self, owner: nn.Module, path: str, attr: str):
         """From scratch: the class embedding as CLIP draws it (normal, std = width^-0.5), the
         position table as ``_position_table``; the rest takes torch's defaults."""
@@ -233,6 +229,79 @@ class ClipEncoder(EncoderAnchor):
             return Computed(lambda: _position_table(c))
         return None
 
+    def squares(self, features: torch.Tensor, n: int) -> torch.Tensor:
+        """``n`` squares' patches [n*side*side, C*P*P] -> their chosen hidden states
+        [n * tokens_per_image, hidden_size], square after square (class token first with
+        ``full``); each square attends within itself, its class token included."""
+        c = self.config
+        s, d = c.side, c.hidden_size
+        emb = self.embeddings
+        x = emb.patch_embedding(features.to(emb.patch_embedding.weight.dtype)).view(n, s * s, d)
+        x = torch.cat([emb.class_embedding.to(x.dtype).expand(n, 1, d), x], dim=1)
+        x = self.pre_layrnorm(x + emb.position_embedding.weight.to(x.dtype)).reshape(n * (s * s + 1), d)
+        if n:  # no items: nothing to attend over; the embedding stays in the graph
+            x = self.run_layers(self.encoder.layers[:c.layers_run], x, self.item_attention([s * s + 1] * n, x.device))
+        x = x.view(n, s * s + 1, d)
+        return (x if c.keeps_class_token else x[:, 1:]).reshape(-1, d)
+
+    # --- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
+        """A LLaVA-family config.json (its ``vision_config`` and feature choice), a CLIP one (its
+        ``vision_config``) or a CLIPVisionModel's -> params; keys the file leaves out take
+        transformers' defaults (``transformers_config``)."""
+        from omni.models.hf_checkpoint import transformers_config
+
+        config = transformers_config(hf_config)
+        out: Dict[str, Any] = {}
+        kind = hf_config.get("model_type")
+        if kind not in ("clip_vision_model", "clip"):
+            out["vision_feature_layer"] = config.vision_feature_layer
+            out["vision_feature_select_strategy"] = config.vision_feature_select_strategy
+        vision = config if kind == "clip_vision_model" else config.vision_config
+        if vision.model_type != "clip_vision_model":
+            raise ValueError(f"this {kind} checkpoint's vision tower is {vision.model_type!r}; the {cls.plugin} encoder "
+                             f"loads CLIP towers (clip_vision_model) only")
+        v = vision.to_dict()
+        out.update({k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_channels", "image_size", "patch_size", "layer_norm_eps", "hidden_act")})
+        return out
+
+    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
+            return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
+        return tensor
+
+    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
+        if name == "embeddings.patch_embedding.weight":
+            c = self.config
+            return tensor.reshape(tensor.shape[0], c.num_channels, c.patch_size, c.patch_size)
+        return tensor
+
+    def hf_vision_config(self) -> Dict[str, Any]:
+        """The checkpoint's ``vision_config`` of this tower (a ``CLIPVisionConfig``)."""
+        c = self.config
+        return {"model_type": "clip_vision_model", "hidden_size": c.hidden_size,
+                "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+                "num_attention_heads": c.num_attention_heads, "num_channels": c.num_channels,
+                "image_size": c.image_size, "patch_size": c.patch_size, "layer_norm_eps": c.layer_norm_eps,
+                "hidden_act": c.hidden_act}
+
+
+class ClipEncoder(ClipTower):
+    """CLIP vision tower with LLaVA's feature choice (see the module doc): one square per image.
+
+    ``forward(features [n*side*side, C*P*P], sizes int64 [n, 2] = (side, side))`` ->
+    ``[n * tokens_per_image, hidden_size]``, image after image (class token first with ``full``)."""
+
+    hf_model_types: ClassVar[Tuple[str, ...]] = ("llava", "clip_vision_model", "clip")
+
+    @classmethod
+    def processor(cls, config: ClipEncoderConfig) -> ClipProcessor:
+        return ClipProcessor(cls.build_config(config))
+
     # --- the model ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -243,15 +312,7 @@ class ClipEncoder(EncoderAnchor):
             raise ValueError(f"ClipEncoder: an image of {bad[0]}x{bad[1]} patches; the tower takes {s}x{s} "
                              f"(image_size {c.image_size} / patch_size {c.patch_size}), which its processor makes")
         check_sizes(type(self).__name__, features, (h * w for h, w in grids))
-        emb = self.embeddings
-        n, d = len(grids), c.hidden_size
-        x = emb.patch_embedding(features.to(emb.patch_embedding.weight.dtype)).view(n, s * s, d)
-        x = torch.cat([emb.class_embedding.to(x.dtype).expand(n, 1, d), x], dim=1)
-        x = self.pre_layrnorm(x + emb.position_embedding.weight.to(x.dtype)).reshape(n * (s * s + 1), d)
-        if n:  # no items: nothing to attend over; the embedding stays in the graph
-            x = self.run_layers(self.encoder.layers[:c.layers_run], x, self.item_attention([s * s + 1] * n, x.device))
-        x = x.view(n, s * s + 1, d)
-        return (x if c.keeps_class_token else x[:, 1:]).reshape(-1, d)
+        return self.squares(features, len(grids))
 
     # --- the planner's view --------------------------------------------------------------------
     def cost_coefficients(self) -> Tuple[float, float]:
@@ -271,28 +332,6 @@ class ClipEncoder(EncoderAnchor):
                                             self.activation_checkpoint)
 
     # --- checkpoints -------------------------------------------------------------------------
-    @classmethod
-    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
-        """A LLaVA config.json (its ``vision_config`` and feature choice), a CLIP one (its
-        ``vision_config``) or a CLIPVisionModel's -> params; keys the file leaves out take
-        transformers' defaults (``transformers_config``)."""
-        from omni.models.hf_checkpoint import transformers_config
-
-        config = transformers_config(hf_config)
-        out: Dict[str, Any] = {}
-        kind = hf_config.get("model_type")
-        if kind == "llava":
-            out["vision_feature_layer"] = config.vision_feature_layer
-            out["vision_feature_select_strategy"] = config.vision_feature_select_strategy
-        vision = config if kind == "clip_vision_model" else config.vision_config
-        if vision.model_type != "clip_vision_model":
-            raise ValueError(f"this {kind} checkpoint's vision tower is {vision.model_type!r}; the clip encoder loads "
-                             f"CLIP towers (clip_vision_model) only")
-        v = vision.to_dict()
-        out.update({k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                      "num_channels", "image_size", "patch_size", "layer_norm_eps", "hidden_act")})
-        return out
-
     @classmethod
     def params_from_preprocessor_config(cls, pp: Dict[str, Any]) -> Dict[str, Any]:
         """A ``CLIPImageProcessor`` / ``LlavaImageProcessor`` preprocessor_config.json ->
@@ -330,54 +369,14 @@ class ClipEncoder(EncoderAnchor):
             out["pad_to_square"] = True
         return out
 
-    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
-            return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
-        return tensor
-
     @classmethod
     def pretrained_projector(cls, path: str) -> Optional[PretrainedProjector]:
         """LLaVA's projector (``multi_modal_projector``: linear_1, the activation, linear_2, both
         as wide as the LLM), which is Omni's projector without a merge; None for a checkpoint
         without one (a CLIP model of its own)."""
-        from omni.models.hf_checkpoint import CheckpointReader, read_hf_config, transformers_config
-
-        hf = read_hf_config(path)
-        if hf.get("model_type") != "llava":
-            return None
-        config = transformers_config(hf)
-        if not config.multimodal_projector_bias:
-            raise ValueError(f"{path}: the LLaVA projector has no biases (multimodal_projector_bias=false), Omni's has; "
-                             f"start a fresh one with projector.pretrained=false")
-        act = LLAVA_ACTIVATIONS.get(config.projector_hidden_act)
-        if act is None:
-            raise ValueError(f"{path}: projector_hidden_act={config.projector_hidden_act!r} has no Omni projector "
-                             f"activation (supported: {', '.join(LLAVA_ACTIVATIONS)})")
-        reader = CheckpointReader(path)
-        prefix = next((p for p in PROJECTOR_PREFIXES if p + "linear_1.weight" in reader), None)
-        if prefix is None:
-            return None
-        width = int(config.text_config.hidden_size)
-        return PretrainedProjector(out_dim=width, hidden=width, activation=act, names=llava_projector_names(prefix))
+        return llava_pretrained_projector(path, "llava")
 
     # --- export (omni.models.hf_vlm) ------------------------------------------------------------
-    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
-        if name == "embeddings.patch_embedding.weight":
-            c = self.config
-            return tensor.reshape(tensor.shape[0], c.num_channels, c.patch_size, c.patch_size)
-        return tensor
-
-    def hf_vision_config(self) -> Dict[str, Any]:
-        """The checkpoint's ``vision_config`` of this tower (a ``CLIPVisionConfig``)."""
-        c = self.config
-        return {"model_type": "clip_vision_model", "hidden_size": c.hidden_size,
-                "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-                "num_attention_heads": c.num_attention_heads, "num_channels": c.num_channels,
-                "image_size": c.image_size, "patch_size": c.patch_size, "layer_norm_eps": c.layer_norm_eps,
-                "hidden_act": c.hidden_act}
-
-
     def hf_preprocessor_config(self) -> Dict[str, Any]:
         """preprocessor_config.json of this tower's processor: a ``CLIPImageProcessor``, or a
         ``LlavaImageProcessor`` when it pads to a square (``params_from_preprocessor_config``
@@ -404,3 +403,33 @@ def llava_projector_names(prefix: str) -> Dict[str, str]:
     """The projector's tensor names -> LLaVA's (below ``prefix``)."""
     return {f"{ours}.{kind}": f"{prefix}{theirs}.{kind}" for ours, theirs in (("fc1", "linear_1"), ("fc2", "linear_2"))
             for kind in ("weight", "bias")}
+
+
+def llava_pretrained_projector(path: str, model_type: str, newline: bool = False) -> Optional[PretrainedProjector]:
+    """The ``multi_modal_projector`` of a LLaVA-family checkpoint (LLaVA's MLP: linear_1, the
+    activation, linear_2, both as wide as the LLM, which is Omni's projector without a merge),
+    and with ``newline`` its learned ``image_newline``; None when ``path`` is not a
+    ``model_type`` checkpoint or lacks them (a tower of its own)."""
+    from omni.models.hf_checkpoint import CheckpointReader, read_hf_config, transformers_config
+
+    hf = read_hf_config(path)
+    if hf.get("model_type") != model_type:
+        return None
+    config = transformers_config(hf)
+    if not config.multimodal_projector_bias:
+        raise ValueError(f"{path}: the LLaVA projector has no biases (multimodal_projector_bias=false), Omni's has; "
+                         f"start a fresh one with projector.pretrained=false")
+    act = LLAVA_ACTIVATIONS.get(config.projector_hidden_act)
+    if act is None:
+        raise ValueError(f"{path}: projector_hidden_act={config.projector_hidden_act!r} has no Omni projector "
+                         f"activation (supported: {', '.join(LLAVA_ACTIVATIONS)})")
+    reader = CheckpointReader(path)
+    prefix = next((p for p in PROJECTOR_PREFIXES if p + "linear_1.weight" in reader), None)
+    names = llava_projector_names(prefix) if prefix is not None else None
+    if newline and names is not None:
+        found = next((n for n in ("image_newline", "model.image_newline") if n in reader), None)
+        names = {**names, "image_newline": found} if found is not None else None
+    if names is None:
+        return None
+    width = int(config.text_config.hidden_size)
+    return PretrainedProjector(out_dim=width, hidden=width, activation=act, names=names)

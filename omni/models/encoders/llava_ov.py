@@ -21,23 +21,21 @@ as described there (not copied); the parity tests hold it to them.
 """
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
 from dataloading.video import frame_times, sample_count
-from omni.models.encoders.anyres import AnyresLayout, fitted_size
+from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
 from omni.models.encoders.base import (EncoderAnchor, HostSizes, activation, check_sizes, transformer_activation_bytes,
                                        transformer_flops)
-from omni.models.encoders.clip import LLAVA_ACTIVATIONS, PROJECTOR_PREFIXES, TOWER_PREFIXES, llava_projector_names
-from omni.models.encoders.images import normalised, padded_to_square, resized, rgb_uint8
+from omni.models.encoders.clip import TOWER_PREFIXES, llava_pretrained_projector
+from omni.models.encoders.images import resized, rgb_uint8
 from omni.models.encoders.siglip import sincos_2d
 from omni.models.encoders.vit import ViTLayers
 from omni.models.projector import PretrainedProjector, Projector
@@ -104,11 +102,7 @@ class LlavaOvEncoderConfig:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.image_grid_pinpoints is None:
             self.image_grid_pinpoints = default_pinpoints(self.image_size)
-        self.image_grid_pinpoints = [[int(h), int(w)] for h, w in self.image_grid_pinpoints]
-        bad = [p for p in self.image_grid_pinpoints if p[0] % self.image_size or p[1] % self.image_size or min(p) < 1]
-        if bad or not self.image_grid_pinpoints:
-            raise ValueError(f"image_grid_pinpoints {bad or '[]'}: each (height, width) must be a positive multiple of "
-                             f"image_size {self.image_size}")
+        self.image_grid_pinpoints = checked_pinpoints(self.image_grid_pinpoints, self.image_size)
         if _ASPECT.match(str(self.vision_aspect_ratio)) is None:
             raise ValueError(f"vision_aspect_ratio={self.vision_aspect_ratio!r} is not of the form anyres_max_N")
         self.image_mean = [float(v) for v in self.image_mean]
@@ -136,35 +130,23 @@ class LlavaOvEncoderConfig:
                             max_tiles)
 
 
-class LlavaOvProcessor:
-    """An image -> its base image and tiles; a video -> its frames (see the module doc), each
-    square cut into patches [side*side, C*patch*patch] (raster order, each patch flattened as
-    (channel, row, col), the Conv2d weight's order), squares one after another.
-
-    Pixels as transformers' ``LlavaOnevisionImageProcessor`` makes them: PIL bicubic resizes of
-    the uint8 image, black padding, x/255, (x - mean) / std. Video frames are resized the same
-    way (transformers' video processor resizes with torchvision, so its pixels may differ by
-    resampling rounding). ``anyres=False`` (a source's option): the base image alone, padded to
-    a square with the mean colour first, as transformers treats the images of a sample that has
-    several."""
-
-    modality = "image"
+class LlavaOvProcessor(AnyresImageProcessor):
+    """An image -> its base image and tiles (``AnyresImageProcessor``, as transformers'
+    ``LlavaOnevisionImageProcessor`` makes them); a video -> its frames, each squashed to one
+    square. Video frames are resized as images are (transformers' video processor resizes with
+    torchvision, so its pixels may differ by resampling rounding). ``anyres=False`` (a source's
+    option): the base image alone, padded to a square with the mean colour first, as
+    transformers treats the images of a sample that has several."""
 
     def __init__(self, config: LlavaOvEncoderConfig):
-        self.layout = config.layout
-        self.channels = config.num_channels
-        self.mean = np.asarray(config.image_mean, dtype=np.float32)
-        self.std = np.asarray(config.image_std, dtype=np.float32)
-        self.pad_colour = [int(m * 255) for m in config.image_mean]
-        self.anyres = True
+        super().__init__(config.layout, config.num_channels, config.image_mean, config.image_std)
         self.fps, self.min_frames, self.max_frames = config.video_fps, config.min_frames, config.max_frames
 
     def with_options(self, anyres: Optional[bool] = None, fps: Optional[float] = None, min_frames: Optional[int] = None,
                      max_frames: Optional[int] = None) -> "LlavaOvProcessor":
         """A copy with one data source's settings: ``anyres`` (mixture ``image:`` options) and
         video sampling (``video:`` options)."""
-        other = copy.copy(self)
-        other.anyres = bool(anyres) if anyres is not None else self.anyres
+        other = super().with_options(anyres=anyres)
         other.fps = float(fps) if fps is not None else self.fps
         other.min_frames = int(min_frames) if min_frames is not None else self.min_frames
         other.max_frames = int(max_frames) if max_frames is not None else self.max_frames
@@ -179,35 +161,7 @@ class LlavaOvProcessor:
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
         if "duration" in meta:
             return self.layout.video_tokens(self.frames(meta))
-        return self.layout.image_tokens(int(meta["height"]), int(meta["width"]), base_only=not self.anyres)
-
-    def squares(self, img: np.ndarray) -> List[np.ndarray]:
-        """uint8 [S, S, C] squares of an image: the base image, then its tiles row by row."""
-        s = self.layout.image_size
-        if not self.anyres:
-            return [resized(padded_to_square(img, self.pad_colour), s, s)]
-        h, w = img.shape[:2]
-        ph, pw = self.layout.tiles(h, w)
-        ph, pw = ph * s, pw * s
-        nh, nw = fitted_size(h, w, ph, pw)
-        canvas = np.zeros((ph, pw, img.shape[2]), dtype=np.uint8)
-        top, left = (ph - nh) // 2, (pw - nw) // 2
-        canvas[top:top + nh, left:left + nw] = resized(img, nh, nw)
-        tiles = [canvas[i:i + s, j:j + s] for i in range(0, ph, s) for j in range(0, pw, s)]
-        return [resized(img, s, s)] + tiles
-
-    def _patches(self, squares: List[np.ndarray]) -> torch.Tensor:
-        side, p, c = self.layout.side, self.layout.patch_size, self.channels
-        x = np.stack([normalised(sq, self.mean, self.std) for sq in squares])  # [n, S, S, C]
-        x = x.reshape(len(squares), side, p, side, p, c).transpose(0, 1, 3, 5, 2, 4)
-        return torch.from_numpy(np.ascontiguousarray(x.reshape(len(squares) * side * side, c * p * p)))
-
-    def __call__(self, raw: Any) -> MediaItem:
-        img = rgb_uint8(raw, self.channels)
-        h, w = img.shape[:2]
-        squares = self.squares(img)
-        return MediaItem(features=self._patches(squares), size=(len(squares), h, w, 0),
-                         num_tokens=self.layout.image_tokens(h, w, base_only=not self.anyres))
+        return super().num_tokens_from_meta(meta)
 
     def video(self, clip: Any) -> MediaItem:
         """A ``dataloading.video.Video`` -> one item of its sampled frames, each squashed to the
@@ -229,15 +183,16 @@ class _Embeddings(nn.Module):
 
 
 class LlavaOvProjector(Projector):
-    """LLaVA-OneVision's ``multi_modal_projector`` (``fc1``/``fc2``: its ``linear_1``/``linear_2``)
-    on every tower token, then each item laid out by ``layout`` from its size (module doc), with
-    the learned ``image_newline`` (as wide as the LLM). Needs the items' sizes: rows that are
+    """LLaVA-OneVision's (and LLaVA-NeXT's: its ``layout`` has no ``max_tiles``, no video)
+    ``multi_modal_projector`` (``fc1``/``fc2``: its ``linear_1``/``linear_2``) on every tower
+    token, then each item laid out by ``layout`` from its size (module doc), with the learned
+    ``image_newline`` (as wide as the LLM). Needs the items' sizes: rows that are
     pieces of items (``sizes`` None) are refused."""
 
     def __init__(self, in_dim: int, out_dim: int, layout: AnyresLayout, **kwargs: Any):
         super().__init__(in_dim, out_dim, **kwargs)
         if self.merge != 1:
-            raise ValueError("the LLaVA-OneVision projector maps each tower token alone (merge 1)")
+            raise ValueError("the anyres (LLaVA-NeXT / OneVision) projector maps each tower token alone (merge 1)")
         self.layout = layout
         self.image_newline = nn.Parameter(torch.randn(out_dim) * out_dim ** -0.5)
 
@@ -252,7 +207,7 @@ class LlavaOvProjector(Projector):
     def forward(self, x: torch.Tensor, sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
         sizes = HostSizes.unwrap(sizes)
         if sizes is None:
-            raise ValueError("the LLaVA-OneVision projector lays out whole items and needs their sizes")
+            raise ValueError("the anyres (LLaVA-NeXT / OneVision) projector lays out whole items and needs their sizes")
         y = super().forward(x)
         s, d = self.layout.side, y.shape[1]
         newline = self.image_newline.to(y.dtype)
@@ -418,27 +373,7 @@ class LlavaOvEncoder(EncoderAnchor):
     def pretrained_projector(cls, path: str) -> Optional[PretrainedProjector]:
         """The checkpoint's ``multi_modal_projector`` (LLaVA's MLP) and ``image_newline``; None
         for a SigLIP checkpoint of its own."""
-        from omni.models.hf_checkpoint import CheckpointReader, read_hf_config, transformers_config
-
-        hf = read_hf_config(path)
-        if hf.get("model_type") != "llava_onevision":
-            return None
-        config = transformers_config(hf)
-        if not config.multimodal_projector_bias:
-            raise ValueError(f"{path}: the projector has no biases (multimodal_projector_bias=false), Omni's has; "
-                             f"start a fresh one with projector.pretrained=false")
-        act = LLAVA_ACTIVATIONS.get(config.projector_hidden_act)
-        if act is None:
-            raise ValueError(f"{path}: projector_hidden_act={config.projector_hidden_act!r} has no Omni projector "
-                             f"activation (supported: {', '.join(LLAVA_ACTIVATIONS)})")
-        reader = CheckpointReader(path)
-        prefix = next((p for p in PROJECTOR_PREFIXES if p + "linear_1.weight" in reader), None)
-        newline = next((n for n in ("image_newline", "model.image_newline") if n in reader), None)
-        if prefix is None or newline is None:
-            return None
-        width = int(config.text_config.hidden_size)
-        return PretrainedProjector(out_dim=width, hidden=width, activation=act,
-                                   names={**llava_projector_names(prefix), "image_newline": newline})
+        return llava_pretrained_projector(path, "llava_onevision", newline=True)
 
     # --- export (omni.models.hf_vlm) ------------------------------------------------------------
     def hf_vision_config(self) -> Dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Three ways, tried in order:
 
-1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``clip``, ``siglip2``, ``llava_ov``): always available, also when omni is not pip-installed;
+1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``clip``, ``siglip2``, ``llava_ov``, ``llava_next``): always available, also when omni is not pip-installed;
 2. installed packages that declare an entry point in the ``omni.encoders`` group, e.g. in their
    pyproject.toml::
 
@@ -42,6 +42,7 @@ _BUILTINS: Dict[str, str] = {
     "clip": "omni.models.encoders.clip:ClipEncoder",
     "siglip2": "omni.models.encoders.siglip2:Siglip2Encoder",
     "llava_ov": "omni.models.encoders.llava_ov:LlavaOvEncoder",
+    "llava_next": "omni.models.encoders.llava_next:LlavaNextEncoder",
 }
 _REQUIRED = ("modality", "Config", "build_config", "processor", "forward", "cost_coefficients", "from_pretrained")
 

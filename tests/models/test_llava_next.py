@@ -1,0 +1,125 @@
+"""A whole LLaVA-NeXT directory through Omni equals transformers: the Llama language model from
+``model.pretrained``, the CLIP tower, projector and newline from the ``llava_next`` slot's
+``pretrained``. One packed row holds two anyres images of different aspect ratios (one wide,
+tiled 2 x 2 and unpadded top and bottom; one tall, tiled 2 x 1 and unpadded left and right);
+its logits equal transformers' logits of each sample run alone (relative error <= 1e-5). The
+processor's pixels equal transformers' image processor's (its PIL variant) and its token counts
+the planner's; the export loads in transformers with the same tensors and round-trips
+bit-exactly."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dataloading.batch import IGNORE_INDEX
+from dataloading.constructor import Tokenized, assemble
+from hf_family_helpers import save_tiny_llava_next_chat
+from model_helpers import omni_logits, rel_err
+from omni.models.build import build_model, media_processors
+from omni.models.config import EncoderSlot, ModelConfig
+
+transformers = pytest.importorskip("transformers")
+PixelProcessor = transformers.LlavaNextImageProcessorPil
+
+
+def _sample(name, before, after, item, token):
+    ids = np.array(before + [token] * item.num_tokens + after, dtype=np.int64)
+    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = ids[1:]
+    return Tokenized(name, ids, labels, [("image", item, np.arange(len(before), len(before) + item.num_tokens))])
+
+
+def _load(path):
+    return build_model(ModelConfig(pretrained=str(path)), {"vision": EncoderSlot(name="llava_next", pretrained=str(path))},
+                       vocab_needed=0, seed=0).eval()
+
+
+@pytest.mark.parametrize("config", [dict(), dict(vision_feature_layer=-1)], ids=["layer-2", "layer-1"])
+def test_a_packed_row_of_two_anyres_images_equals_transformers_each_alone(tmp_path, config):
+    hf, _ = save_tiny_llava_next_chat(tmp_path, **config)
+    ours = _load(tmp_path)
+    proc = media_processors(ours)["image"]
+    rng = np.random.default_rng(0)
+    # 20 x 37: 2 x 2 tiles, the 8 x 8 grid unpadded to 4 rows; 37 x 11: 2 x 1 tiles, the 8 x 4
+    # grid unpadded to 2 columns
+    images = [rng.integers(0, 256, size=s, dtype=np.uint8) for s in [(20, 37, 3), (37, 11, 3)]]
+    items = [proc(im) for im in images]
+    assert [it.num_tokens for it in items] == [16 + 4 * 9, 16 + 8 * 3]
+    assert [it.num_tokens for it in items] == [proc.num_tokens_from_meta({"height": i.shape[0], "width": i.shape[1]})
+                                               for i in images]
+    image_id = hf.config.image_token_id
+    samples = [_sample("a", [5, 6], [7, 8, 9], items[0], image_id), _sample("b", [11], [12, 13], items[1], image_id)]
+    pixels = PixelProcessor.from_pretrained(tmp_path)
+    with torch.no_grad():
+        packed, start = omni_logits(ours, assemble(samples)), 0
+        for s, image in zip(samples, images):
+            want = hf(input_ids=torch.from_numpy(s.ids)[None], **pixels(images=[image], return_tensors="pt")).logits[0]
+            assert rel_err(packed[start:start + len(s)], want) <= 1e-5
+            start += len(s)
+
+
+@pytest.mark.parametrize("size", [(20, 37), (37, 11), (16, 16), (33, 15), (7, 50)])
+def test_the_processor_equals_transformers_image_processor(tmp_path, size):
+    from omni.models.encoders.llava_next import LlavaNextEncoder
+
+    save_tiny_llava_next_chat(tmp_path)
+    proc = LlavaNextEncoder.processor(LlavaNextEncoder.build_config(
+        {**LlavaNextEncoder.params_from_hf_config(json.loads((tmp_path / "config.json").read_text())),
+         **LlavaNextEncoder.params_from_preprocessor_config(json.loads((tmp_path / "preprocessor_config.json").read_text()))}))
+    image = np.random.default_rng(1).integers(0, 256, size=(*size, 3), dtype=np.uint8)
+    got = PixelProcessor.from_pretrained(tmp_path)(images=[image], return_tensors="pt")
+    want = got["pixel_values"][0]
+    assert got["image_sizes"][0].tolist() == list(size)
+    item = proc(image)
+    n = want.shape[0]
+    assert item.size == (n, *size, 0)
+    ours = item.features.view(n, 4, 4, 3, 4, 4).permute(0, 3, 1, 4, 2, 5).reshape(n, 3, 16, 16)
+    torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
+
+
+def test_export_loads_in_transformers_bit_identically_and_round_trips(tmp_path):
+    """``omni export`` of the directory: transformers loads it with the same tensors (so the same
+    logits), the image processor's settings are the directory's, Omni loads it back with
+    transformers' logits, and exporting the export writes the same bytes."""
+    from omni.models import load_pretrained
+    from recipes.cli import main
+
+    hf, _ = save_tiny_llava_next_chat(tmp_path / "hf")
+    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
+    back = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "a").eval()
+    assert type(back) is type(hf)
+    want, got = hf.state_dict(), back.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for key in ("image_grid_pinpoints", "vision_feature_layer", "vision_feature_select_strategy", "image_token_id"):
+        assert getattr(back.config, key) == getattr(hf.config, key), key
+    pp = [json.loads((tmp_path / d / "preprocessor_config.json").read_text()) for d in ("hf", "a")]
+    assert {k: pp[1][k] for k in pp[0]} == pp[0]
+    image = np.random.default_rng(2).integers(0, 256, size=(30, 19, 3), dtype=np.uint8)
+    ours = load_pretrained(str(tmp_path / "a")).eval()
+    item = media_processors(ours)["image"](image)
+    s = _sample("a", [5], [6, 7], item, hf.config.image_token_id)
+    with torch.no_grad():
+        pixels = PixelProcessor.from_pretrained(tmp_path / "a")(images=[image], return_tensors="pt")
+        want = back(input_ids=torch.from_numpy(s.ids)[None], **pixels).logits[0]
+        assert rel_err(omni_logits(ours, assemble([s])), want) <= 1e-5
+    assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
+    first, second = ({p.name: p.read_bytes() for p in sorted((tmp_path / d).iterdir()) if p.is_file()} for d in "ab")
+    assert first.keys() == second.keys() and all(first[k] == second[k] for k in first)
+
+
+def test_settings_the_layout_cannot_take_are_refused():
+    from omni.models.encoders.llava_next import LlavaNextEncoder
+
+    small = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4)
+    assert LlavaNextEncoder.build_config(small).image_grid_pinpoints == [[16, 32], [32, 16], [32, 32], [48, 16],
+                                                                         [16, 48]]
+    with pytest.raises(ValueError, match="needs the class token dropped"):
+        LlavaNextEncoder.build_config({**small, "vision_feature_select_strategy": "full"})
+    with pytest.raises(ValueError, match="shortest_edge=20"):
+        LlavaNextEncoder.build_config({**small, "shortest_edge": 20})
+    with pytest.raises(ValueError, match="positive multiple of image_size 16"):
+        LlavaNextEncoder.build_config({**small, "image_grid_pinpoints": [[16, 24]]})
