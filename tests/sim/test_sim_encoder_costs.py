@@ -84,13 +84,20 @@ class _Counts:
         monkeypatch.setattr(pg, "foreach_reduce", counted_reduce)
 
 
+class _LinearProjector(nn.Linear):
+    """A one-layer projector under the projector call contract (``projector(rows, sizes)``)."""
+
+    def forward(self, x: torch.Tensor, sizes=None) -> torch.Tensor:
+        return super().forward(x)
+
+
 def _tiny_tower() -> MediaTower:
     from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 
     torch.manual_seed(0)
     enc = SiglipEncoder(SiglipEncoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=2, image_size=16, patch_size=4))
-    return MediaTower({"image": enc}, {"image": nn.Linear(32, 16)})
+    return MediaTower({"image": enc}, {"image": _LinearProjector(32, 16)})
 
 
 def _sizes():
