@@ -10,7 +10,6 @@ from typing import Optional
 
 from omni.errors import ConfigError
 
-CHECKPOINT_MARKER = "COMPLETE"  # omni.runtime.checkpoint.MARKER, without importing torch.distributed here
 
 
 @dataclass
@@ -30,11 +29,10 @@ def _run_of_checkpoint(path: Path) -> Path:
 
 
 def _checkpoint_of_run(run: Path, cfg, step: Optional[int]) -> Path:
-    from omni.runtime.checkpoint import PREFIX
+    from omni.runtime.checkpoint import PREFIX, completed_checkpoints
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run / "checkpoints"
-    done = sorted((p for p in root.glob(f"{PREFIX}*") if (p / CHECKPOINT_MARKER).exists()),
-                  key=lambda p: int(p.name[len(PREFIX):]))
+    done = completed_checkpoints(root)
     if step is not None:
         done = [p for p in done if int(p.name[len(PREFIX):]) == step]
         if not done:
@@ -78,7 +76,9 @@ def locate(spec: str, step: Optional[int] = None) -> Located:
 
         family_of(str(path))
         return Located(hf=path)
-    if (path / CHECKPOINT_MARKER).exists():
+    from omni.runtime.checkpoint import MARKER
+
+    if (path / MARKER).exists():
         return Located(run=_run_of_checkpoint(path), checkpoint=path)
     if (path / "config.yaml").is_file():
         return Located(run=path, checkpoint=_checkpoint_of_run(path, run_config(path), step))

@@ -92,6 +92,14 @@ def load_plain(path: Path) -> Any:
                           "checkpoint.resume=never to start fresh") from None
 
 
+def completed_checkpoints(root: Path) -> list[Path]:
+    """The completed checkpoint folders under ``root`` (``step_N`` with its marker), oldest first."""
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob(f"{PREFIX}*") if (p / MARKER).exists()]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+
+
 @dataclass
 class Restored:
     step: int
@@ -141,10 +149,7 @@ class Checkpointer:
 
     # -- discovery -------------------------------------------------------------------------
     def completed(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        done = [p for p in self.root.glob(f"{PREFIX}*") if (p / MARKER).exists()]
-        return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+        return completed_checkpoints(self.root)
 
     def resume_path(self, parts: list[nn.Module] | None = None) -> Path | None:
         """What `checkpoint.resume` points at: None (start fresh) or a completed checkpoint.

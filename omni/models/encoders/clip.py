@@ -30,8 +30,8 @@ from torch import nn
 from dataloading.media import MediaItem
 from omni.models.encoders.base import (EncoderAnchor, activation, check_sizes, transformer_activation_bytes,
                                        transformer_flops)
-from omni.models.encoders.images import center_cropped, normalised, padded_to_square, resized, rgb_uint8, \
-    shortest_edge_size
+from omni.models.encoders.images import center_cropped, normalisation_params, normalised, padded_to_square, resized, \
+    rgb_uint8, shortest_edge_size
 from omni.models.encoders.siglip import sincos_2d
 from omni.models.encoders.vit import ViTLayers
 from omni.models.projector import PretrainedProjector
@@ -344,7 +344,7 @@ class ClipEncoder(ClipTower):
             raise ValueError(f"preprocessor_config.json: resample={pp['resample']} is not supported (bicubic, 3, is)")
         if abs(float(pp.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
             raise ValueError(f"preprocessor_config.json: rescale_factor={pp['rescale_factor']} is not supported (1/255 is)")
-        out: Dict[str, Any] = {k: list(pp[k]) for k in ("image_mean", "image_std") if isinstance(pp.get(k), list)}
+        out: Dict[str, Any] = normalisation_params(pp)
         size = pp.get("size")
         if isinstance(size, int):
             out["shortest_edge"] = size

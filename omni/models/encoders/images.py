@@ -3,7 +3,7 @@ plugin's pixel grid, and normalising it (what each plugin's processor does befor
 patches in its own layout)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
 import numpy as np
 
@@ -87,3 +87,8 @@ def center_cropped(img: np.ndarray, height: int, width: int) -> np.ndarray:
     out[pad_top:pad_top + h, pad_left:pad_left + w] = img
     top, left = top + pad_top, left + pad_left
     return out[max(0, top):min(nh, top + height), max(0, left):min(nw, left + width)]
+
+
+def normalisation_params(pp_config: Mapping[str, Any]) -> Dict[str, Any]:
+    """``image_mean`` / ``image_std`` of a ``preprocessor_config.json``, where it lists them."""
+    return {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}

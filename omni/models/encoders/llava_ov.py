@@ -35,7 +35,7 @@ from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, chec
 from omni.models.encoders.base import (EncoderAnchor, HostSizes, activation, check_sizes, transformer_activation_bytes,
                                        transformer_flops)
 from omni.models.encoders.clip import TOWER_PREFIXES, llava_pretrained_projector
-from omni.models.encoders.images import resized, rgb_uint8
+from omni.models.encoders.images import normalisation_params, resized, rgb_uint8
 from omni.models.encoders.siglip import sincos_2d
 from omni.models.encoders.vit import ViTLayers
 from omni.models.projector import PretrainedProjector, Projector
@@ -355,7 +355,7 @@ class LlavaOvEncoder(EncoderAnchor):
             raise ValueError(f"preprocessor_config.json: resample={pp['resample']} is not supported (bicubic, 3, is)")
         if abs(float(pp.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
             raise ValueError(f"preprocessor_config.json: rescale_factor={pp['rescale_factor']} is not supported")
-        return {k: list(pp[k]) for k in ("image_mean", "image_std") if isinstance(pp.get(k), list)}
+        return normalisation_params(pp)
 
     def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:

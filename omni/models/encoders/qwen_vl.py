@@ -40,7 +40,7 @@ from dataloading.media import MediaItem
 from dataloading.video import frame_times, sample_count
 from omni.models.attention import segment_attention
 from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
-from omni.models.encoders.images import resized_normalised, rgb_uint8
+from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.llm.layers import RMSNorm
 from omni.models.projector import PretrainedProjector
 from omni.models.recompute import recompute
@@ -365,7 +365,7 @@ class QwenVisionEncoder(EncoderAnchor):
 
     @classmethod
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
-        out = {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}
+        out = normalisation_params(pp_config)
         size = pp_config.get("size") or {}
         for ours, theirs in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
             value = pp_config.get(ours, size.get(theirs))  # older files: min/max_pixels; newer: size

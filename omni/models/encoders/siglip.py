@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
-from omni.models.encoders.images import resized_normalised, rgb_uint8
+from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.base import (
     EncoderAnchor,
     activation,
@@ -256,7 +256,7 @@ class SiglipEncoder(EncoderAnchor):
 
     @classmethod
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
-        return {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}
+        return normalisation_params(pp_config)
 
     def init_rule(self, owner: nn.Module, path: str, attr: str):
         """The position table starts as the 2D sin-cos table (see ``_Embeddings``); the rest

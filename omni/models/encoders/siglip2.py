@@ -33,7 +33,7 @@ from torch import nn
 from dataloading.media import MediaItem
 from omni.models.encoders.base import (AttentionSpec, EncoderAnchor, activation, check_sizes,
                                        transformer_activation_bytes, transformer_flops)
-from omni.models.encoders.images import resized_normalised, rgb_uint8
+from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.siglip import sincos_2d
 from omni.models.encoders.vit import ViTLayers
 
@@ -208,8 +208,7 @@ class Siglip2Encoder(EncoderAnchor):
 
     @classmethod
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
-        params: Dict[str, Any] = {k: list(pp_config[k]) for k in ("image_mean", "image_std")
-                                  if isinstance(pp_config.get(k), list)}
+        params: Dict[str, Any] = normalisation_params(pp_config)
         if isinstance(pp_config.get("max_num_patches"), int):
             params["max_num_patches"] = pp_config["max_num_patches"]
         return params
