@@ -17,6 +17,10 @@ class DataConfig:
     micro_batch_tokens: int = 1024
     # "byte" (ships with Omni) or a local Hugging Face tokenizer directory.
     tokenizer: str = "byte"
+    # The chat template conversations (messages.json samples) are rendered with. None: the
+    # tokenizer's own; or a built-in name ("plain": text markers, for a tokenizer without one,
+    # e.g. "byte"), a .jinja file, or the Jinja template itself. Saved with the run's tokenizer.
+    chat_template: Optional[str] = None
     # Constructor worker processes (fetch, decode, tokenize, pack); 0 builds in the training process.
     num_workers: int = 1
     # Steps each worker builds ahead of the trainer.

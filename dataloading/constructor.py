@@ -4,10 +4,12 @@ Token layout of one sample (positions restart at 0 for every sample in a packed 
 
     [bos] + txt (each placeholder expanded to the item's num_tokens placeholder ids)
           + response + [eos]
+    [bos] + a conversation rendered by the chat template (dataloading.chat)
 
-``labels[t] = ids[t + 1]`` (the model at position t predicts token t+1), except
-IGNORE_INDEX where the target is a media placeholder, on the last position of the sample,
-and, when the sample has a response, wherever the target is still part of the prompt.
+``labels[t] = ids[t + 1]`` (the model at position t predicts token t+1) where token t+1 gets a
+loss: the response and EOS (all of a text without response), a conversation's assistant turns;
+never a media placeholder; IGNORE_INDEX elsewhere and on the last position. The labels are per
+position, so packing, splitting and CP slicing carry each turn's mask along.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
+from dataloading.chat import last_answer, render_segments
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
                               encoder_modality, processor_for)
@@ -102,40 +105,57 @@ class SampleConstructor:
                             "a media item needs at least one", kind="media_error")
         return items
 
+    def segments(self, sample: DecodedSample, prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
+        """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target.
+
+        A conversation is its chat-template rendering, the assistant turns (per the source's
+        ``assistant_loss``) the targets, each closed by the template's own end of turn; held out
+        (``prompt_only``) it is the turns before its last answer with the generation prompt.
+        A prompt and response: the prompt (in the source's ``chat_template``) then the response
+        and EOS as targets; a text alone is all target."""
+        options = self._options(sample.sample_id)
+        if sample.messages is not None:
+            if prompt_only:
+                question, _ = last_answer(sample.messages)
+                return [(self.tokenizer.render_chat(question, add_generation_prompt=True), False)], False
+            return render_segments(self.tokenizer, sample.sample_id, sample.messages, options.assistant_loss), False
+        text = options.chat_template.replace("{prompt}", sample.text) if options.chat_template else sample.text
+        if prompt_only:
+            return [(text, False)], False
+        if sample.response is None:
+            return [(text, True)], True
+        return [(text, False), (sample.response, True)], True
+
     def tokenize(self, sample: DecodedSample, prompt_only: bool = False) -> Tokenized:
         tok = self.tokenizer
         # Items go under their encoder's modality: a video is packed and encoded as an image item.
         items = [(encoder_modality(m), self._media_items(sample.sample_id, m, raw)) for m, raw in sample.media]
-        template = self._options(sample.sample_id).chat_template
-        text = template.replace("{prompt}", sample.text) if template else sample.text
+        pieces, eos = self.segments(sample, prompt_only)
         ids: list[int] = [] if tok.bos_id is None else [tok.bos_id]
+        target = [False] * len(ids)  # does the token get predicted (a loss on it)?
         media: list[tuple[str, MediaItem, np.ndarray]] = []
         k = 0
-        for t in tok.encode(as_encoder_placeholders(text)):
-            if t in self._placeholder_set:
-                modality, chunks = items[k]  # parse_fields checked count and modalities
-                k += 1
-                assert t == self._placeholder_of[modality], "placeholder order validated in parse_fields"
-                for chunk in chunks:
-                    media.append((modality, chunk, np.arange(len(ids), len(ids) + chunk.num_tokens)))
-                    ids.extend([t] * chunk.num_tokens)
-            else:
-                ids.append(t)
-        response_start = len(ids)
-        if not prompt_only:
-            if sample.response is not None:
-                ids.extend(tok.encode(sample.response))
+        for text, is_target in pieces:
+            for t in tok.encode(as_encoder_placeholders(text)):
+                if t in self._placeholder_set:
+                    modality, chunks = items[k]  # parse_fields checked count and modalities
+                    k += 1
+                    assert t == self._placeholder_of[modality], "placeholder order validated in parse_fields"
+                    for chunk in chunks:
+                        media.append((modality, chunk, np.arange(len(ids), len(ids) + chunk.num_tokens)))
+                        ids.extend([t] * chunk.num_tokens)
+                    target.extend([False] * sum(c.num_tokens for c in chunks))  # never predict a placeholder
+                else:
+                    ids.append(t)
+                    target.append(is_target)
+        if eos:
             ids.append(tok.eos_id)
+            target.append(True)
         ids_arr = np.asarray(ids, dtype=np.int64)
+        # labels[t] is the target at position t: token t + 1, where that token gets a loss.
         labels = np.full(len(ids_arr), IGNORE_INDEX, dtype=np.int64)
-        if not prompt_only:
-            labels[:-1] = ids_arr[1:]
-            is_media = np.zeros(len(ids_arr), dtype=bool)
-            for _, _, p in media:
-                is_media[p] = True
-            labels[:-1][is_media[1:]] = IGNORE_INDEX  # never predict a placeholder
-            if sample.response is not None:
-                labels[:response_start - 1] = IGNORE_INDEX  # targets inside the prompt
+        wanted = np.asarray(target[1:], dtype=bool)
+        labels[:-1][wanted] = ids_arr[1:][wanted]
         return Tokenized(sample.sample_id, ids_arr, labels, media)
 
     def fit_budget(self, t: Tokenized, piece: int | None) -> Tokenized:
@@ -214,8 +234,10 @@ class SampleConstructor:
         return done, met
 
     def build_prompt(self, sample: DecodedSample) -> tuple[MicroBatch, str]:
-        """Evaluation input: the prompt alone (labels all IGNORE_INDEX) and the expected response."""
-        return assemble([self.tokenize(sample, prompt_only=True)]), sample.response or ""
+        """Evaluation input: the prompt alone (labels all IGNORE_INDEX) and the expected response
+        (of a conversation: its last answer)."""
+        expected = last_answer(sample.messages)[1] if sample.messages is not None else sample.response or ""
+        return assemble([self.tokenize(sample, prompt_only=True)]), expected
 
 
 def pack(samples: Sequence[Tokenized], budget: int | None) -> list[list[Tokenized]]:

@@ -8,7 +8,10 @@ and correct answers:
   fields);
 - ``tones``: 16 kHz WAV of a low/mid/high, short/long tone -> "a high short tone";
 - ``text``: counting, alphabet and repeated-word sequences with long-tailed lengths
-  (language modelling, no response).
+  (language modelling, no response);
+- ``chat``: conversations (``messages.json``) about one shape image: its colour, then its
+  pattern, sometimes its place, a third with a system turn; in ``chat.yaml`` only (with the
+  held-out ``eval_chat/``), for instruction tuning (experiment=llava_stage2).
 
 ``eval/`` holds held-out samples of shapes and tones drawn from the same distribution with
 another random stream (every class is seen in training). Everything is a function of the
@@ -46,7 +49,8 @@ SIZES = {"shapes": 2000, "tones": 1500, "text": 1500}
 WEIGHTS = {"shapes": 0.6, "tones": 0.2, "text": 0.2}
 EVAL_SIZES = {"shapes": 32, "tones": 32}
 SHARDS_PER_SOURCE = 4
-_TAGS = {"shapes": 1, "tones": 2, "text": 3}
+_TAGS = {"shapes": 1, "tones": 2, "text": 3, "chat": 4}
+CHAT_SIZE, CHAT_EVAL_SIZE = 1500, 32
 
 
 def _rng(seed: int, source: str, split: int) -> np.random.Generator:
@@ -147,7 +151,24 @@ def _texts(rng: np.random.Generator, n: int, key) -> Iterator[dict]:
         yield {"__key__": key(i), "txt": _text_line(rng)}
 
 
-_MAKERS = {"shapes": _shapes, "tones": _tones, "text": _texts}
+def _chats(rng: np.random.Generator, n: int, key) -> Iterator[dict]:
+    import json
+
+    for i in range(n):
+        png, caption = _shape_png(rng)
+        _, pattern, color, _, _, _, where = caption.split(" ", 6)  # "a striped red square at the top left"
+        turns = [{"role": "system", "content": "Answer in a few words."}] if rng.random() < 1 / 3 else []
+        turns += [{"role": "user", "content": str(rng.choice(("<image>\nWhat colour is the square?",
+                                                              "What colour is it?\n<image>")))},
+                  {"role": "assistant", "content": f"{color}."},
+                  {"role": "user", "content": "And its pattern?"},
+                  {"role": "assistant", "content": f"{pattern}."}]
+        if rng.random() < 0.5:
+            turns += [{"role": "user", "content": "Where is it?"}, {"role": "assistant", "content": f"at the {where}."}]
+        yield {"__key__": key(i), "messages.json": json.dumps(turns), "png": png}
+
+
+_MAKERS = {"shapes": _shapes, "tones": _tones, "text": _texts, "chat": _chats}
 
 
 # ---- writing ----------------------------------------------------------------------------
@@ -176,6 +197,16 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
         samples = _MAKERS[name](_rng(seed, name, 1), n, lambda i, name=name: f"{name}-{i:06d}")
         write_shards(samples, out / "eval" / name, f"eval-{name}", n)
     build_index(out / "eval", workers=1, progress=False)
+    # Conversations: their own source, held-out folder and mixture (not in the default mixture).
+    n = max(SHARDS_PER_SOURCE, int(round(CHAT_SIZE * scale)))
+    write_shards(_progress(_chats(_rng(seed, "chat", 0), n, lambda i: f"{i:06d}"), n, "chat", progress),
+                 out / "chat", "chat", math.ceil(n / SHARDS_PER_SOURCE))
+    build_index(out / "chat", workers=1, progress=False)
+    write_shards(_chats(_rng(seed, "chat", 1), CHAT_EVAL_SIZE, lambda i: f"chat-{i:06d}"), out / "eval_chat" / "chat",
+                 "eval-chat", CHAT_EVAL_SIZE)
+    build_index(out / "eval_chat", workers=1, progress=False)
+    (out / "chat.yaml").write_text("# Omni demo conversations (data.demo_mixture=chat; needs data.chat_template)\n"
+                                   "sources:\n  - name: chat\n    path: chat\n    weight: 1.0\neval: eval_chat\n")
     lines = ["# Omni demo mixture (written by dataloading.demo; paths are relative to this file)", "sources:"]
     lines += [f"  - name: {name}\n    path: {name}\n    weight: {WEIGHTS[name]}" for name in SIZES]
     lines += ["eval: eval", ""]
@@ -193,14 +224,14 @@ def cache_root() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return cache_root() / "demo-v5"  # v5: vision.yaml
+    return cache_root() / "demo-v6"  # v6: chat.yaml
 
 
 def ensure_demo_dataset(cache_dir: str | Path | None = None, *, seed: int = 0, scale: float = 1.0,
                         progress: bool = True) -> Path:
-    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v5``
-    (``~/.cache/omni/demo-v5`` without OMNI_CACHE); a non-default seed or scale gets its own
-    folder (``demo-v5-seed1-x0.5``). Generation goes to a temp folder that is renamed into
+    """The demo dataset, generated on first use. Default place: ``$OMNI_CACHE/demo-v6``
+    (``~/.cache/omni/demo-v6`` without OMNI_CACHE); a non-default seed or scale gets its own
+    folder (``demo-v6-seed1-x0.5``). Generation goes to a temp folder that is renamed into
     place, so a crashed or concurrent run never leaves half a dataset."""
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     if seed != 0 or scale != 1.0:

@@ -9,7 +9,10 @@ sample::
     {"key": "000123", "shard": "shapes-000000.tar", "pos": 123, "text_bytes": 27,
      "response_bytes": 28, "media": [["image", {"height": 48, "width": 64}]]}
 
-``response_bytes`` is null when the sample has no ``response.txt``. Media metadata is read
+``response_bytes`` is null when the sample has no ``response.txt``. A conversation
+(``messages.json``) has ``"chat": 1``, its turns' contents in ``text_bytes`` and its last answer
+in ``response_bytes``; its rendered length depends on the tokenizer's chat template, so
+planning counts it exactly per tokenizer (``dataloading.token_counts``). Media metadata is read
 from file headers only (PIL / soundfile / PyAV), never by decoding pixels, samples or frames;
 a video's is ``{"width", "height", "frames", "fps", "duration"}`` (``dataloading.video``).
 """
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dataloading.chat import last_answer
 from dataloading.errors import ON_ERROR_POLICIES, DataError
 from dataloading.sample import parse_fields, read_meta
 from dataloading.shards import Shard, SourceReader
@@ -42,6 +46,7 @@ class SampleMeta:
     text_bytes: int
     response_bytes: int | None  # None: no response.txt (language modelling sample)
     media: list[tuple[str, dict]]  # (modality, header metadata), placeholder order
+    chat: bool = False  # a conversation (messages.json)
 
 
 class KeyLocator:
@@ -172,10 +177,13 @@ def _scan_shard(job: tuple[ShardSet, str]) -> dict:
                     raise
                 out["problems"].append((e.kind, str(e)))
                 continue
-            out["samples"].append({
-                "key": key, "shard": rel, "pos": pos, "text_bytes": len(raw.text.encode("utf-8")),
-                "response_bytes": None if raw.response is None else len(raw.response.encode("utf-8")),
-                "media": [[m, meta] for m, meta in media]})
+            response = raw.response if raw.messages is None else last_answer(raw.messages)[1]
+            sample = {"key": key, "shard": rel, "pos": pos, "text_bytes": len(raw.text.encode("utf-8")),
+                      "response_bytes": None if response is None else len(response.encode("utf-8")),
+                      "media": [[m, meta] for m, meta in media]}
+            if raw.messages is not None:
+                sample["chat"] = 1
+            out["samples"].append(sample)
     except DataError as e:
         if e.kind == "config":
             raise
@@ -268,7 +276,7 @@ def build_index(source: str | Path | ShardSet, workers: int | None = None, progr
 
 def _meta(d: dict) -> SampleMeta:
     return SampleMeta(d["key"], d["shard"], d["pos"], d["text_bytes"], d["response_bytes"],
-                      [(m, meta) for m, meta in d["media"]])
+                      [(m, meta) for m, meta in d["media"]], bool(d.get("chat")))
 
 
 def _stale_reason(source: ShardSet, header: dict) -> str | None:

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from dataloading.chat import ASSISTANT_LOSS
 from dataloading.errors import DataError
 
 REQUIRED_KEYS = ("name", "path", "weight")
-OPTION_KEYS = ("max_media", "image", "audio", "video", "chat_template", "bucket", "over_budget")
+OPTION_KEYS = ("max_media", "image", "audio", "video", "chat_template", "assistant_loss", "bucket", "over_budget")
 SOURCE_KEYS = REQUIRED_KEYS + OPTION_KEYS
 TOP_KEYS = ("sources", "eval")
 OVER_BUDGET_POLICIES = ("error", "truncate", "split", "skip")
@@ -56,7 +57,8 @@ class WeightSchedule:
 class SourceOptions:
     max_media: int | None = None  # samples with more media items are skipped (counted)
     media: dict = field(default_factory=dict)  # modality -> processor options
-    chat_template: str | None = None  # "...{prompt}..." wraps the prompt text
+    chat_template: str | None = None  # "...{prompt}..." wraps the prompt text (txt samples)
+    assistant_loss: str = "all"  # conversations: loss on "all" assistant turns or the "last"
     bucket: str = "auto"  # encoder long-short bucket for this source's media
     over_budget: str | None = None  # None: data.over_budget
 
@@ -250,7 +252,8 @@ def _options(fields: dict, where: str, err) -> SourceOptions:
         if not isinstance(v, str) or v.count("{prompt}") != 1:
             raise err(vnode, f"{where}.chat_template must be a string with exactly one '{{prompt}}', got {v!r}")
         opts["chat_template"] = v
-    for key, allowed in (("bucket", BUCKETS), ("over_budget", OVER_BUDGET_POLICIES)):
+    for key, allowed in (("bucket", BUCKETS), ("over_budget", OVER_BUDGET_POLICIES),
+                         ("assistant_loss", ASSISTANT_LOSS)):
         if key in fields:
             _, vnode = fields[key]
             v = _value(vnode)

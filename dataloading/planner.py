@@ -35,6 +35,7 @@ from dataloading.errors import DataError
 from dataloading.index import SampleMeta, SourceIndex
 from dataloading.media import MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality, processor_for
 from dataloading.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
+from dataloading.token_counts import chat_token_counts
 from dataloading.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
 
 log = logging.getLogger("omni.data")
@@ -103,9 +104,14 @@ class SourceTable:
         self.media_start = np.zeros(n, dtype=np.int64)
         flat_tokens: list[int] = []
         flat_modality: list[str] = []
+        # Conversations are counted exactly (their length depends on the chat template).
+        chat = chat_token_counts(name, index, tokenizer, options) if any(m.chat for m in index.samples) else {}
         for i, meta in enumerate(index.samples):
             items = media_tokens(meta, self.processors, where)
-            self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
+            if meta.key in chat:
+                self.tokens[i] = chat[meta.key] + sum(items)
+            else:
+                self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
             # A video costs what its encoder's item of that many tokens costs (an image item's).
             modalities = [encoder_modality(m) for m, _ in meta.media]
             self.media_cost[i] = sum(float(cost.media_cost(m, k)) for m, k in zip(modalities, items))

@@ -1,9 +1,10 @@
 """One raw sample: its fields, their validation, media decoding and header-only metadata.
 
-A sample is the files of a webdataset shard that share a key (see docs/data.md):
-``txt`` (required), ``response.txt`` (optional), ``json`` (optional) and media: one item as
-a plain extension (``png``) or several as numbered fields (``0.png``, ``1.wav``, ...), the
-i-th placeholder of ``txt`` taking field i. A media item's *kind* (image, audio, video) is
+A sample is the files of a webdataset shard that share a key (see docs/data.md): its text,
+either ``txt`` with an optional ``response.txt`` or a conversation, ``messages.json``
+(``dataloading.chat``); ``json`` (optional) and media: one item as a plain extension (``png``)
+or several as numbered fields (``0.png``, ``1.wav``, ...), the i-th placeholder of the text
+(of a conversation: over its turns in order) taking field i. A media item's *kind* (image, audio, video) is
 what its field and placeholder say; a video is encoded by the image encoder
 (``dataloading.media.ENCODED_AS``) but keeps its kind here and in the index.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from dataloading.chat import MESSAGES_FIELD, parse_messages, prompt_text
 from dataloading.errors import DataError
 from dataloading.media import MEDIA_PLACEHOLDERS, MODALITY_EXTENSIONS
 
@@ -36,6 +38,8 @@ class RawSample:
     response: str | None
     media: list[tuple[str, str, bytes]]  # (modality, field name, encoded bytes), placeholder order
     meta: dict[str, Any] = field(default_factory=dict)
+    # A conversation's turns (``text`` is then their contents joined, ``response`` None).
+    messages: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -47,6 +51,7 @@ class DecodedSample:
     # video: dataloading.video.Video (header read, frames decoded when the processor samples them)
     media: list[tuple[str, Any]]
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None
 
 
 def placeholder_modalities(text: str) -> list[str]:
@@ -95,11 +100,20 @@ def media_fields(sample_id: str, fields: dict[str, bytes]) -> list[tuple[str, st
 
 def parse_fields(sample_id: str, fields: dict[str, bytes]) -> RawSample:
     """Check a sample's fields against the format; raises DataError naming the sample."""
-    if "txt" not in fields:
-        raise DataError(f"sample {sample_id}: no 'txt' field (fields: {sorted(fields)}); every sample needs "
-                        f"its text in <key>.txt, {_FORMAT_HINT}", kind="bad_fields")
-    text = _text(sample_id, fields, "txt")
-    response = _text(sample_id, fields, "response.txt") if "response.txt" in fields else None
+    messages = None
+    if MESSAGES_FIELD in fields:
+        if "txt" in fields or "response.txt" in fields:
+            raise DataError(f"sample {sample_id}: has both {MESSAGES_FIELD} and txt/response.txt; a sample is a "
+                            f"conversation or a prompt and response, {_FORMAT_HINT}", kind="bad_fields")
+        messages = parse_messages(sample_id, fields[MESSAGES_FIELD])
+        text, response = prompt_text(messages), None
+    elif "txt" not in fields:
+        raise DataError(f"sample {sample_id}: no 'txt' or '{MESSAGES_FIELD}' field (fields: {sorted(fields)}); every "
+                        f"sample needs its text in <key>.txt or its conversation in <key>.{MESSAGES_FIELD}, "
+                        f"{_FORMAT_HINT}", kind="bad_fields")
+    else:
+        text = _text(sample_id, fields, "txt")
+        response = _text(sample_id, fields, "response.txt") if "response.txt" in fields else None
     if response is not None and placeholder_modalities(response):
         raise DataError(f"sample {sample_id}: response.txt contains a media placeholder; media go in the "
                         "prompt (txt) only", kind="placeholder_mismatch")
@@ -118,7 +132,7 @@ def parse_fields(sample_id: str, fields: dict[str, bytes]) -> RawSample:
         except (UnicodeDecodeError, ValueError) as e:
             raise DataError(f"sample {sample_id}: field 'json' is not valid JSON ({e}); fix or drop it",
                             kind="bad_fields") from None
-    return RawSample(sample_id, text, response, [(m, n, bytes(fields[n])) for m, n in media], meta)
+    return RawSample(sample_id, text, response, [(m, n, bytes(fields[n])) for m, n in media], meta, messages)
 
 
 def decode_image(data: bytes) -> np.ndarray:
@@ -192,4 +206,4 @@ def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
             raise
         except Exception as e:
             raise _media_error(sample_id, name, e) from None
-    return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta)
+    return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta, raw.messages)

@@ -35,6 +35,24 @@ _MODALITY_OF = {p: m for m, p in PLACEHOLDERS.items()}
 OMNI_TOKENIZER_FILE = "omni_tokenizer.json"
 
 
+def _digest(parts) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# The files of a Hugging Face tokenizer (a model folder also holds weights, which are not hashed).
+_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                              "chat_template.json"})
+
+
+def hashlib_file(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _modalities(modalities: Iterable[str] | None) -> list[str]:
     """The placeholder modalities to give ids (None: every known one), in PLACEHOLDERS order."""
     if modalities is None:
@@ -115,7 +133,7 @@ class ByteTokenizer:
     SPECIALS = ("<pad>", "<bos>", "<eos>", "<image>", "<audio>")
     bytes_per_token = 1.0
 
-    def __init__(self, modalities: Iterable[str] | None = None) -> None:
+    def __init__(self, modalities: Iterable[str] | None = None, chat_template: str | None = None) -> None:
         self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
         reserved = {"image": 259, "audio": 260}
         self.placeholder_ids = {m: reserved[m] for m in _modalities(modalities)}
@@ -123,9 +141,24 @@ class ByteTokenizer:
         # tables shard evenly under tensor parallelism.
         self.vocab_size = 272
         self._special_text = {256 + i: s for i, s in enumerate(self.SPECIALS)}
+        # With a chat template (data.chat_template: bytes have no template of their own) the
+        # template's end of turn, the text "<eos>", is the EOS id, as in the exported tokenizer
+        # (save_hf), where the specials are special tokens; without one all text is bytes.
+        self.chat_template = chat_template
+        self._expansions = {self.SPECIALS[2]: [self.eos_id]} if chat_template else {}
 
     def encode(self, text: str) -> list[int]:
-        return encode_with_placeholders(text, self.placeholder_ids, lambda piece: piece.encode("utf-8"))
+        return encode_with_placeholders(text, self.placeholder_ids, lambda piece: piece.encode("utf-8"),
+                                        self._expansions)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """``messages`` through the chat template, rendered as transformers renders it."""
+        from dataloading.chat import render_template
+
+        if not self.chat_template:
+            raise DataError("the byte tokenizer has no chat template; set data.chat_template", kind="config")
+        return render_template(self.chat_template, messages, add_generation_prompt,
+                               eos_token=self.SPECIALS[2], bos_token=self.SPECIALS[1])
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -134,7 +167,13 @@ class ByteTokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / OMNI_TOKENIZER_FILE).write_text(json.dumps(
-            {"kind": "byte", "modalities": list(self.placeholder_ids)}, indent=1) + "\n")
+            {"kind": "byte", "modalities": list(self.placeholder_ids), "chat_template": self.chat_template},
+            indent=1) + "\n")
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever the ids of some text would (token-count caches are keyed by it)."""
+        return _digest(["byte", sorted(self.placeholder_ids.items()), self.chat_template])
 
     def save_hf(self, directory: str | Path) -> None:
         """The same tokenizer as transformers files (``tokenizer.json``...), for an exported
@@ -151,10 +190,12 @@ class ByteTokenizer:
         fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core)
         fast.add_tokens(list(self.SPECIALS), special_tokens=True)  # ids 256.. in order
         fast.pad_token, fast.bos_token, fast.eos_token = self.SPECIALS[:3]
+        if self.chat_template:
+            fast.chat_template = self.chat_template
         fast.save_pretrained(str(directory))
 
     def __repr__(self) -> str:
-        return "ByteTokenizer()"
+        return "ByteTokenizer()" if not self.chat_template else "ByteTokenizer(chat_template=...)"
 
 
 def byte_stand_ins() -> dict[int, str]:
@@ -176,7 +217,7 @@ class HFTokenizer:
     those ``family_tokens`` writes with the family's own tokens (which must be in the vocabulary)."""
 
     def __init__(self, directory: str | Path, modalities: Iterable[str] | None = None,
-                 family_tokens: Mapping[str, PlaceholderTokens] | None = None):
+                 family_tokens: Mapping[str, PlaceholderTokens] | None = None, chat_template: str | None = None):
         from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
         self.directory = Path(directory)
@@ -205,6 +246,8 @@ class HFTokenizer:
             # Added as special tokens so they are never split; the model's embedding table
             # must then be resized to vocab_size (the backbone loader does this).
             tok.add_tokens(missing, special_tokens=True)
+        if chat_template:  # data.chat_template: for a tokenizer without one (or to replace it); saved with it
+            tok.chat_template = chat_template
         self._tok = tok
         self.vocab_size = len(tok)
         self.placeholder_ids = {m: int(tok.convert_tokens_to_ids(
@@ -249,6 +292,14 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever the ids of some text would (token-count caches are keyed by it): the
+        tokenizer's files, the placeholders, the family tokens and the chat template."""
+        files = [(f.name, hashlib_file(f)) for f in sorted(self.directory.iterdir()) if f.name in _TOKENIZER_FILES]
+        return _digest(["hf", files, sorted(self.placeholder_ids.items()),
+                        sorted((m, asdict(t)) for m, t in self.family_tokens.items()), self.chat_template])
+
     def save(self, directory: str | Path) -> None:
         """``save_pretrained`` (the appended placeholders included) plus which ones are used."""
         directory = Path(directory)
@@ -271,13 +322,16 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
 
 
 def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None,
-                   family_tokens: Mapping[str, PlaceholderTokens] | None = None) -> Tokenizer:
+                   family_tokens: Mapping[str, PlaceholderTokens] | None = None,
+                   chat_template: str | None = None) -> Tokenizer:
     """``"byte"`` -> ByteTokenizer; anything else is a local directory: one written by
     ``save_tokenizer`` or a Hugging Face tokenizer. ``modalities``: whose placeholders get ids
     (None: those a saved tokenizer recorded, else all). ``family_tokens``: the model family's
-    placeholder tokens (None: those a saved tokenizer recorded, else Omni's ``<image>``...)."""
+    placeholder tokens (None: those a saved tokenizer recorded, else Omni's ``<image>``...).
+    ``chat_template``: a Jinja chat template (``dataloading.chat.resolve_chat_template``) that
+    replaces the tokenizer's own (None: its own, or the one a saved byte tokenizer recorded)."""
     if str(spec) == "byte":
-        return ByteTokenizer(modalities)
+        return ByteTokenizer(modalities, chat_template)
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise DataError(f"tokenizer {str(spec)!r}: no such directory; pass 'byte' or a local directory "
@@ -291,6 +345,8 @@ def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None,
         modalities = meta.get("modalities") if modalities is None else modalities
         if family_tokens is None:
             family_tokens = {m: PlaceholderTokens(**t) for m, t in meta.get("family_tokens", {}).items()}
+        if kind == "byte" and chat_template is None:
+            chat_template = meta.get("chat_template")
     if kind == "byte":
-        return ByteTokenizer(modalities)
-    return HFTokenizer(path, modalities, family_tokens)
+        return ByteTokenizer(modalities, chat_template)
+    return HFTokenizer(path, modalities, family_tokens, chat_template)

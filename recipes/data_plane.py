@@ -11,15 +11,15 @@ def mixture_path(cfg: OmniConfig, is_main: bool = True, progress: bool = True, b
         return cfg.data.mixture
     from dataloading.demo import ensure_demo_dataset
 
+    if cfg.data.demo_mixture not in ("mixture", "vision", "chat"):  # before generating anything
+        from omni.errors import ConfigError
+
+        raise ConfigError(f"data.demo_mixture={cfg.data.demo_mixture!r}: the demo has 'mixture' (shapes, tones, text), "
+                          "'vision' (shapes, text) and 'chat' (conversations about shapes)")
     if is_main:
         ensure_demo_dataset(scale=cfg.data.demo_scale, progress=progress)
     if barrier is not None:
         barrier()  # the other ranks then find it in the cache
-    if cfg.data.demo_mixture not in ("mixture", "vision"):
-        from omni.errors import ConfigError
-
-        raise ConfigError(f"data.demo_mixture={cfg.data.demo_mixture!r}: the demo has 'mixture' (shapes, tones, text) "
-                          "and 'vision' (shapes, text)")
     return str(ensure_demo_dataset(scale=cfg.data.demo_scale, progress=False) / f"{cfg.data.demo_mixture}.yaml")
 
 

@@ -107,4 +107,7 @@ def run_tokenizer(cfg):
         from omni.models.families import family_of
 
         family_tokens = dict(family_of(cfg.model.pretrained)[1].family_tokens) or None
-    return load_tokenizer(cfg.data.tokenizer, modalities=configured_modalities(cfg), family_tokens=family_tokens)
+    from dataloading.chat import resolve_chat_template
+
+    return load_tokenizer(cfg.data.tokenizer, modalities=configured_modalities(cfg), family_tokens=family_tokens,
+                          chat_template=resolve_chat_template(cfg.data.chat_template))

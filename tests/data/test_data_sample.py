@@ -19,7 +19,7 @@ def test_fields_in_placeholder_order(media_bytes):
 
 
 @pytest.mark.parametrize("fields, needle, kind", [
-    ({"png": b""}, "no 'txt' field", "bad_fields"),
+    ({"png": b""}, "no 'txt' or 'messages.json' field", "bad_fields"),
     ({"txt": b"<image>", "png": b"", "0.png": b""}, "mixes a plain media field", "bad_fields"),
     ({"txt": b"<image><image>", "0.png": b"", "2.png": b""}, "numbered [0, 2]", "bad_fields"),
     ({"txt": b"<image>", "0.avi": b""}, "unsupported media type", "bad_fields"),
