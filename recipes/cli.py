@@ -1,4 +1,4 @@
-"""The ``omni`` command line: ``omni train``, ``omni data demo|index|plan|calibrate``, ``omni simulate``,
+"""The ``omni`` command line: ``omni train``, ``omni data demo|index|convert|plan|calibrate``, ``omni simulate``,
 ``omni plan``, ``omni export``, ``omni generate``, ``omni plugins``."""
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _data_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="dataset tools: demo, index, plan, calibrate")
-    dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="{demo,index,plan,calibrate}")
+    p = sub.add_parser("data", help="dataset tools: demo, index, convert, plan, calibrate")
+    dsub = p.add_subparsers(dest="data_cmd", required=True, metavar="{demo,index,convert,plan,calibrate}")
     demo = dsub.add_parser("demo", help="write the demo dataset (shards, index, mixture.yaml)")
     demo.add_argument("--out", required=True, help="output folder")
     demo.add_argument("--seed", type=int, default=0)
@@ -62,6 +62,7 @@ def _data_parsers(sub: argparse._SubParsersAction) -> None:
                      help="a folder of webdataset .tar shards (searched recursively), a glob, a brace list or a URL "
                           "(s3://, gs://, https://, file://, any fsspec protocol); quote globs and braces")
     idx.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+    _convert_parser(dsub)
 
 
     plan = dsub.add_parser(
@@ -89,6 +90,47 @@ def _data_parsers(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--micro-batches", type=int, default=48, help="micro-batches to time (default 48)")
     cal.add_argument("--repeats", type=int, default=3, help="timings per micro-batch; the median is used")
     cal.add_argument("--out", default="cost.yaml", help="where to write the fitted cost model (default cost.yaml)")
+
+
+CONVERT_EPILOG = """\
+formats (--from):
+  llava       LLaVA JSON or JSONL: {id, image, conversations: [{from: human|gpt, value}]}
+  sharegpt    ShareGPT JSON or JSONL: {conversations|messages: [{from|role, value|content}], images, videos, system}
+  jsonl       Omni / OpenAI-style JSON or JSONL: {id, messages: [{role, content}], images, videos, audios}
+  parquet     parquet file, folder or quoted glob with the jsonl columns (media as paths or {bytes, path})
+  hf-dataset  a folder written by datasets' save_to_disk (a DatasetDict: --split, default train)
+
+examples:
+  omni data convert --from llava llava_v1_5_mix665k.json --media-root data/llava --out data/llava-conv
+  omni data convert --from sharegpt chats.jsonl --media-root media --out data/chats --dry-run
+  omni data convert --from parquet 'hf/train-*.parquet' --out data/hf-train --workers 16
+"""
+
+
+def _convert_parser(dsub: argparse._SubParsersAction) -> None:
+    from dataloading.convert import DEFAULT_SHARD_SIZE
+    from dataloading.convert_formats import FORMATS
+
+    p = dsub.add_parser(
+        "convert", help="convert a LLaVA / ShareGPT / JSONL / parquet / datasets conversation dataset into an "
+                        "indexed source of shards",
+        description="Convert conversations with media into Omni's shards (messages.json + numbered media), index "
+                    "them, and list every record that could not be converted in OUT/convert_report.jsonl "
+                    "(docs/data.md, 'Converting datasets').",
+        epilog=CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Not argparse choices: an unknown format is one `omni: error:` line like every input problem.
+    p.add_argument("--from", dest="fmt", required=True, metavar="FORMAT", help=f"one of {', '.join(FORMATS)}")
+    p.add_argument("input", metavar="INPUT", help="a JSON / JSONL file, parquet files (file, folder, glob) or a "
+                                                  "saved datasets folder")
+    p.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    p.add_argument("--media-root", default=None,
+                   help="the folder relative media paths start from (default: INPUT's folder)")
+    p.add_argument("--dry-run", action="store_true", help="check every record and its media, print the counts, "
+                                                          "write nothing")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+    p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE,
+                   help=f"input records per shard (default {DEFAULT_SHARD_SIZE})")
+    p.add_argument("--split", default=None, help="--from hf-dataset: the DatasetDict's split (default train)")
 
 
 SIM_EPILOG = """\
@@ -139,11 +181,13 @@ MODEL is one of:
 
 the model is written in its family's own transformers class: Qwen2-VL / Qwen2.5-VL for a qwen_vl
 vision tower with its patch merger, the LLM's own class (LlamaForCausalLM, ...) for an LLM alone;
-the tokenizer is the one the run trained with (chat template included).
+the tokenizer is the one the run trained with (chat template included). A run trained with LoRA
+(model.lora) is written with its adapters merged into the weights; --adapter writes them apart.
 
 examples:
   omni export runs/qwen-ft --out exported/qwen-ft
   omni export runs/qwen-ft --step 200 --dtype bf16 --out exported/qwen-ft-200
+  omni export runs/qwen-lora --adapter --out exported/qwen-lora   (base + peft adapter in OUT/adapter)
 """
 
 
@@ -158,6 +202,9 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=int, default=None, help="the run's checkpoint of this step (default: the newest)")
     p.add_argument("--dtype", default=None, help="cast the weights: bf16, fp16 or fp32 (default: as trained)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write the model without its adapters merged, and the adapters as a peft "
+                        "adapter folder in OUT/adapter (default: merged into the weights)")
 
 
 GENERATE_EPILOG = """\
@@ -214,10 +261,13 @@ def _run(args: argparse.Namespace) -> int:
 
         return train_main(args.overrides, print_cfg=args.cfg == "job")
     if args.cmd == "data":
-        from recipes.data_cmd import demo_main, index_main
+        from recipes.data_cmd import convert_main, demo_main, index_main
 
         if args.data_cmd == "demo":
             return demo_main(args.out, seed=args.seed, scale=args.scale)
+        if args.data_cmd == "convert":
+            return convert_main(args.fmt, args.input, args.out, media_root=args.media_root, dry_run=args.dry_run,
+                                workers=args.workers, shard_size=args.shard_size, split=args.split)
         if args.data_cmd == "plan":
             from recipes.plan_cmd import plan_main
 
@@ -240,7 +290,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "export":
         from recipes.export_cmd import export_main
 
-        return export_main(args.model, args.out, step=args.step, dtype=args.dtype, force=args.force)
+        return export_main(args.model, args.out, step=args.step, dtype=args.dtype, force=args.force,
+                           adapter=args.adapter)
     if args.cmd == "generate":
         from recipes.generate_cmd import generate_main
 

@@ -1,4 +1,4 @@
-"""`omni data demo` and `omni data index`."""
+"""`omni data demo`, `omni data index` and `omni data convert`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,4 +18,14 @@ def index_main(spec: str, workers: int | None = None) -> int:
     # A string, not a Path: Path would turn "s3://b/x" into "s3:/b/x".
     index = build_index(spec, workers=workers, progress=True)
     print(f"omni: {index.summary()}")
+    return 0
+
+
+def convert_main(fmt: str, input_spec: str, out: str, media_root: str | None = None, **options) -> int:
+    """``options``: dataloading.convert.convert's (dry_run, workers, shard_size, split)."""
+    from dataloading.convert import convert
+
+    summary = convert(fmt, input_spec, out, media_root, progress=True, **options)
+    for line in summary.lines():
+        print(f"omni: {line}")
     return 0
