@@ -57,6 +57,7 @@ def check_config(cfg: OmniConfig, world_size: int | None = None) -> None:
     _data(cfg)
     arch = _model(cfg)
     _encoders(cfg)
+    _modules(cfg)
     check_multiplex(cfg)
     _parallel(cfg, arch, world_size)
 
@@ -78,12 +79,32 @@ def _trainer(cfg: OmniConfig) -> None:
             one_of("trainer.device", t.device, ("auto", "cpu", "cuda", "cuda:0"))
     one_of("trainer.precision", t.precision, TRAINER_PRECISIONS)
     _positive("trainer.log_every", t.log_every)
+    _trackers(t)
+    _at_least("trainer.eval_every", t.eval_every, 0)
     _at_least("trainer.eval_samples", t.eval_samples, 0)
     _positive("trainer.eval_batch_size", t.eval_batch_size)
     _positive("trainer.max_new_tokens", t.max_new_tokens)
     _at_least("trainer.hang_timeout_s", t.hang_timeout_s, 0)
     BadStepGuard(t.max_bad_steps)
     SpikeDetector(t.loss_spike_sigmas, t.loss_spike_window)
+
+
+def _trackers(t) -> None:
+    """``trainer.log_to``: known names, and the package of each one installed (one line naming
+    the extra), before training starts rather than at its first metrics line."""
+    from omni.runtime.trackers import TRACKERS, WANDB_MODES, missing_package, tracker_names
+
+    for name in t.log_to:
+        if name not in TRACKERS:
+            close = difflib.get_close_matches(str(name), TRACKERS, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]}?" if close else "e.g. trainer.log_to=[jsonl,tensorboard]"
+            raise ConfigError(f"trainer.log_to lists {name!r}, which is not one of {', '.join(TRACKERS)}; {hint}")
+    if t.wandb.mode is not None:
+        one_of("trainer.wandb.mode", t.wandb.mode, WANDB_MODES)
+    for name in tracker_names(t):
+        problem = missing_package(name)
+        if problem:
+            raise ConfigError(problem)
 
 
 def _optim(cfg: OmniConfig) -> None:
@@ -139,10 +160,12 @@ def _data(cfg: OmniConfig) -> None:
 def _model(cfg: OmniConfig):
     """The backbone's architecture (config.json's when model.pretrained is set), checked."""
     from omni.kernels import BACKENDS
+    from omni.models import lora
     from omni.models.llm.config import FAMILIES
 
     m = cfg.model
     one_of("model.attn_backend", m.attn_backend, BACKENDS)
+    lora.check(m.lora, cfg.encoders)
     if m.pretrained:
         return pretrained_architecture(m.pretrained)
     one_of("model.family", m.family, FAMILIES)
@@ -177,6 +200,24 @@ def _encoders(cfg: OmniConfig) -> None:
         one_of(f"encoders.{slot_name}.projector.activation", slot.projector.activation, sorted(ACTIVATIONS))
         _need(slot.projector.hidden_mult > 0, f"encoders.{slot_name}.projector.hidden_mult",
               slot.projector.hidden_mult, "must be > 0")
+
+
+def _modules(cfg: OmniConfig) -> None:
+    """What names modules (model.freeze, trainer.stages, optim.groups; omni/models/freeze.py)
+    and model.init_from."""
+    from omni.models.freeze import ModuleNames, frozen_units
+    from omni.runtime.optim import GroupPlan
+    from omni.runtime.stages import check_stages
+    from recipes.model_source import init_checkpoint
+
+    names = ModuleNames.of_config(cfg.encoders)
+    try:
+        check_stages(cfg.trainer.stages, names, frozen_units(names, cfg.model.freeze, cfg.encoders))
+        GroupPlan(cfg.optim, names)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.model.init_from:
+        init_checkpoint(cfg.model.init_from)
 
 
 def check_multiplex(cfg) -> None:

@@ -43,6 +43,24 @@ def _checkpoint_of_run(run: Path, cfg, step: Optional[int]) -> Path:
     return done[-1]
 
 
+def init_checkpoint(spec: str, key: str = "model.init_from") -> Path:
+    """The checkpoint folder ``spec`` names: itself, or a run directory's newest completed
+    checkpoint; one line when it is neither."""
+    from omni.runtime.checkpoint import MARKER
+
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{key}={spec}: no such run directory or checkpoint folder; train that run first, or "
+                          "pass runs/NAME or runs/NAME/checkpoints/step_N")
+    if (path / MARKER).exists():
+        return path
+    if (path / "config.yaml").is_file():
+        return _checkpoint_of_run(path, run_config(path), None)
+    hf = " (a Hugging Face directory: use model.pretrained)" if (path / "config.json").is_file() else ""
+    raise ConfigError(f"{key}={spec} is neither a run directory (config.yaml) nor a checkpoint folder "
+                      f"({MARKER}){hf}; pass runs/NAME or runs/NAME/checkpoints/step_N")
+
+
 def run_config(run: Path):
     """The run's composed config (``config.yaml``: the backbone's architecture as built)."""
     from omegaconf import OmegaConf
@@ -86,9 +104,12 @@ def locate(spec: str, step: Optional[int] = None) -> Located:
                       "(config.yaml) nor a checkpoint folder (COMPLETE)")
 
 
-def load_model(spec: "str | Located", step: Optional[int] = None, attn_backend: str = "sdpa") -> LoadedModel:
+def load_model(spec: "str | Located", step: Optional[int] = None, attn_backend: str = "sdpa",
+               merge_adapters: bool = True) -> LoadedModel:
     """``spec``: a Hugging Face directory, a run directory or a checkpoint folder (or where
-    ``locate`` found one)."""
+    ``locate`` found one). A run trained with LoRA (``model.lora``) comes back with its adapters
+    merged into the base weights, as the plain architecture (``merge_adapters=False``: as
+    trained, adapters apart)."""
     where = spec if isinstance(spec, Located) else locate(spec, step)
     if where.hf is not None:
         from omni.models.families import load_pretrained, pretrained_tokenizer
@@ -111,4 +132,8 @@ def load_model(spec: "str | Located", step: Optional[int] = None, attn_backend: 
                               "its config.json gives the tower's shape: restore the directory")
     model, _ = build_meta_model(model_cfg, cfg.encoders, vocab_needed=tokenizer.vocab_size, seed=cfg.trainer.seed)
     load_model_weights(model, where.checkpoint)
+    if merge_adapters:
+        from omni.models import lora
+
+        lora.merge(model)
     return LoadedModel(model.eval(), tokenizer, where.checkpoint, cfg)

@@ -30,6 +30,8 @@ def run(cfg: OmniConfig):
     from parallel.layout import barrier, check_sequence, describe, init_layout, launched_world_size, shutdown
     from recipes.checks import check_config
     from recipes.data_plane import mixture_path
+    from recipes.model_source import init_checkpoint
+    from omni.models.freeze import ModuleNames
     from recipes.run_info import record_run, run_tokenizer
 
     check_config(cfg, world_size=launched_world_size())
@@ -52,6 +54,7 @@ def run(cfg: OmniConfig):
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
         training_mixture = load_mixture(mixture)
         eval_dir = cfg.data.eval_dir or training_mixture.eval
+        validator = _validator(cfg, layout, eval_dir, tokenizer, processors, training_mixture)
         loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
         n_params = sum(p.numel() for p in model.parameters())
         from recipes.data_plane import cost_model
@@ -78,6 +81,10 @@ def run(cfg: OmniConfig):
             eval_samples=eval_samples if (cfg.trainer.eval_at_end and eval_dir) else None,
             full_model=lambda: meta_model()[0],
             trace_step=cfg.multiplex.trace_step,
+            validator=validator,
+            run_config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+            modules=ModuleNames.of_config(cfg.encoders),
+            init_from=init_checkpoint(cfg.model.init_from) if cfg.model.init_from else None,
         )
         try:
             return trainer.fit()
@@ -87,6 +94,24 @@ def run(cfg: OmniConfig):
         shutdown()
 
 
+
+
+def _validator(cfg: OmniConfig, layout, eval_dir, tokenizer, processors, training_mixture):
+    """``trainer.eval_every``: the held-out set as validation micro-batches, built here on every
+    rank (the same list everywhere), so a bad held-out sample stops the run before training."""
+    if not cfg.trainer.eval_every:
+        return None
+    from dataloading.constructor import eval_options
+    from dataloading.validation import ValidationSet
+    from omni.errors import UserError
+    from omni.runtime.validation import Validator
+
+    if not eval_dir:
+        raise UserError(f"trainer.eval_every={cfg.trainer.eval_every} needs a held-out folder: set data.eval_dir, "
+                        "or an eval: folder in the mixture file, or trainer.eval_every=0")
+    held_out = ValidationSet(eval_dir, tokenizer, processors, cfg.data.micro_batch_tokens, cfg.data.over_budget,
+                             limit=cfg.trainer.eval_samples, options=eval_options(training_mixture.sources))
+    return Validator(held_out.batches(), layout, cfg.trainer.eval_every, getattr(tokenizer, "pad_id", None) or 0)
 
 
 def _loader(cfg: OmniConfig, layout, mixture, tokenizer, model, processors, show):

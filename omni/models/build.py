@@ -11,6 +11,8 @@ from torch import nn
 from dataloading.media import MediaProcessor
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
+from omni.models import lora
+from omni.models.freeze import ModuleNames, freeze, frozen_units
 from omni.kernels import BACKENDS
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.encoders.registry import build_encoder
@@ -105,14 +107,23 @@ def build_meta_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_n
         projectors[m], source = build_projector(name, slots[name], enc, llm.config.hidden_size)
         if source is not None:
             projector_weights.append((f"projectors.{m}.", source))
-    frozen = {m for m, (name, _, _) in built.items() if slots[name].freeze}
     if cfg.attn_backend not in BACKENDS:
         raise ConfigError(f"model.attn_backend={cfg.attn_backend!r} is not one of {', '.join(BACKENDS)}")
-    model = OmniModel(llm, encoders, projectors, frozen=frozen)
+    model = OmniModel(llm, encoders, projectors)
     model.set_attn_backend(cfg.attn_backend)
+    # LoRA adapters (model.lora) now, before freezing and parallelism: both act on the adapted
+    # model's parameters.
+    lora.inject(model, cfg.lora, {name: m for m, (name, _, _) in built.items()})
+    # Freezing (model.freeze, encoders.<slot>.freeze) last: after the adapters, before parallelism.
+    names = ModuleNames({name: m for m, (name, _, _) in built.items()})
+    try:
+        freeze(model, names, frozen_units(names, cfg.freeze, slots))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     prefixed = [("llm.", llm_weights)] if llm_weights is not None else []
     prefixed += [(f"encoders.{m}.", w) for m, (_, _, w) in built.items() if w is not None]
-    return model, Sources(prefixed + projector_weights, SeededInit(seed))
+    weights = Sources(prefixed + projector_weights, SeededInit(seed))
+    return model, lora.LoraWeights(weights, seed) if cfg.lora.rank else weights
 
 
 def build_projector(slot_name: str, slot: EncoderSlot, enc: EncoderAnchor,

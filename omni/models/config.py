@@ -2,9 +2,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omni.models.llm.config import DecoderConfig
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (``omni.models.lora``, through peft) on linear layers of the LLM and the
+    encoders. Their base weights are frozen; what is not adapted (projectors, an encoder left
+    out) trains unless frozen."""
+
+    # Rank of the adapters; 0: no LoRA.
+    rank: int = 0
+    # Scaling of the adapter's output: alpha / rank.
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Which linear layers of each adapted part (peft's target_modules: a module's own name or
+    # the end of its path); [all-linear]: every linear layer but the LM head.
+    targets: List[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"])
+    # Which parts get adapters: llm, encoders (every slot) or encoder.<slot> (model.freeze's names).
+    modules: List[str] = field(default_factory=lambda: ["llm"])
 
 
 @dataclass
@@ -16,6 +35,15 @@ class ModelConfig(DecoderConfig):
     # auto (flash-attn if installed, else Triton, on CUDA; PyTorch SDPA on the CPU), triton,
     # flash or sdpa.
     attn_backend: str = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # Modules frozen for the whole run (no gradients, no optimizer state): llm, encoders,
+    # projectors, encoder.<slot>, projector.<slot> (omni/models/freeze.py). An encoder slot's
+    # own `freeze: true` means encoder.<slot>.
+    freeze: List[str] = field(default_factory=list)
+    # Start from the model weights of another run (its newest checkpoint) or of a checkpoint
+    # folder: fresh optimizer, step 0, the lr schedule from its start. A run dir that has
+    # checkpoints of its own resumes from them instead (checkpoint.resume=auto).
+    init_from: Optional[str] = None
 
 
 @dataclass

@@ -245,8 +245,16 @@ class OmniModel(nn.Module):
         return ce / p.global_targets
 
     def _input_hidden(self, p: Prepared) -> torch.Tensor:
-        if self.multiplexer is not None:
-            return self._multiplexed_hidden(p)
+        h = self._multiplexed_hidden(p) if self.multiplexer is not None else self._inline_hidden(p)
+        if torch.is_grad_enabled() and not h.requires_grad:
+            # A frozen embedding and no trainable media rows in this micro-batch (model.freeze=
+            # [llm] with the projector training, a text-only row): its backward must still run
+            # through the layers, as on the ranks whose rows carry media (FSDP gathers the frozen
+            # weights for it, the pipeline sends gradients back), so the collectives pair up.
+            h = h.detach().requires_grad_()
+        return h
+
+    def _inline_hidden(self, p: Prepared) -> torch.Tensor:
         h = self.embed(p.mb.input_ids, p.mb.media)[None]
         idle = [m for m in self.encoders if m not in p.mb.media]
         if idle and torch.is_grad_enabled():

@@ -43,9 +43,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from omni.errors import ConfigError
+from omni.models import lora
 from omni.models.materialize import SeededInit, Sources, WeightSource, materialize
 from omni.runtime.checkpoint_manifest import MANIFEST, fsync_dir, read_manifest, seal, verify, write_manifest
 from omni.runtime.config import CheckpointConfig
@@ -278,6 +280,9 @@ class Checkpointer:
         with _single_process_quietly():
             dcp.load(state, checkpoint_id=str(path), no_dist=self._no_dist)
         for part, opt in zip(optim.parts, optim.optimizers):
+            if not _trains(opt):
+                set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+                continue
             set_state_dict(part, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
         extra = load_plain(path / TRAINER_STATE)
@@ -288,6 +293,31 @@ class Checkpointer:
         return Restored(step=int(extra["step"]), loader_state=extra["loader"], path=path,
                         trainer=dict(extra.get("trainer", {})))
 
+    def load_weights(self, path: Path, parts: list[nn.Module], key: str = "model.init_from") -> None:
+        """The model weights of the checkpoint ``path`` (saved under any layout) into the parts
+        this rank trains; nothing else (``model.init_from``: the optimizer, the schedule, the
+        data and the step start fresh). A checkpoint of another model is refused in one line
+        before any weight is read. Every rank calls it."""
+        path = Path(path)
+        saved = (read_manifest(path)[0] or {}).get("model")
+        here = self.model_fingerprint(parts)
+        fresh_adapters = False
+        if isinstance(saved, dict) and saved.get("sha256") != here["sha256"]:
+            # A run with LoRA adapters started from one without (LLaVA stage 2 after stage 1):
+            # its base weights under their plain names, the adapters as initialised.
+            fresh_adapters = saved.get("sha256") == self.model_fingerprint(parts, lora.without_adapters)["sha256"]
+            if not fresh_adapters:
+                raise ConfigError(f"{key}={path} holds another model ({describe(saved)}) than the config builds "
+                                  f"({describe(here)}); point {key} at a run of this model")
+        state = {}
+        for part in parts:
+            state.update(get_model_state_dict(part))
+        with _single_process_quietly():
+            dcp.load({"model": lora.without_adapters(state) if fresh_adapters else state}, checkpoint_id=str(path),
+                     no_dist=self._no_dist)
+        for part in parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
     def _prune(self) -> None:
         if self.cfg.keep_last <= 0:
             return
@@ -296,9 +326,13 @@ class Checkpointer:
 
 
     # -- which model, and is it intact -------------------------------------------------------
-    def model_fingerprint(self, parts: list[nn.Module]) -> dict:
+    def model_fingerprint(self, parts: list[nn.Module], view=None) -> dict:
         """The full model's fingerprint (names, global shapes, dtypes), the same on every rank
-        and every layout: each rank lists the parameters it holds, rank 0 merges. Once per run."""
+        and every layout: each rank lists the parameters it holds, rank 0 merges. Once per run.
+        ``view``: of the entries as ``view`` maps them (not kept; e.g. ``lora.without_adapters``)."""
+        if view is not None:
+            shares = self._gather(view(local_entries(parts)))
+            return self._broadcast(fingerprint(merge(shares)) if self.rank == 0 else None)
         if self._fingerprint is None:
             shares = self._gather(local_entries(parts))
             self._fingerprint = self._broadcast(fingerprint(merge(shares)) if self.rank == 0 else None)
@@ -359,13 +393,18 @@ class Checkpointer:
         return box[0]
 
 
+def _trains(opt: torch.optim.Optimizer) -> bool:
+    return any(group["params"] for group in opt.param_groups)
+
+
 def _merged_state(optim: PartOptimizers) -> dict:
     """Model and optimizer state of every part this rank holds, under the unsplit model's names."""
     model_sd, optim_sd = {}, {}
     for part, opt in zip(optim.parts, optim.optimizers):
         # Flattened optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): the parts'
-        # dicts have disjoint keys and simply merge.
-        m, o = get_state_dict(part, opt, options=FLAT)
+        # dicts have disjoint keys and simply merge. A part in which nothing trains (a frozen
+        # LLM's chunk, model.freeze) has weights only.
+        m, o = get_state_dict(part, opt, options=FLAT) if _trains(opt) else (get_model_state_dict(part), {})
         model_sd.update(m)
         optim_sd.update(o)
     return {"model": model_sd, "optim": optim_sd}

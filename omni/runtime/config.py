@@ -2,12 +2,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 # trainer.precision: "auto" is bf16 autocast on a GPU and fp32 on the CPU.
 TRAINER_PRECISIONS = ("auto", "fp32", "bf16")
 # checkpoint.resume keywords; any other value is the path of a checkpoint folder.
 RESUME_CHOICES = ("auto", "never")
+
+
+@dataclass
+class OptimGroupConfig:
+    """The settings one entry of ``optim.groups`` may hold (None: optim's own). The entries
+    are plain mappings in the schema (OmegaConf cannot add a key of a dataclass-valued dict
+    from the command line: ``+optim.groups.llm.lr=2e-5`` must work) and are read into this
+    by ``omni.runtime.optim.group_settings``, which names an unknown setting."""
+
+    lr: Optional[float] = None
+    weight_decay: Optional[float] = None
 
 
 @dataclass
@@ -21,6 +32,46 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     # Global-norm gradient clipping; 0 disables.
     clip_grad_norm: float = 1.0
+    # Per-module settings, keyed by module name (llm, encoders, projectors, encoder.<slot>,
+    # projector.<slot>; omni/models/freeze.py), e.g. {projector: {lr: 1e-3}, llm: {lr: 2e-5}}.
+    # The most specific name covering a parameter wins; modules not named use lr and
+    # weight_decay above. Each peak lr follows the same warmup + cosine. Norm gains and biases
+    # (ndim < 2) are never decayed, whatever a group says.
+    # From the command line: +optim.groups.llm.lr=2e-5 (a new key takes the +).
+    groups: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WandbConfig:
+    """``trainer.wandb``: used when ``trainer.log_to`` lists wandb."""
+
+    project: str = "omni"
+    entity: Optional[str] = None
+    # offline (nothing leaves the machine; `wandb sync <dir>/wandb/offline-run-*` uploads
+    # later), online or disabled. None: the WANDB_MODE environment variable, else offline.
+    mode: Optional[str] = None
+    # Where wandb writes its files (<dir>/wandb/...). None: the run dir.
+    dir: Optional[str] = None
+
+
+@dataclass
+class MlflowConfig:
+    """``trainer.mlflow``: used when ``trainer.log_to`` lists mlflow."""
+
+    # None: a file store in the run dir (file:<run_dir>/mlruns; `mlflow ui --backend-store-uri`
+    # shows it). Or any MLflow tracking URI (http://..., sqlite:///..., databricks).
+    tracking_uri: Optional[str] = None
+    experiment: str = "omni"
+
+
+@dataclass
+class StageConfig:
+    """One entry of ``trainer.stages``: ``steps`` optimizer steps (None: to the end; the last
+    stage only) during which the modules in ``train`` train and the others stay unchanged."""
+
+    steps: Optional[int] = None
+    # Module names (omni/models/freeze.py) or "all" (every module model.freeze leaves).
+    train: List[str] = field(default_factory=lambda: ["all"])
 
 
 @dataclass
@@ -30,6 +81,9 @@ class TrainerConfig:
     # follows max_steps, so a later run with checkpoint.resume=auto continues seamlessly.
     # Useful for time-limited cluster jobs. None: run to max_steps.
     stop_at: Optional[int] = None
+    # A schedule of what trains: e.g. [{steps: 500, train: [projectors]}, {train: [all]}]
+    # (omni/runtime/stages.py). Empty: every module model.freeze leaves trains throughout.
+    stages: List[StageConfig] = field(default_factory=list)
     run_dir: str = "runs/${name}"
     seed: int = 0
     # "auto": cuda if available, else cpu.
@@ -38,7 +92,18 @@ class TrainerConfig:
     precision: str = "auto"
     log_every: int = 1
     progress: bool = True
+    # Experiment trackers the metrics also go to, besides <run_dir>/metrics.jsonl (always
+    # written: it is the run's record, which resume truncates and tools read): any of jsonl (a
+    # no-op, for clarity), tensorboard, wandb, mlflow (omni/runtime/trackers.py).
+    log_to: List[str] = field(default_factory=lambda: ["jsonl"])
+    # Kept for existing configs: true adds tensorboard to log_to.
     tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # Validation loss on the held-out set (data.eval_dir, else the mixture's eval: folder; at
+    # most eval_samples samples) every this many steps, per sub-folder and overall, in
+    # metrics.jsonl as event=validation (omni/runtime/validation.py). 0: off.
+    eval_every: int = 0
     # Held-out greedy-generation evaluation at the end of training.
     eval_at_end: bool = True
     eval_samples: int = 64

@@ -1,35 +1,39 @@
-"""metrics.jsonl (one JSON object per line), optional TensorBoard, and the progress bar."""
+"""metrics.jsonl (one JSON object per line), the experiment trackers it fans out to, and the
+progress bar."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from omni.runtime.trackers import Tracker, scalars
+
 
 class MetricsLog:
-    """Appends to <run_dir>/<name> (metrics.jsonl unless named) on the main rank only."""
+    """Appends to <run_dir>/<name> (metrics.jsonl unless named) on the main rank only, and hands
+    every record with a step to the trackers (``omni.runtime.trackers``: TensorBoard, wandb,
+    MLflow), which ``open`` attaches once the run knows whether it resumes."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False, name: str = "metrics.jsonl"):
+    def __init__(self, run_dir: Path, enabled: bool, name: str = "metrics.jsonl"):
         self.path = run_dir / name
         self.enabled = enabled
-        self._tb = None
+        self.trackers: list[Tracker] = []
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
-                except ImportError as exc:  # pragma: no cover - optional extra
-                    raise ImportError(
-                        "trainer.tensorboard=true needs TensorBoard: pip install 'omni-mm[tensorboard]'"
-                    ) from exc
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def open(self, trackers: Sequence[Tracker]) -> None:
+        """From now on every record also goes to ``trackers`` (the main rank's)."""
+        if self.enabled:
+            self.trackers = list(trackers)
 
     def truncate_after(self, step: int) -> None:
         """On resume from `step`, drop lines the interrupted run wrote past it, so the log
-        reads as one run."""
+        reads as one run. A validation line (event=validation) of a step up to `step` stays: the
+        trainer validates a step before saving its checkpoint, so the resumed run, which starts
+        after it, never measures it again. End-of-run eval lines go (the run is not over)."""
         if not self.enabled or not self.path.exists():
             return
         kept = []
@@ -48,14 +52,16 @@ class MetricsLog:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
-        if self._tb is not None and "step" in record:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(k, v, record["step"])
+        if self.trackers and "step" in record:
+            values = scalars(record)
+            for tracker in self.trackers:
+                tracker.write(record["step"], values)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, failed: bool = False) -> None:
+        """Finish the trackers' runs (``failed``: the run ended by an error)."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(failed)
 
 
 def progress_bar(total: int, initial: int, enabled: bool) -> tqdm:

@@ -118,6 +118,8 @@ class ParallelModel:
         for params, group in self.replica_syncs:
             alone = dist.get_world_size(group) == 1
             for p in params:
+                if not p.requires_grad:  # frozen (LoRA's base, model.freeze): the same on every rank
+                    continue
                 # An unused replica (an encoder on a text-only step) gets zeros, as the single
                 # process's zero touch gives it: AdamW then decays it the same way, also where
                 # this rank holds the only copy.

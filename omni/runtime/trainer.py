@@ -26,7 +26,11 @@ from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.evaluate import evaluate
 from omni.runtime.guards import BadStepGuard, NonFiniteSteps, SpikeDetector
 from omni.runtime.metrics import MetricsLog, progress_bar
+from omni.runtime.trackers import TrackedRun, open_trackers
+from omni.runtime.validation import Validator
 from omni.runtime.optim import PartOptimizers
+from omni.runtime.stages import Stage, StageSchedule
+from omni.models.freeze import ModuleNames
 from omni.models.multimodal import Prepared
 from omni.runtime.parallelize import ParallelModel, gather_full_model
 from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
@@ -84,11 +88,19 @@ class Trainer:
         eval_samples: Callable[[], Iterable[tuple[MicroBatch, str]]] | None = None,
         full_model: Callable[[], OmniModel] | None = None,
         trace_step: int = 0,
+        validator: Validator | None = None,
+        run_config: dict | None = None,
+        modules: ModuleNames | None = None,
+        init_from: str | Path | None = None,
     ):
         """``model``: a ParallelModel from ``omni.runtime.parallelize`` (a bare OmniModel is
         wrapped as the one-process layout). ``full_model`` builds the unsharded model's skeleton
         (meta device), which the final evaluation fills with the gathered weights when the
-        layout splits them."""
+        layout splits them. ``validator``: the periodic validation loss (``trainer.eval_every``).
+        ``run_config``: the composed config as plain containers, for the experiment trackers.
+        ``modules``: the model's module names (``optim.groups``, ``trainer.stages``; default:
+        the encoder slots named after their modality). ``init_from``: a checkpoint folder whose
+        model weights a run without a checkpoint of its own starts from (``model.init_from``)."""
         self.cfg = trainer_cfg
         self.layout = layout
         self.device = layout.device
@@ -100,13 +112,21 @@ class Trainer:
         self.pad_id = getattr(tokenizer, "pad_id", None) or 0
         self.eval_samples = eval_samples
         self.full_model = full_model
-        self.optim = PartOptimizers(self.pm.parts, optim_cfg, trainer_cfg.max_steps)
+        if modules is None:
+            modules = ModuleNames.of_parameters(name for name, _ in self.pm.named_parameters())
+        self.optim = PartOptimizers(self.pm.parts, optim_cfg, trainer_cfg.max_steps, modules)
+        self.stages = StageSchedule(trainer_cfg.stages, modules) if trainer_cfg.stages else None
+        self._stage: Stage | None = None
+        self._idle: list[torch.nn.Parameter] = []  # trainable, but sitting the current stage out
+        self.init_from = None if init_from is None else Path(init_from)
         self.clip = optim_cfg.clip_grad_norm
         self.run_dir = Path(trainer_cfg.run_dir)
         self.ckpt_cfg = ckpt_cfg
         self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank, layout=asdict(layout.sizes),
                                          timeout=layout.timeout)
-        self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main, tensorboard=trainer_cfg.tensorboard)
+        self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main)
+        self.validator = validator
+        self.run_config = run_config or {}
         self.flagged = MetricsLog(self.run_dir, enabled=layout.is_main, name=FLAGGED)
         self.sample_log = MetricsLog(self.run_dir, enabled=layout.is_main and trainer_cfg.log_samples,
                                      name="samples.jsonl")
@@ -183,10 +203,28 @@ class Trainer:
         self._phase_name = name
         self.watchdog.beat(self._step, name)
 
-    def train_step(self, batch: StepBatch) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns the step's metrics."""
+    def train_step(self, batch: StepBatch, step: int | None = None) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches; returns the step's metrics.
+        ``step``: the optimizer step it is (1-based; default fit's count), which picks the stage."""
+        self._enter_stage(self._step if step is None else step)
         prepared, length, global_targets = self._host_inputs(batch)
         return self._device_step(prepared, length, global_targets)
+
+    def _enter_stage(self, step: int) -> None:
+        """``trainer.stages``: the parameters whose gradients the stage of ``step`` drops
+        (omni/runtime/stages.py), and one line when a stage begins (or a resumed run is in it)."""
+        if self.stages is None:
+            return
+        stage = self.stages.at(max(step, 1))
+        if stage is self._stage:
+            return
+        self._stage = stage
+        # Every part's own parameters: a tied embedding's two copies on one rank both sit out.
+        named = [(name, p) for part in self.pm.parts for name, p in part.named_parameters()]
+        self._idle = self.stages.idle(stage, named)
+        if self.layout.is_main:
+            trainable = {self.stages.names.unit_of(name) for name, p in named if p.requires_grad}
+            print(f"omni: {self.stages.describe(stage, trainable)}", flush=True)
 
     def _host_inputs(self, batch: StepBatch) -> tuple[list[Prepared], int, float]:
         """The step's host work: global counts (over the host group), padding, and every
@@ -214,11 +252,10 @@ class Trainer:
             p.index = i
         return prepared, length, global_targets
 
-    def _device_step(self, prepared: list[Prepared], length: int, global_targets: float) -> dict[str, float]:
-        """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
-        step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
-        norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
-        test_no_host_sync.py holds it to that)."""
+    def _forward_backward(self, prepared: list[Prepared], length: int,
+                          global_targets: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Forward and backward of the step's micro-batches: their CE sums and router losses
+        (detached, on the device), in micro-batch order."""
         ce_parts: list[torch.Tensor] = []  # detached 0-dim device tensors
         aux_parts: list[torch.Tensor] = []
         mux = self.pm.multiplexer
@@ -259,15 +296,27 @@ class Trainer:
             if mux is not None:
                 with self._autocast():
                     mux.finish()
+        return ce_parts, aux_parts
+
+    def _counts_loss(self) -> bool:
+        """The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum: one counts it."""
+        return self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
+
+    def _device_step(self, prepared: list[Prepared], length: int, global_targets: float) -> dict[str, float]:
+        """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
+        step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
+        norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
+        test_no_host_sync.py holds it to that)."""
+        ce_parts, aux_parts = self._forward_backward(prepared, length, global_targets)
         self._phase("gradient sync")
         with self._span("comm", "gradient sync"):
             self.pm.sync_gradients()
+            for p in self._idle:  # sitting this stage out: no update, no decay, not in the norm
+                p.grad = None
         self._phase("optimizer")
         with self._span("optim", "clip and step"):
             params = list(self.pm.parameters())
-            # The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum.
-            counts_loss = self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
-            sums = torch.stack([_device_sum(ce_parts if counts_loss else [], self.device),
+            sums = torch.stack([_device_sum(ce_parts if self._counts_loss() else [], self.device),
                                 _device_sum(aux_parts, self.device),
                                 local_grad_square_sum(params, self.layout.stage_world, self.pm.norm_skip,
                                                       self.device)])
@@ -277,7 +326,7 @@ class Trainer:
             scale_to_max_norm_(params, sums[2].sqrt(), max_norm)
             ce_sum, aux_sum, square = sums.tolist()  # the step's one device read
             loss_value, grad_norm = ce_sum / global_targets, math.sqrt(square)
-            lr = self.optim.lr
+            lr, group_lrs = self.optim.lr, self.optim.group_lrs()
             # The loss and the norm are the same on every rank (all-reduced), so every rank
             # skips the same steps. A skipped step leaves weights, optimizer moments and the lr
             # schedule as they were; only its gradients are dropped.
@@ -285,11 +334,26 @@ class Trainer:
             if not bad:
                 self.optim.step()
             self.optim.zero_grad()
-        out = {"loss": loss_value, "lr": lr, "grad_norm": grad_norm, "target_tokens": int(global_targets),
-               "skipped": bad}
+        out = {"loss": loss_value, "lr": lr, **group_lrs, "grad_norm": grad_norm,
+               "target_tokens": int(global_targets), "skipped": bad}
+        if self._stage is not None:
+            out["stage"] = self._stage.number
         if aux_sum:
             out["aux_loss"] = aux_sum
         return out
+
+    def losses_without_update(self, batch: StepBatch) -> list[torch.Tensor]:
+        """The training step's forward and backward over ``batch``, with no update (validation,
+        ``omni/runtime/validation.py``): the micro-batches' CE sums in order on the ranks that
+        count the loss, none elsewhere. The backward runs because the training path is the one
+        that is exact under every layout (the pipeline executor and the multiplexer interleave
+        forwards and backwards); its gradients are dropped here, and nothing else moves: no
+        gradient sync, optimizer, lr schedule, guard or spike detector."""
+        prepared, length, global_targets = self._host_inputs(batch)
+        ce_parts, _ = self._forward_backward(prepared, length, global_targets)
+        for p in self.pm.parameters():
+            p.grad = None
+        return ce_parts if self._counts_loss() else []
 
     def fit(self) -> FitResult:
         start = 0
@@ -303,6 +367,14 @@ class Trainer:
                 log.truncate_after(start)
             if self.layout.is_main:
                 print(f"omni: resumed from {resume} (step {start})", flush=True)
+        elif self.init_from is not None:  # a run with checkpoints of its own resumes from them instead
+            self._guarded(self.checkpointer.load_weights, self.init_from, self.pm.parts)
+            if self.layout.is_main:
+                print(f"omni: model weights from {self.init_from} (model.init_from); optimizer, lr schedule and "
+                      "data start fresh", flush=True)
+        if self.layout.is_main:  # a resumed run continues its trackers' runs
+            self.metrics.open(open_trackers(self.cfg, TrackedRun(
+                self.run_dir, str(self.run_config.get("name") or self.run_dir.name), self.run_config, start)))
         self._step = start
         losses: list[float] = []
         last_saved = start
@@ -323,6 +395,9 @@ class Trainer:
                     bar.update(1)
                     bar.set_postfix(loss=f"{stats['loss']:.3f}", tok_s=f"{stats['tokens_per_s']:,.0f}",
                                     lr=f"{stats['lr']:.2e}")
+                    if self.validator is not None and self.validator.due(step):  # before the save: see truncate_after
+                        self._phase("validation")
+                        self.metrics.write(self._guarded(self.validator.run, self, step))
                     if self.ckpt_cfg.every and step % self.ckpt_cfg.every == 0 and not stats["skipped"]:
                         self._guarded(self._save, step)
                         last_saved = step
@@ -335,7 +410,10 @@ class Trainer:
                 self._guarded(self.checkpointer.close)
         except NonFiniteSteps:
             self.checkpointer.close()  # a save in flight holds the last good state: finish it
-            self.metrics.close()
+            self.metrics.close(failed=True)
+            raise
+        except BaseException:
+            self.metrics.close(failed=True)  # the trackers' runs end as failed, not left running
             raise
         finished = step >= self.cfg.max_steps
         accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None

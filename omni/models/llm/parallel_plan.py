@@ -15,11 +15,17 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from .. import lora
 from .decoder import Decoder
 
 
 def apply_tensor_parallel(llm: Decoder, tp_mesh: DeviceMesh) -> None:
-    """Shard ``llm`` (or the part of it one pipeline stage holds) over ``tp_mesh`` in place."""
+    """Shard ``llm`` (or the part of it one pipeline stage holds) over ``tp_mesh`` in place.
+    A layer with LoRA adapters (``omni.models.lora``) gets its plan entry split over its base
+    layer and adapters."""
+    # SequenceParallel registers the norm gains anew as parameters that require gradients:
+    # frozen ones (LoRA's base model, model.freeze) are frozen again afterwards.
+    frozen = {name for name, p in llm.named_parameters() if not p.requires_grad}
     plan = {}
     if llm.embed_tokens is not None:
         # Full row out: media embeddings are written into it before it is cut into shards.
@@ -29,7 +35,7 @@ def apply_tensor_parallel(llm: Decoder, tp_mesh: DeviceMesh) -> None:
     if llm.lm_head is not None:
         plan["lm_head"] = ColwiseParallel()  # weight rows = vocabulary; the loss reads the local rows
     if plan:
-        parallelize_module(llm, tp_mesh, plan)
+        parallelize_module(llm, tp_mesh, lora.tensor_parallel_plan(llm, plan))
     for block in llm.layers:
         block_plan = {
             "input_layernorm": SequenceParallel(),
@@ -52,4 +58,7 @@ def apply_tensor_parallel(llm: Decoder, tp_mesh: DeviceMesh) -> None:
                 "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
             })
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, lora.tensor_parallel_plan(block, block_plan))
+    for name, p in llm.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
