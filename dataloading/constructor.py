@@ -336,7 +336,7 @@ class EvalSet:
         self.left_out = len(with_response) - len(usable)
         if self.left_out:
             missing = sorted({encoder_modality(mod) for m in with_response for mod, _ in m.media} - set(processors))
-            log.warning("eval %s: %d sample(s) need a %s encoder the model lacks; evaluating the other %d",
+            log.warning("eval %s: %d sample(s) need an encoder of %s the model lacks; evaluating the other %d",
                         folder, self.left_out, "/".join(missing), len(usable))
         self.keys = [m.key for m in usable][:limit]
         self.constructor = SampleConstructor({name: index.reader(name)}, tokenizer, processors, None,

@@ -227,7 +227,7 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
     indices, tables = {}, {}
     for s in mix.sources:  # one at a time: only one source's per-sample objects live at once
         ix = load_index(s.path, build_if_missing=build_missing_index, progress=progress)
-        tables[s.name] = SourceTable(s.name, ix, tokenizer, processors, cost_model, s.options)
+        tables[s.name] = SourceTable(s.name, ix, tokenizer, processors, cost_model, s.options, progress=progress)
         ix.release_samples()
         indices[s.name] = ix
     weights = {s.name: s.weight for s in mix.sources}

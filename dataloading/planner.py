@@ -88,7 +88,8 @@ class SourceTable:
     """
 
     def __init__(self, name: str, index: SourceIndex, tokenizer: Tokenizer,
-                 processors: Mapping[str, MediaProcessor], cost: CostModel, options: SourceOptions):
+                 processors: Mapping[str, MediaProcessor], cost: CostModel, options: SourceOptions,
+                 progress: bool = True):
         self.name = name
         self.folder = index.folder
         self.options = options
@@ -105,7 +106,8 @@ class SourceTable:
         flat_tokens: list[int] = []
         flat_modality: list[str] = []
         # Conversations are counted exactly (their length depends on the chat template).
-        chat = chat_token_counts(name, index, tokenizer, options) if any(m.chat for m in index.samples) else {}
+        chat = (chat_token_counts(name, index, tokenizer, options, progress=progress)
+                if any(m.chat for m in index.samples) else {})
         for i, meta in enumerate(index.samples):
             items = media_tokens(meta, self.processors, where)
             if meta.key in chat:

@@ -67,17 +67,31 @@ def saved_config(cfg, llm_config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(replace(cfg, model=model)))
 
 
-def describe_model(cfg, llm_config, n_params: int) -> str:
+def describe_training(model, names) -> str:
+    """What trains, for the banner: "0.05M trainable; frozen: llm, encoder.vision" (a module
+    counts as frozen when none of its parameters trains; LoRA shows as a small trainable share)."""
+    counts: dict[str, list[int]] = {}
+    for name, p in model.named_parameters():
+        unit = counts.setdefault(names.unit_of(name) or "other", [0, 0])
+        unit[0] += p.numel() * p.requires_grad
+        unit[1] += p.numel()
+    trainable = sum(t for t, _ in counts.values())
+    frozen = [u for u in names.units if u in counts and counts[u][0] == 0]
+    return f"{trainable / 1e6:.2f}M trainable" + (f"; frozen: {', '.join(frozen)}" if frozen else "")
+
+
+def describe_model(cfg, llm_config, n_params: int, training: str = "") -> str:
     c = llm_config
     source = f"from {cfg.model.pretrained}" if cfg.model.pretrained else "random init"
     moe = f", {c.num_experts} experts top-{c.num_experts_per_tok}" if c.num_experts else ""
     encoders = ", ".join(f"{slot}={s._target_ or s.name}{' (' + s.pretrained + ')' if s.pretrained else ''}"
                          for slot, s in cfg.encoders.items()) or "none"
     return (f"{c.family} {c.num_layers} layers x {c.hidden_size}{moe}, vocab {c.vocab_size} ({source}); "
-            f"encoders {encoders}; {n_params / 1e6:.2f}M parameters")
+            f"encoders {encoders}; {n_params / 1e6:.2f}M parameters" + (f" ({training})" if training else ""))
 
 
-def record_run(cfg, run_dir: Path, tokenizer, llm_config, n_params: int, layout_text: str, mixture: str) -> None:
+def record_run(cfg, run_dir: Path, tokenizer, llm_config, n_params: int, layout_text: str, mixture: str,
+               training: str = "") -> None:
     """On the main rank: write ``config.yaml`` and ``tokenizer/`` into the run dir and print
     the banner (what really runs, where it writes)."""
     from dataloading.tokenizer import save_tokenizer
@@ -85,7 +99,7 @@ def record_run(cfg, run_dir: Path, tokenizer, llm_config, n_params: int, layout_
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(saved_config(cfg, llm_config))
     save_tokenizer(tokenizer, run_dir / "tokenizer")
-    print(f"omni: {cfg.name}: {describe_model(cfg, llm_config, n_params)}, layout {layout_text}, data {mixture}, "
+    print(f"omni: {cfg.name}: {describe_model(cfg, llm_config, n_params, training)}, layout {layout_text}, data {mixture}, "
           f"run dir {run_dir}", flush=True)
 
 

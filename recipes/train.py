@@ -32,7 +32,7 @@ def run(cfg: OmniConfig):
     from recipes.data_plane import mixture_path
     from recipes.model_source import init_checkpoint
     from omni.models.freeze import ModuleNames
-    from recipes.run_info import record_run, run_tokenizer
+    from recipes.run_info import describe_training, record_run, run_tokenizer
 
     check_config(cfg, world_size=launched_world_size())
     layout = init_layout(cfg.parallel, device=cfg.trainer.device)
@@ -57,12 +57,14 @@ def run(cfg: OmniConfig):
         validator = _validator(cfg, layout, eval_dir, tokenizer, processors, training_mixture)
         loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
         n_params = sum(p.numel() for p in model.parameters())
+        training = describe_training(model, ModuleNames.of_config(cfg.encoders))  # before parallelize shards it
         from recipes.data_plane import cost_model
 
         pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model), weights=weights)
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
-            record_run(cfg, run_dir, tokenizer, model.llm.config, n_params, describe(layout.sizes), mixture)
+            record_run(cfg, run_dir, tokenizer, model.llm.config, n_params, describe(layout.sizes), mixture,
+                       training)
 
         def eval_samples():
             # Prompted as the model was trained: each sub-folder with its training source's

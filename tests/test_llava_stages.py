@@ -1,12 +1,12 @@
 """experiment=llava_stage1 then experiment=llava_stage2 from it (a few steps each, in-process):
-stage 1 trains the projector alone; stage 2 starts from stage 1's final weights
+stage 1 trains the projector alone on captions; stage 2, on conversations, starts from stage 1's final weights
 (model.init_from), keeps the vision tower bit-identical and trains the projector and the LLM;
 a stage-2 run restarted after a stop resumes from its own checkpoint, not from stage 1's."""
 from __future__ import annotations
 
 import torch
 
-from recipe_helpers import tiny_overrides, train
+from recipe_helpers import read_metrics, tiny_overrides, train
 
 
 def _weights(run_dir, step=None) -> dict[str, torch.Tensor]:
@@ -39,8 +39,12 @@ def test_stage1_trains_the_projector_and_stage2_starts_from_it(demo_root, tmp_pa
     end1 = _weights(stage1)
     assert _moved(starts[0], end1) == {n for n in end1 if n.startswith("projectors.")}  # the projector alone
 
+    # Stage 2 on the preset's data, the demo's conversations (its plain chat template), with the
+    # validation loss on the held-out conversations at step 3.
+    chat = {"data.mixture": str(demo_root / "chat.yaml"), "data.eval_dir": str(demo_root / "eval_chat"),
+            "data.num_workers": 0, "trainer.eval_every": 3, "trainer.eval_samples": 8}
     second = ["experiment=llava_stage2", f"model.init_from={stage1}",
-              *tiny_overrides(demo_root, stage2, **common, **{"trainer.max_steps": 3, "checkpoint.every": 1})]
+              *tiny_overrides(demo_root, stage2, **chat, **{"trainer.max_steps": 3, "checkpoint.every": 1})]
     train(second + ["trainer.stop_at=2"])
     assert not _moved(starts[1], end1)  # step 0 of stage 2 is stage 1's last step
     capsys.readouterr()
@@ -51,3 +55,8 @@ def test_stage1_trains_the_projector_and_stage2_starts_from_it(demo_root, tmp_pa
     moved = _moved(end1, end2)
     assert not {n for n in moved if n.startswith("encoders.")}  # the tower stays bit-identical
     assert {n for n in end2 if n.startswith(("projectors.", "llm."))} <= moved
+    records = read_metrics(stage2)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
+    validation = [r for r in records if r.get("event") == "validation"]
+    assert [r["step"] for r in validation] == [3] and set(validation[0]["val_loss_by_group"]) == {"chat"}
+    assert 0 < validation[0]["val_loss"] < 10 and validation[0]["val_tokens"] > 0
