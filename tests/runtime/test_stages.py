@@ -2,8 +2,8 @@
 ``model.init_from`` through ``Trainer.fit``, on the layout harness's tiny model with an image
 encoder (two LLM layers, so pp=2 puts one on each stage).
 
-The schedule is projector only for 3 steps, then everything. Under one process, dp_shard=2 and
-pp=2 (one spawn runs both layouts): every other parameter is bit-identical after the
+The schedule is projector only for 3 steps, then everything. Under one process, dp_shard=2,
+pp=2 and tp=2 (one spawn runs the three layouts): every other parameter is bit-identical after the
 projector-only stage; the update equals a run where the others were frozen from the start
 (same clipped update: the idle gradients are out of the norm); a run stopped in the middle of
 the stage and resumed continues it exactly (losses and final weights equal the uninterrupted
@@ -27,6 +27,8 @@ from layout_harness import OPTIM  # noqa: E402
 STAGES = [{"steps": 3, "train": ["projectors"]}, {"train": ["all"]}]
 STEPS = 5
 PROJECTOR_ONLY = ("llm", "encoders")  # model.freeze of the run that trains the projector alone throughout
+# FSDP2, PP and TP (TP re-registers the norm gains: frozen ones must stay frozen).
+LAYOUTS = (("dp_shard=2", {"dp_shard": 2}), ("pp=2", {"pp": 2}), ("tp=2", {"dp_shard": 1, "tp": 2}))
 
 
 class ListLoader:
@@ -103,7 +105,7 @@ def moved(a: dict, b: dict) -> set[str]:
 
 def _layouts(rank, world, out_dir, init_ckpt):
     out = {}
-    for name, sizes in (("dp_shard=2", {"dp_shard": 2}), ("pp=2", {"pp": 2})):
+    for name, sizes in LAYOUTS:
         d = f"{out_dir}/{name}"
         losses, before, at3, after = fit(sizes, f"{d}/straight", STAGES, every=2, snapshot_at=3)
         # From the checkpoint in the middle of the projector-only stage, in a run dir of its own.
@@ -156,7 +158,7 @@ def test_stages_freeze_resume_and_init_from_equal_the_single_process(tmp_path):
     for rank in range(2):
         with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
             res = pickle.load(f)
-        for name in ("dp_shard=2", "pp=2"):
+        for name, _ in LAYOUTS:
             r, where = res[name], f"[{name}] rank {rank}"
             held = set(r["before"])
             idle = {n for n in held if not n.startswith("projectors.")}
