@@ -18,9 +18,33 @@ def load_sim_config(overrides: list[str]):
     cfg = OmegaConf.to_object(compose_config(overrides, config_name="simulate"))
     cfg.parallel.gpus_per_node = cfg.cluster.gpus_per_node  # the cluster says how wide a node is
     check_multiplex(cfg)  # training's own checks of the group, before any simulation
+    _fold_frozen_encoders(cfg)
     if cfg.sim.calibration:
         cfg.cluster = apply_calibration(cfg.cluster, cfg.sim.calibration)
     return cfg
+
+
+def _fold_frozen_encoders(cfg) -> None:
+    """``model.freeze``'s encoders become their slots' ``freeze`` (what the simulator models: no
+    encoder backward, gradients or optimizer state). A frozen LLM or projector and LoRA are not
+    modelled: rather than cost them as full training, one line says so."""
+    from omni.errors import ConfigError
+    from omni.models.freeze import ModuleNames, frozen_units
+
+    if cfg.model.lora.rank:
+        raise ConfigError(f"model.lora.rank={cfg.model.lora.rank}: the simulator does not model LoRA (it would cost "
+                          "full training of the LLM); set model.lora.rank=0")
+    names = ModuleNames.of_config(cfg.encoders)
+    try:
+        units = frozen_units(names, cfg.model.freeze, cfg.encoders)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    unmodelled = sorted(u for u in units if not u.startswith("encoder."))
+    if unmodelled:
+        raise ConfigError(f"model.freeze={list(cfg.model.freeze)}: the simulator models frozen encoders only, not "
+                          f"{', '.join(unmodelled)} (it would cost them as training); leave them out of model.freeze")
+    for unit in units:
+        cfg.encoders[unit.split(".", 1)[1]].freeze = True
 
 
 def simulate_main(overrides: list[str], as_json: bool = False, calibrate: str | None = None,

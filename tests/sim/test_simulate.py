@@ -85,11 +85,23 @@ def test_simulate_prints_every_placement_and_json(capsys):
     ("parallel.pp_schedule=zero_bubble parallel.pp_virtual_stages=2", "zero_bubble is not modelled"),
     ("sim.encoder_gpus=3", "sim.encoder_gpus=3 must be a positive multiple"),
     ("data.nonsense=1", "nonsense"),
+    ("model.freeze=[llm]", "models frozen encoders only, not llm"),
+    ("model.freeze=[lm]", "'lm' names no module of this model (did you mean llm?)"),
+    ("model.lora.rank=8", "does not model LoRA"),
 ])
 def test_mistakes_end_with_one_line_naming_the_key(override, message, capsys):
     assert main(["simulate", *SMALL, *override.split()]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("omni: error:") and message in err and len(err.splitlines()) == 1
+
+
+def test_model_freeze_of_an_encoder_is_its_slots_freeze():
+    """model.freeze=[encoder.vision] predicts what encoders.vision.freeze=true does (the simulator's
+    frozen encoder: no backward, gradients or optimizer state)."""
+    by_model = json.loads(_run(simulate_main, [*SMALL, "model.freeze=[encoder.vision]"], as_json=True))
+    by_slot = json.loads(_run(simulate_main, [*SMALL, "encoders.vision.freeze=true"], as_json=True))
+    trained = json.loads(_run(simulate_main, SMALL, as_json=True))
+    assert by_model["placements"] == by_slot["placements"] != trained["placements"]
 
 
 def test_image_ratio_needs_an_image_encoder(capsys):
