@@ -155,6 +155,10 @@ def _data(cfg: OmniConfig) -> None:
     one_of("data.on_error", d.on_error, ON_ERROR_POLICIES)
     _fraction("data.max_skip_fraction", d.max_skip_fraction)
     _positive("data.demo_scale", d.demo_scale, integer=False)
+    # The demo's conversations need a chat template, which the byte tokenizer has not.
+    _need(not (d.mixture is None and d.demo_mixture == "chat" and d.tokenizer == "byte" and not d.chat_template),
+          "data.demo_mixture", "chat", "holds conversations, and the byte tokenizer has no chat template",
+          "add data.chat_template=plain")
 
 
 def _model(cfg: OmniConfig):

@@ -48,6 +48,11 @@ def _unknown_key_message(override: str) -> str:
             break
         if parts[depth] not in valid and not (depth == 1 and parts[0] == "encoders"):
             prefix = ".".join(parts[:depth] + [""])
+            if not valid and not override.startswith("+"):
+                # A free mapping (optim.groups): its entries are the user's own keys, and
+                # Hydra adds a key that is not in the config only with a +.
+                return (f"unknown config key '{key}': '{prefix[:-1]}' holds your own entries, and Hydra adds a new "
+                        f"one only with a leading +: write +{key}=...")
             close = difflib.get_close_matches(parts[depth], valid, n=1)
             hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
             return f"unknown config key '{key}'; {hint}valid keys under '{prefix or '<root>'}': {', '.join(valid)}"

@@ -261,3 +261,16 @@ def test_layout_rules_are_checked_before_start_up(capsys, no_work, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     line = _fails(capsys, ["train", "parallel.tp=3"])
     assert "parallel.tp=3 must divide the attention heads (4)" in line
+
+
+def test_a_new_key_of_a_free_mapping_asks_for_the_plus(capsys):
+    """optim.groups holds the user's own entries: Hydra adds one only with a leading +."""
+    line = _fails(capsys, ["train", "optim.groups.llm.lr=1e-4"])
+    assert "write +optim.groups.llm.lr=" in line
+
+
+def test_the_demo_conversations_need_a_chat_template_before_any_work(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_CACHE", str(tmp_path / "cache"))
+    line = _fails(capsys, ["train", "data.demo_mixture=chat", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert "data.demo_mixture='chat'" in line and "data.chat_template=plain" in line
+    assert not (tmp_path / "cache").exists()  # nothing generated
