@@ -22,7 +22,6 @@ import contextlib
 import io
 import json
 import math
-import multiprocessing as mp
 import os
 import shutil
 import threading
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dataloading.processes import worker_context
 from dataloading.chat import MESSAGES_FIELD, parse_messages, prompt_text
 from dataloading.convert_formats import Conversation, MediaRef, RecordProblem, record_id, to_conversation
 from dataloading.convert_inputs import batches, open_input
@@ -265,9 +265,7 @@ def _results(jobs, workers: int):
                     return
             yield job
 
-    # fork: workers need no torch and start in milliseconds (as dataloading.index does)
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers) as pool:
+    with worker_context().Pool(workers) as pool:
         try:
             for res in pool.imap(_convert_batch, bounded()):
                 slots.release()

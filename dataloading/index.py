@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
+from dataloading.processes import imap_in_workers
 from dataloading.chat import last_answer
 from dataloading.errors import ON_ERROR_POLICIES, DataError
 from dataloading.sample import parse_fields, read_meta
@@ -215,17 +215,9 @@ def build_index(source: str | Path | ShardSet, workers: int | None = None, progr
     bar = tqdm(total=len(rels), desc=f"index {source.target}", unit="shard", disable=not progress)
     results = []
     try:
-        if workers == 1:
-            for job in jobs:
-                results.append(_scan_shard(job))
-                bar.update()
-        else:
-            # fork: workers need no torch and start in milliseconds; spawn would re-import it.
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers) as pool:
-                for res in pool.imap(_scan_shard, jobs):
-                    results.append(res)
-                    bar.update()
+        for res in imap_in_workers(_scan_shard, jobs, workers):
+            results.append(res)
+            bar.update()
     finally:
         bar.close()  # also on an error (a missing decoder): its message then starts a line of its own
 

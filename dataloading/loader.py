@@ -12,7 +12,6 @@ run ahead (Megatron-Energon's rule: save keys and cursors, never buffered tensor
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch.utils.data as tud
 
+from dataloading.processes import worker_context
 from dataloading.batch import StepBatch
 from dataloading.constructor import SampleConstructor
 from dataloading.errors import DataError, ProblemCounter
@@ -119,7 +119,7 @@ class StepLoader:
 
     # ---- producing ------------------------------------------------------------------
     def _start(self) -> None:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        ctx = worker_context()
         self._slots = ctx.Array(ctypes.c_char, _SLOT_BYTES * max(1, self.num_workers), lock=False)
         loader = tud.DataLoader(
             BuildSteps(self.constructor, self._slots), sampler=_StepJobs(self.planner, self.dp_rank),

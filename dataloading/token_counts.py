@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 from pathlib import Path
 
+from dataloading.processes import imap_in_workers
 from dataloading.errors import DataError
 from dataloading.mixture import SourceOptions
 
@@ -108,18 +108,9 @@ def chat_token_counts(name: str, index, tokenizer, options: SourceOptions | None
     counts: dict[str, int] = {}
     bar = tqdm(total=len(keys), desc=f"count conversation tokens {name}", unit="sample", disable=not progress)
     try:
-        if workers == 1:
-            _init(constructor, reader, name)
-            results = map(_count_keys, jobs)
-            for res in results:
-                counts.update((k, n) for k, n in res if n is not None)
-                bar.update(len(res))
-        else:
-            ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-            with ctx.Pool(workers, initializer=_init, initargs=(constructor, reader, name)) as pool:
-                for res in pool.imap(_count_keys, jobs):
-                    counts.update((k, n) for k, n in res if n is not None)
-                    bar.update(len(res))
+        for res in imap_in_workers(_count_keys, jobs, workers, _init, (constructor, reader, name)):
+            counts.update((k, n) for k, n in res if n is not None)
+            bar.update(len(res))
     finally:
         bar.close()
         reader.close()

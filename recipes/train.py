@@ -57,7 +57,8 @@ def run(cfg: OmniConfig):
         validator = _validator(cfg, layout, eval_dir, tokenizer, processors, training_mixture)
         loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
         n_params = sum(p.numel() for p in model.parameters())
-        training = describe_training(model, ModuleNames.of_config(cfg.encoders))  # before parallelize shards it
+        modules = ModuleNames.of_config(cfg.encoders)  # model.freeze / trainer.stages / optim.groups names
+        training = describe_training(model, modules)  # before parallelize shards it
         from recipes.data_plane import cost_model
 
         pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model), weights=weights)
@@ -85,7 +86,7 @@ def run(cfg: OmniConfig):
             trace_step=cfg.multiplex.trace_step,
             validator=validator,
             run_config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-            modules=ModuleNames.of_config(cfg.encoders),
+            modules=modules,
             init_from=init_checkpoint(cfg.model.init_from) if cfg.model.init_from else None,
         )
         try:
