@@ -21,6 +21,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from parallel.strict_device import host_read
+
 
 class _AllToAllSingle(torch.autograd.Function):
     """Variable-split all-to-all whose backward is the same exchange with the splits swapped."""
@@ -50,6 +52,7 @@ class DispatchHandle:
     send_splits: List[int]  # rows this rank sent to each EP rank
     recv_splits: List[int]  # rows this rank received from each EP rank
     to_source_order: torch.Tensor  # index: expert-grouped row -> position in the received order
+    local_counts: torch.Tensor | None = None  # rows per local expert, on the device (grouped matmuls)
 
 
 def dispatch(
@@ -77,7 +80,8 @@ def dispatch(
     # The one host sync of a dispatch: all_to_all_single takes its split sizes as python lists.
     # Both directions and the per-local-expert counts are fetched in one transfer.
     recv = recv.view(ep, local)
-    sizes = torch.cat([counts.view(ep, local).sum(1), recv.sum(1), recv.sum(0)]).tolist()
+    with host_read("expert-parallel split sizes"):
+        sizes = torch.cat([counts.view(ep, local).sum(1), recv.sum(1), recv.sum(0)]).tolist()
     send_splits, recv_splits, local_counts = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
     x_recv = _AllToAllSingle.apply(x_sorted, send_splits, recv_splits, group)
 
@@ -91,7 +95,7 @@ def dispatch(
     offset = torch.arange(total, device=counts.device) - torch.repeat_interleave(
         out_block_start, sizes_t, output_size=total)
     to_source = (torch.repeat_interleave(starts_t, sizes_t, output_size=total) + offset).to(x_recv.device)
-    return x_recv[to_source], local_counts, DispatchHandle(group, send_splits, recv_splits, to_source)
+    return x_recv[to_source], local_counts, DispatchHandle(group, send_splits, recv_splits, to_source, recv.sum(0))
 
 
 def combine(y_local: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

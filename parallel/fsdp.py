@@ -17,11 +17,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from parallel.device_rules import DeviceRules
 
-def precision_policy(mode: str, device: torch.device) -> MixedPrecisionPolicy:
-    """auto: bf16 compute with fp32 gradient reduction on GPU, plain fp32 on CPU."""
-    bf16 = mode == "bf16" or (mode == "auto" and device.type == "cuda")
-    if bf16:
+
+def precision_policy(mode: str, rules: DeviceRules) -> MixedPrecisionPolicy:
+    """``parallel.mixed_precision``: bf16 parameters with fp32 gradient reduction, or plain
+    fp32; auto follows what the run computes in (``DeviceRules.fsdp_bf16``)."""
+    if rules.fsdp_bf16(mode):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

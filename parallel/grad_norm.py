@@ -33,15 +33,24 @@ def local_grad_square_sum(params: Iterable[torch.nn.Parameter], stage_world: int
                           device: torch.device | None = None) -> torch.Tensor:
     """This rank's share of the squared global norm, on the device (fp64, 0-dim): summed over
     the world it is the squared norm. Nothing is read back, so the caller can fold the
-    all-reduce into one it makes anyway (the trainer's per-step reduction)."""
+    all-reduce into one it makes anyway (the trainer's per-step reduction).
+
+    Gradients are grouped by (device, dtype, copies) and each group goes through one fused
+    ``_foreach_norm``, which reads every gradient once and accumulates its norm in fp32 (fp64
+    gradients in fp64): no gradient-sized temporary (an fp64 copy, its square) is ever made.
+    The per-tensor norms, one number each, are squared and summed in fp64."""
     skip_ids = {id(p) for p in skip}
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None or id(p) in skip_ids:
             continue
         g = p.grad
         local = g.to_local() if isinstance(g, DTensor) else g
-        total = total + local.double().pow(2).sum() / _copies(g, stage_world)
+        groups.setdefault((local.device, local.dtype, _copies(g, stage_world)), []).append(local)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for (_, dtype, copies), grads in groups.items():
+        norms = torch._foreach_norm(grads, 2, dtype=None if dtype == torch.float64 else torch.float32)
+        total = total + torch.stack(norms).double().square().sum() / copies
     return total
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import ParallelConfig
+from parallel.device_rules import DeviceRules, resolve_device_rules
 from parallel.sizing import (  # noqa: F401  (re-exported: the pure sizing lives there)
     CHECKPOINT_MODES, CP_IMPLS, DIMS, EXPERT_MESH_DIMS, MESH_DIMS, PP_SCHEDULES, PRECISIONS, RESHARD_CHOICES,
     LayoutError, Sizes, _check_nodes, all_coords, check_model_fits, check_options, check_sequence, describe,
@@ -44,6 +45,13 @@ class Layout:
     # How long any collective waits for its peers (parallel.timeout_s); groups created later
     # (pipeline, encoder SP, host) take it through ``new_group``.
     timeout: timedelta = timedelta(seconds=600)
+    # Whose rules the device-dependent decisions follow (trainer.device_rules; None: the
+    # device's own, filled in at construction).
+    rules: DeviceRules | None = None
+
+    def __post_init__(self):
+        if self.rules is None:
+            object.__setattr__(self, "rules", resolve_device_rules("auto", self.device))
 
     @property
     def is_main(self) -> bool:
@@ -183,11 +191,13 @@ def _build_groups(sizes: Sizes, rank: int, backend: str | None,
     return out
 
 
-def _host_peers_group(sizes: Sizes, rank: int, timeout: timedelta, peers: dist.ProcessGroup) -> dist.ProcessGroup:
+def _host_peers_group(sizes: Sizes, rank: int, timeout: timedelta, peers: dist.ProcessGroup,
+                      own: bool = False) -> dist.ProcessGroup:
     """The "peers" group (ranks that consume the same samples) over gloo, for the step's host
-    objects (omni/runtime/data_feed.py); the peers group itself when the world already is gloo.
-    Every rank creates every group, same order."""
-    if sizes.world == 1 or dist.get_backend() == "gloo":
+    objects (omni/runtime/data_feed.py); the peers group itself when the world already is gloo
+    (``own``: a group of its own all the same, as on NCCL). Every rank creates every group,
+    same order."""
+    if sizes.world == 1 or (dist.get_backend() == "gloo" and not own):
         return peers
     mine = peers
     for members in _partition_groups(sizes.world, _peers_key(sizes)):
@@ -242,8 +252,11 @@ def launched_world_size() -> int:
     return 1
 
 
-def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
+def init_layout(cfg: ParallelConfig, device: str = "auto", device_rules: str = "auto", precision: str = "auto",
+                device_memory_gib: float | None = None) -> Layout:
     """Join (or create) the process group, check the sizes and build the mesh and groups.
+    ``device_rules``, ``precision``, ``device_memory_gib``: ``trainer.device_rules``,
+    ``trainer.precision``, ``trainer.device_memory_gib`` (``parallel.device_rules``).
 
     A single process still gets a real (world size 1) gloo group, so checkpointing and
     collectives take the same code path as a multi-rank launch.
@@ -251,6 +264,7 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
     dev = _pick_device() if device == "auto" else torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # device_id and the meshes need the index
         dev = torch.device("cuda", torch.cuda.current_device())
+    rules = resolve_device_rules(device_rules, dev, precision, device_memory_gib)  # before any process group
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     check_options(cfg)  # before any process group: a bad timeout would otherwise reach init_process_group
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -275,9 +289,9 @@ def init_layout(cfg: ParallelConfig, device: str = "auto") -> Layout:
         dev.type, (sizes.pp, sizes.dp_replicate, shard_cp // sizes.ep, sizes.ep, sizes.tp),
         mesh_dim_names=EXPERT_MESH_DIMS, backend_override=_mesh_options(len(EXPERT_MESH_DIMS), timeout))
     groups = _build_groups(sizes, rank, None, timeout)
-    groups["peers_host"] = _host_peers_group(sizes, rank, timeout, groups["peers"])
+    groups["peers_host"] = _host_peers_group(sizes, rank, timeout, groups["peers"], own=rules.cuda)
     return Layout(world_size=world, rank=rank, device=dev, sizes=sizes, config=cfg, mesh=mesh,
-                  expert_mesh=expert_mesh, groups=groups, timeout=timeout)
+                  expert_mesh=expert_mesh, groups=groups, timeout=timeout, rules=rules)
 
 
 def encoder_mesh(layout: Layout, first_stage_only: bool, shard_group: int | None = None) -> DeviceMesh:
@@ -322,7 +336,8 @@ def host_group(layout: Layout) -> dist.ProcessGroup | None:
     """A group over the world for small host-side objects (plans, metadata): gloo, so that
     exchanging them never touches the accelerator (an object collective over nccl copies
     through the device and synchronises it). None: the default group already is gloo."""
-    if layout.world_size == 1 or dist.get_backend() == "gloo":
+    # Under CUDA's rules on gloo too: the host objects then take their own group, as on NCCL.
+    if layout.world_size == 1 or (dist.get_backend() == "gloo" and not layout.rules.cuda):
         return None
     return new_group(None, layout.timeout, backend="gloo")
 

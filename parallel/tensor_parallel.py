@@ -42,9 +42,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         softmax, safe, mine = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0], device=g.device)[mine]
-        g[rows, safe[mine]] -= 1.0
+        # softmax minus the one-hot of the targets in this rank's columns: a scatter of -1 (0
+        # for targets elsewhere), no boolean selection (its size would be read back)
+        g = softmax.scatter_add(1, safe[:, None], -mine.to(softmax.dtype)[:, None])
         return g * grad, None, None, None
 
 

@@ -65,7 +65,8 @@ def check_config(cfg: OmniConfig, world_size: int | None = None) -> None:
 def _trainer(cfg: OmniConfig) -> None:
     import torch
 
-    from omni.runtime.config import TRAINER_PRECISIONS
+    from omni.runtime.config import DEVICE_RULES, TRAINER_PRECISIONS
+    from parallel.device_rules import resolve_device_rules
     from omni.runtime.guards import BadStepGuard, SpikeDetector
 
     t = cfg.trainer
@@ -78,11 +79,17 @@ def _trainer(cfg: OmniConfig) -> None:
         except (RuntimeError, ValueError):
             one_of("trainer.device", t.device, ("auto", "cpu", "cuda", "cuda:0"))
     one_of("trainer.precision", t.precision, TRAINER_PRECISIONS)
+    one_of("trainer.device_rules", t.device_rules, DEVICE_RULES)
+    device = t.device if t.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    # the stated memory and, under CUDA's rules on the CPU, the interpreted Triton kernels
+    resolve_device_rules(t.device_rules, torch.device(device), t.precision,
+                         t.device_memory_gib).attention_backend(cfg.model.attn_backend)
     _positive("trainer.log_every", t.log_every)
     _trackers(t)
     _at_least("trainer.eval_every", t.eval_every, 0)
     _at_least("trainer.eval_samples", t.eval_samples, 0)
     _positive("trainer.eval_batch_size", t.eval_batch_size)
+    _positive("trainer.eval_max_gib", t.eval_max_gib)
     _positive("trainer.max_new_tokens", t.max_new_tokens)
     _at_least("trainer.hang_timeout_s", t.hang_timeout_s, 0)
     BadStepGuard(t.max_bad_steps)
@@ -243,6 +250,7 @@ def check_multiplex(cfg) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _at_least("multiplex.trace_step", x.trace_step, 0)
+    _at_least("multiplex.timeline_every", x.timeline_every, 1)
     threshold = str(x.long_threshold).lower()
     _need(threshold == "auto" or (threshold.isdigit() and int(threshold) > 0), "multiplex.long_threshold",
           x.long_threshold, "must be auto or a positive number of encoder tokens")

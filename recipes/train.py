@@ -35,7 +35,9 @@ def run(cfg: OmniConfig):
     from recipes.run_info import describe_training, record_run, run_tokenizer
 
     check_config(cfg, world_size=launched_world_size())
-    layout = init_layout(cfg.parallel, device=cfg.trainer.device)
+    t = cfg.trainer
+    layout = init_layout(cfg.parallel, device=t.device, device_rules=t.device_rules, precision=t.precision,
+                         device_memory_gib=t.device_memory_gib)
     try:
         show = cfg.trainer.progress and layout.is_main
         tokenizer = run_tokenizer(cfg)
@@ -49,6 +51,8 @@ def run(cfg: OmniConfig):
 
         torch.manual_seed(cfg.trainer.seed)  # the run's own randomness; the weights take the seed directly
         model, weights = meta_model()
+        # model.attn_backend=auto as the device's rules take it (the varlen kernels under CUDA's)
+        model.set_attn_backend(layout.rules.attention_backend(cfg.model.attn_backend))
         processors = media_processors(model)
         mixture = mixture_path(cfg, layout.is_main, show, barrier)
         # The held-out set: data.eval_dir, else the mixture file's own `eval:` folder.
@@ -132,4 +136,4 @@ def _loader(cfg: OmniConfig, layout, mixture, tokenizer, model, processors, show
         return loader  # no peers
     return PeerFeed(loader, layout.group("peers"), source, cp_size=layout.sizes.cp, cp_rank=layout.cp_rank,
                     pad_id=getattr(tokenizer, "pad_id", None) or 0, host_group=layout.group("peers_host"),
-                    device=layout.device)
+                    device=layout.device, features_on_device=layout.rules.features_on_device)

@@ -1,20 +1,37 @@
-"""scripts/gpu_check.sh without a GPU: the dry run lists every part, checks the script and every
-script and test it names, and runs scripts/bench/mfu.py --tiny on the CPU plus the report over
-it; a path that does not exist, a syntax error, a script that does not compile or a CUDA-only
-test the name filter would miss fails the dry run before anything runs; in a real run on a
-machine without CUDA the parts that need it fail, are recorded, and the others still run."""
+"""scripts/gpu_check.sh without a GPU: the dry run lists every part, checks the script, its
+budgets and every script and test it names, and runs scripts/bench/mfu.py --tiny on the CPU plus
+the report over it; a path that does not exist, a syntax error, a script that does not compile or
+a CUDA-only test the name filter would miss fails the dry run before anything runs. The setup
+part is run as on the lent GPU machine (a python3 that is a virtual environment with torch but
+without hydra, webdataset and the rest, and no network), the kernel benchmark's memory plan is
+checked against an 80 GB H100, and in a real run on a machine without CUDA the parts that need it
+fail, are recorded, and the others still run. Every test here also passes on a GPU machine (the
+one that only makes sense without CUDA skips there), and none is picked by the gpu_tests part."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
+from importlib import metadata
 from pathlib import Path
+
+import pytest
+import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 PARTS = ("setup", "env", "gpu_tests", "mfu", "demo_bf16", "kernels", "report")
+# What the lent machine's python3 lacks (its wheels travel in .whl/; docs/benchmarks.md, "GPU check").
+LACKING = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "webdataset", "wids", "braceexpand", "soundfile")
+# One command on the lent machine runs at most 600 s; the check must end inside it with room to spare.
+COMMAND_LIMIT_S = 600
 
 
 def _run(script: Path, out: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -27,8 +44,13 @@ def test_dry_run_lists_every_part_and_runs_the_mfu_script_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for part in PARTS:
         assert f"[{part}]" in p.stdout, part
-    # The GPU-only tests it found (they skip here) and the scripts it compiled.
+    # The GPU-only tests it found (they skip here), by node id, and the scripts it compiled.
     assert "tests/kernels/test_varlen_attention.py: test_gpu_" in p.stdout
+    gpu_line = next(x for x in p.stdout.splitlines() if x.strip().startswith("[gpu_tests]"))
+    assert "tests/kernels/test_varlen_attention.py::test_gpu_bf16_triton_against_fp32_reference" in gpu_line
+    assert " -k " not in gpu_line  # -k would match the module name of this file too
+    # This file writes a CUDA skip into a string: it is no GPU test file.
+    assert "tests/test_gpu_check.py" not in gpu_line and "GPU-only tests in tests/test_gpu_check.py" not in p.stdout
     for path in ("scripts/bench/mfu.py", "scripts/bench/kernels.py", "scripts/bench/gpu_check_report.py",
                  "recipes/cli.py"):
         assert path in p.stdout.split("compiled", 1)[1], path
@@ -42,6 +64,68 @@ def test_dry_run_lists_every_part_and_runs_the_mfu_script_on_the_cpu(tmp_path):
     assert res["predicted"]["memory_gib"]["total"] > 0
     md = (tmp_path / "dry_run" / "gpu_check.md").read_text()
     assert "| MFU and memory model (1B-class) | ok |" in md and "| step time (s, median) |" in md
+    assert "| MFU, LLM only, measured matmul peak |" in md
+
+
+def test_mfu_counts_the_lm_head_only_at_the_loss_targets(tmp_path):
+    """The tiny model's step: 4 samples of 256 tokens, each opening with a 64-patch image; the
+    model computes logits only where a label is (not on the image's placeholders, not on a
+    sample's last token): 256 - 64 - 1 = 191 positions per sample, not 256."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "mfu.py"), "--tiny", "--device", "cpu",
+                        "--steps", "1", "--warmup", "0", "--out", str(tmp_path)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "mfu_tiny.json").read_text())
+    mbs = res["batch"]["micro_batches"]
+    docs = [d for mb in mbs for d in mb["docs"]]
+    images = [n for mb in mbs for _, n in mb["media"]]
+    assert docs == [256] * 4 and images == [64] * 4
+    tiny = yaml.safe_load((REPO / "conf" / "model" / "tiny.yaml").read_text())
+    assert tiny["tie_word_embeddings"]  # the head is the embedding: vocab x hidden
+    head = tiny["vocab_size"] * tiny["hidden_size"]
+    f = res["flops"]
+    assert f["lm_head_positions"] == res["measured"]["target_tokens_per_step"] == 4 * (256 - 64 - 1)
+    assert f["lm_head"] == 6 * head * 4 * 191
+    # ModelSpec.mfu_flops counts the head on all 1024 tokens; the step's count is that less the
+    # head on the 260 positions without a target.
+    assert f["total"] == pytest.approx(f["head_on_every_token"] - 6 * head * (1024 - 764), rel=1e-12)
+    assert f["total"] == pytest.approx(f["llm"] + f["encoders"], rel=1e-12) and f["encoders"] > 0
+    m, mm = res["measured"], res["matmul_peak"]
+    seconds = m["step_s_median"]
+    assert m["mfu"] == pytest.approx(f["total"] / (seconds * res["peak_tflops"] * 1e12))
+    assert m["mfu_without_encoders"] == pytest.approx(f["llm"] / (seconds * res["peak_tflops"] * 1e12))
+    assert mm["tflops"] > 0
+    assert m["mfu_vs_measured_matmul"] == pytest.approx(f["total"] / (seconds * mm["tflops"] * 1e12))
+    assert m["mfu_without_encoders_vs_measured_matmul"] < m["mfu_vs_measured_matmul"]
+
+
+def _timeouts(text: str) -> dict[str, int]:
+    """The parts' timeouts as the script declares them (a knob's default where one may set it)."""
+    body = re.search(r"declare -A TIMEOUT=\((.*?)\)\n", text, re.S).group(1)
+    out = {}
+    for name, value in re.findall(r"\[(\w+)\]=(\"[^\"]*\"|\d+)", body):
+        knob = re.fullmatch(r'"\$\{\w+:-(\d+)\}"', value)
+        out[name] = int(knob.group(1) if knob else value)
+    return out
+
+
+def test_the_parts_budgets_fit_the_total_and_one_command():
+    text = SCRIPT.read_text()
+    timeouts = _timeouts(text)
+    assert set(timeouts) == set(PARTS) - {"report"}
+    reserve = int(re.search(r"^REPORT_RESERVE_S=(\d+)$", text, re.M).group(1))
+    budget = int(re.search(r'^BUDGET_S="\$\{GPU_CHECK_BUDGET_S:-(\d+)\}"', text, re.M).group(1))
+    assert sum(timeouts.values()) + reserve <= budget, (timeouts, reserve, budget)
+    # Room in one command for starting up, bash's own checks and the files coming back.
+    assert budget <= COMMAND_LIMIT_S - 60, budget
+
+
+def test_a_budget_smaller_than_the_parts_fails_the_dry_run(tmp_path):
+    total = sum(_timeouts(SCRIPT.read_text()).values())
+    p = _run(SCRIPT, tmp_path, "--dry-run", GPU_CHECK_BUDGET_S=str(total - 1))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert f"over the {total - 1}s budget (GPU_CHECK_BUDGET_S)" in p.stderr and "nothing run" in p.stderr
 
 
 def test_a_missing_script_fails_the_dry_run_before_anything_runs(tmp_path):
@@ -68,9 +152,7 @@ def test_a_syntax_error_past_the_dry_run_still_fails_it(tmp_path):
 
 
 def _repo_copy(root: Path) -> Path:
-    """The files the dry run looks at, copied: the scripts, the module and the GPU test file."""
-    import shutil
-
+    """The files the dry run looks at, copied: the scripts, the module and the GPU test files."""
     shutil.copytree(REPO / "scripts", root / "scripts")
     for rel in ("recipes/cli.py", "tests/kernels/test_varlen_attention.py"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +179,28 @@ def test_a_cuda_only_test_the_name_filter_would_miss_fails_the_dry_run(tmp_path)
     assert "tests/test_new.py skips tests without CUDA but none is named" in p.stderr
 
 
+def test_gpu_tests_runs_exactly_the_gpu_named_tests_by_node_id(tmp_path):
+    """Top-level and class-level tests named *gpu*/*cuda* in a file with a CUDA skip mark; not
+    its other tests, and not a file whose skip is only text in a string."""
+    repo = _repo_copy(tmp_path / "repo")
+    (repo / "tests" / "test_new.py").write_text(
+        "import pytest, torch\n\ncuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA')\n\n\n"
+        "@cuda\ndef test_gpu_top():\n    assert True\n\n\ndef test_cpu_only():\n    assert True\n\n\n"
+        "class TestFast:\n    @cuda\n    def test_cuda_method(self):\n        assert True\n\n\n"
+        "def test_after_the_class_cuda():\n    assert True\n")
+    (repo / "tests" / "test_text.py").write_text(
+        "SNIPPET = \"@pytest.mark.skipif(not torch.cuda.is_available())\"\n\n\ndef test_gpu_text():\n    pass\n")
+    p = _run(repo / "scripts" / "gpu_check.sh", tmp_path / "out", "--dry-run", GPU_CHECK_PARTS="gpu_tests")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.strip().startswith("[gpu_tests]"))
+    ids = [w for w in line.split() if "::" in w]
+    assert sorted(i for i in ids if "test_new.py" in i) == [
+        "tests/test_new.py::TestFast::test_cuda_method", "tests/test_new.py::test_after_the_class_cuda",
+        "tests/test_new.py::test_gpu_top"]
+    assert "test_text.py" not in line and "test_cpu_only" not in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA records")
 def test_parts_that_need_cuda_fail_and_are_recorded_while_the_others_run(tmp_path):
     p = _run(SCRIPT, tmp_path, GPU_CHECK_PARTS="setup env kernels")
     assert p.returncode == 1, p.stdout + p.stderr
@@ -104,6 +208,7 @@ def test_parts_that_need_cuda_fail_and_are_recorded_while_the_others_run(tmp_pat
     assert [(r[0], r[1]) for r in rows] == [("setup", "ok"), ("env", "failed"), ("kernels", "failed")]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["env"]["cuda_available"] is False
+    assert res["setup"]["mode"] == "given" and res["setup"]["python"] == sys.executable
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| varlen attention kernels | failed |" in md and "sees no CUDA device" in md
     assert "did not pass: env kernels" in p.stderr
@@ -130,3 +235,186 @@ def test_report_reads_every_part(tmp_path):
     assert "| bf16 demo | timed out | 150 | 3 steps, loss 6.000 -> 2.000, 0.250 s/step; still training |" in md
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["demo_bf16"]["steps"] == 3 and res["gpu_tests"]["failures"] == ["t::b"]
+
+
+def _kernels_module():
+    """scripts/bench/kernels.py by its path: ``import kernels`` may find tests/kernels (a
+    namespace package) first when the whole suite runs."""
+    import importlib.util
+
+    bench = str(REPO / "scripts" / "bench")
+    sys.path.insert(0, bench)  # for its own imports (_common)
+    try:
+        spec = importlib.util.spec_from_file_location("omni_bench_kernels", REPO / "scripts" / "bench" / "kernels.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(bench)
+    return module
+
+
+def test_the_kernel_benchmark_is_sized_for_an_80gb_h100():
+    """The benchmark's default shapes (65,536 tokens, 32 / 8 heads, head dim 128, bf16): the plan
+    adds up what is allocated and chunks the fp32 reference so the peak stays under the cap, which
+    leaves an 80 GB H100 (74.5 GiB) room; unchunked, the long-tailed mix's 16k-token document
+    alone needs two 32-head fp32 score matrices of 32 GiB each."""
+    k = _kernels_module()
+    h100_gib = 80e9 / 2**30
+    t, heads, kv, d = 65536, 32, 8, 128
+    mixes = k.mixes(t)
+    assert max(mixes["long-tailed"]) == 16384 and all(sum(x) == t for x in mixes.values())
+    for name, lengths in mixes.items():
+        plan = k.memory_plan(lengths, heads, kv, d, 2, 48.0)
+        assert plan["fits"] and plan["peak_gib"] <= 48.0 < h100_gib, (name, plan)
+        assert kv % plan["kv_heads_per_chunk"] == 0
+    tail = k.memory_plan(mixes["long-tailed"], heads, kv, d, 2, 48.0)
+    two_scores_gib = 2 * heads * 16384**2 * 4 / 2**30
+    assert tail["unchunked_check_peak_gib"] > two_scores_gib == 64.0  # what needed ~70 of the H200's 139 GiB
+    assert tail["kv_heads_per_chunk"] == 4 and tail["check_gib"] > two_scores_gib / 2  # half the heads at a time
+    # The inputs held throughout: q and its gradient [T, 32, 128] and k, v [T, 8, 128] in bf16,
+    # the fp32 check [T, 32, 128].
+    assert tail["held_gib"] == (2 * t * heads * d * 2 + 2 * t * kv * d * 2 + t * heads * d * 4) / 2**30
+    # A cap no chunking can meet is refused, not run.
+    assert not k.memory_plan(mixes["long-tailed"], heads, kv, d, 2, 8.0)["fits"]
+
+
+def test_the_chunked_reference_equals_the_whole_one():
+    k = _kernels_module()
+    from omni.kernels.reference import attention_reference
+
+    lengths = [7, 19, 5]
+    q, kk, v, cu, _ = k.make_inputs(lengths, 4, 2, 8, torch.float32, torch.device("cpu"))
+    whole = attention_reference(q.detach(), kk.detach(), v.detach(), cu)
+    for chunk in (1, 2):
+        assert torch.allclose(k.reference_check(q, kk, v, lengths, chunk), whole, atol=1e-6)
+
+
+# -- the setup part as on the lent machine ------------------------------------------------------
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _lent_python(root: Path, pip: bool) -> Path:
+    """A stand-in for the lent machine's python3: a virtual environment (made from this
+    interpreter's base, as the lent one's own) whose packages are this test's (torch,
+    transformers, pytest, ...) less those the lent machine lacks and less Omni's install. Its
+    site-packages gets a .pth naming a folder of links to the kept entries of this interpreter's
+    site-packages. ``pip``: whether it has pip of its own (one made by uv has none). Returns its
+    bin folder."""
+    site = Path(torch.__file__).resolve().parents[1]
+    hide = {_canonical(n) for n in (*LACKING, "omni-mm")}
+    hidden = {"__pycache__"}
+    for dist in metadata.distributions(path=[str(site)]):
+        if _canonical(dist.metadata["Name"]) in hide | ({"pip"} if not pip else set()):
+            hidden.update(f.parts[0] for f in dist.files or () if f.parts[0] != "..")
+    farm = root / "lent_site"
+    farm.mkdir()
+    for entry in site.iterdir():
+        if entry.name not in hidden and not entry.name.endswith(".pth"):
+            (farm / entry.name).symlink_to(entry)
+    venv = root / "lent_python"
+    subprocess.run([sys.executable, "-m", "venv", *([] if pip else ["--without-pip"]), str(venv)], check=True,
+                   timeout=180, capture_output=True)
+    (venv_site,) = venv.glob("lib/python*/site-packages")
+    (venv_site / "lent_packages.pth").write_text(f"{farm}\n")
+    return venv / "bin"
+
+
+def _pack(name: str, dest: Path) -> Path:
+    """A wheel of an installed distribution: its installed files and dist-info, zipped under the
+    name pip expects (what pip unpacks from a wheel, less the byte code and the scripts)."""
+    dist = metadata.distribution(name)
+    tags = [line.split(":", 1)[1].strip() for line in (dist.read_text("WHEEL") or "").splitlines()
+            if line.startswith("Tag:")]
+    tag = next((x for x in tags if x.startswith(("py3", "cp3"))), tags[0])
+    path = dest / f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}-{tag}.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for f in dist.files:
+            if f.parts[0] != ".." and "__pycache__" not in f.parts:
+                z.write(f.locate(), f.as_posix())
+    return path
+
+
+def _wheels(dest: Path) -> str:
+    """The lent machine's wheels: the checkout's .whl/ or the shared folder beside the checkout,
+    where a session keeps them; elsewhere (CI clones only the repository, and the wheels are not
+    in git) wheels packed from this interpreter's own installs of the same distributions."""
+    dest.mkdir()
+    for src in (REPO / ".whl", REPO.parent / "shared" / "gpu-wheels"):
+        found = sorted(src.glob("*.whl"))
+        names = {_canonical(w.name.split("-")[0]) for w in found}
+        if all(_canonical(n) in names for n in LACKING):
+            for w in found:
+                shutil.copy(w, dest)
+            return str(src)
+    for name in LACKING:
+        _pack(name, dest)
+    return "packed from this interpreter's installs"
+
+
+@pytest.mark.parametrize("pip", [True, False], ids=["pip", "no_pip"])
+def test_setup_offline_as_on_the_lent_machine(tmp_path, pip):
+    if pip and importlib.util.find_spec("ensurepip") is None:
+        pytest.skip("this Python has no ensurepip (a distribution's python3 without its venv package): "
+                    "no venv with pip can be made offline; the no_pip case covers the setup")
+    bin_dir = _lent_python(tmp_path, pip)
+    probe = ("import importlib.util, json, sys; print(json.dumps({m: importlib.util.find_spec(m) is not None "
+             "for m in sys.argv[1:]}))")
+    modules = ["torch", "transformers", "pytest", "pip", "hydra", "omegaconf", "webdataset", "wids", "braceexpand",
+               "soundfile", "omni"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GPU_CHECK_PYTHON", "VIRTUAL_ENV")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    seen = subprocess.run(["python3", "-c", probe, *modules], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    # The stand-in is faithful: torch and friends, none of what the wheels bring, no Omni.
+    assert json.loads(seen.stdout) == {m: m in ("torch", "transformers", "pytest") or (m == "pip" and pip)
+                                       for m in modules}
+
+    source = _wheels(tmp_path / "whl")
+    versions = {}
+    for w in (tmp_path / "whl").glob("*.whl"):
+        dist, version = w.name.split("-")[:2]
+        versions[_canonical(dist)] = version
+    out, work = tmp_path / "out", tmp_path / "work"
+    # setup, then a part that runs what setup chose (it fails here for want of CUDA, and says so).
+    env.update(OUT=str(out), GPU_CHECK_WORK=str(work), GPU_CHECK_WHEELS=str(tmp_path / "whl"), GPU_CHECK_OFFLINE="1",
+               GPU_CHECK_PARTS="setup env")
+    p = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
+    log = (out / "setup" / "log.txt").read_text() if (out / "setup" / "log.txt").exists() else ""
+    rows = [line.split("\t")[:2] for line in (out / "parts.tsv").read_text().splitlines()]
+    cuda = torch.cuda.is_available()
+    assert rows == [["setup", "ok"], ["env", "ok" if cuda else "failed"]], (
+        f"wheels {source}\n" + p.stdout[-3000:] + p.stderr[-3000:] + log[-3000:])
+    assert json.loads((out / "env.json").read_text())["executable"] == str(bin_dir / "python3")
+    assert ("with pip (no index, no dependencies)" if pip else "has no pip") in log
+    # Nothing was installed into that python3: alone, it still lacks what the wheels bring.
+    again = subprocess.run(["python3", "-c", probe, "hydra", "webdataset"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert json.loads(again.stdout) == {"hydra": False, "webdataset": False}
+
+    # What the later parts source: that python3 itself, the wheels' folder and the checkout.
+    chosen = subprocess.run(["bash", "-c", 'source "$1" && printf "%s\\n%s\\n%s\\n" "$PY" "$PYTHONPATH" "$SETUP_MODE"',
+                             "_", str(work / "setup.env")], capture_output=True, text=True, timeout=30)
+    py, pythonpath, mode = chosen.stdout.splitlines()
+    assert (py, mode) == (str(bin_dir / "python3"), "offline")
+    assert pythonpath.split(":")[:2] == [str(work / "site"), str(REPO)]
+    check = ("import importlib.metadata as md, json, sys\n"
+             "import omni, hydra, omegaconf, webdataset, wids, braceexpand, soundfile, recipes.cli\n"
+             "mods = dict(omni=omni, hydra=hydra, omegaconf=omegaconf, webdataset=webdataset, wids=wids)\n"
+             "print(json.dumps({'files': {k: m.__file__ for k, m in mods.items()}, 'prefix': sys.prefix,\n"
+             "  'versions': {d: md.version(d) for d in sys.argv[1:]}}))\n")
+    got = subprocess.run(["bash", "-c", 'source "$1" && shift && "$PY" -c "$@"', "_", str(work / "setup.env"), check,
+                          *LACKING], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in env.items() if k != "PYTHONPATH"})
+    assert got.returncode == 0, got.stderr[-3000:]
+    res = json.loads(got.stdout)
+    assert res["prefix"] == str(bin_dir.parent)
+    assert res["versions"] == {d: versions[_canonical(d)] for d in LACKING}, source
+    for name in ("hydra", "omegaconf", "webdataset", "wids"):
+        assert Path(res["files"][name]).is_relative_to(work / "site"), res["files"]
+    assert Path(res["files"]["omni"]).is_relative_to(REPO / "omni")
+    md = (out / "gpu_check.md").read_text()
+    assert "| interpreter and packages | ok |" in md and f"offline: {bin_dir / 'python3'}" in md

@@ -26,11 +26,11 @@ def test_stage1_trains_the_projector_and_stage2_starts_from_it(demo_root, tmp_pa
     starts = []  # each run's weights before its first step
     real = Trainer.train_step
 
-    def first_weights(self, batch, step=None):
+    def first_weights(self, batch, step=None, **kwargs):
         if not getattr(self, "_seen", False):
             self._seen = True
             starts.append({n: p.detach().clone() for n, p in self.pm.named_parameters()})
-        return real(self, batch, step)
+        return real(self, batch, step, **kwargs)
 
     monkeypatch.setattr(Trainer, "train_step", first_weights)
     common = {"data.mixture": str(demo_root / "vision.yaml"), "data.num_workers": 0}

@@ -71,3 +71,23 @@ def test_final_eval_line(demo_root, tmp_path):
     last = read_metrics(run_dir)[-1]
     assert last["event"] == "eval" and 0.0 <= last["accuracy"] <= 1.0 and last["num_samples"] == 4
     assert result.eval_accuracy == last["accuracy"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_under_the_gpus_rules(demo_root, tmp_path):
+    """`omni train` on 2 ranks (pp=2) with trainer.device_rules=cuda, as the README shows it:
+    the layout's rules reach the data peers (features sent ahead to the "device"), the strict
+    check runs every step and counts one host sync, and the end-of-run evaluation runs on both
+    ranks (each its share of the samples, joined on rank 0)."""
+    from recipe_helpers import torchrun_train
+
+    run_dir = tmp_path / "run"
+    torchrun_train(2, tiny_overrides(demo_root, run_dir, **{
+        "parallel.pp": 2, "trainer.device_rules": "cuda", "model.attn_backend": "sdpa", "trainer.max_steps": 3,
+        "trainer.eval_at_end": True, "trainer.eval_samples": 4, "trainer.max_new_tokens": 4}), tmp_path)
+    records = read_metrics(run_dir)
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["host_syncs"] for r in steps] == [1, 1, 1] and all(r["host_to_device_copies"] > 0 for r in steps)
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert len(evals) == 1 and evals[0]["num_samples"] == 4

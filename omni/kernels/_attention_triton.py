@@ -11,6 +11,11 @@ length so that nothing is read back from the device) are skipped.
 
 Everything accumulates in fp32; ``IEEE`` keeps fp32 inputs off TF32. Exponentials are base 2
 (the scale is folded in), and the log-sum-exp saved for backward is base 2 as well.
+
+Element offsets are int64: a document's first token (``start``) and the head index are cast
+before they meet a stride, so ``(start + row) * stride + head * head_stride`` never wraps. In
+int32 it wraps past 2**31 elements (262k tokens x 64 heads x 128 dims) and the kernels read
+and write far from the tensor. Lengths and block indices stay int32 (within one document).
 """
 from __future__ import annotations
 
@@ -48,12 +53,13 @@ def _fwd_tile(Q, K, V, O, LSE, CU, TILE_DOC, TILE_BLOCK, ORDER, item, s_qt, s_qh
               s_oh, s_lh, qk_scale, H, GROUP, D, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.load(ORDER + item // H)
-    head = item % H
+    head = (item % H).to(tl.int64)  # int64 offsets: see the module note
     doc = tl.load(TILE_DOC + tile)
     if doc >= 0:
         block = tl.load(TILE_BLOCK + tile)
-        start = tl.load(CU + doc)
-        length = tl.load(CU + doc + 1) - start
+        first = tl.load(CU + doc)
+        length = tl.load(CU + doc + 1) - first
+        start = first.to(tl.int64)
         kv_head = head // GROUP
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols0 = tl.arange(0, BLOCK_N)
@@ -110,12 +116,13 @@ def _dq_tile(Q, K, V, DO, DQ, LSE, DELTA, CU, TILE_DOC, TILE_BLOCK, ORDER, item,
              s_dot, s_doh, s_dqt, s_dqh, s_lh, qk_scale, sm_scale, H, GROUP, D, CAUSAL: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.load(ORDER + item // H)
-    head = item % H
+    head = (item % H).to(tl.int64)  # int64 offsets: see the module note
     doc = tl.load(TILE_DOC + tile)
     if doc >= 0:
         block = tl.load(TILE_BLOCK + tile)
-        start = tl.load(CU + doc)
-        length = tl.load(CU + doc + 1) - start
+        first = tl.load(CU + doc)
+        length = tl.load(CU + doc + 1) - first
+        start = first.to(tl.int64)
         kv_head = head // GROUP
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols0 = tl.arange(0, BLOCK_N)
@@ -166,12 +173,13 @@ def _dkv_tile(Q, K, V, DO, DK, DV, LSE, DELTA, CU, TILE_DOC, TILE_BLOCK, ORDER, 
               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               IEEE: tl.constexpr):
     tile = tl.load(ORDER + item // H_KV)
-    kv_head = item % H_KV
+    kv_head = (item % H_KV).to(tl.int64)  # int64 offsets: see the module note
     doc = tl.load(TILE_DOC + tile)
     if doc >= 0:
         block = tl.load(TILE_BLOCK + tile)
-        start = tl.load(CU + doc)
-        length = tl.load(CU + doc + 1) - start
+        first = tl.load(CU + doc)
+        length = tl.load(CU + doc + 1) - first
+        start = first.to(tl.int64)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
         rows0 = tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_D)

@@ -42,7 +42,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         cu = cu_seqlens.to(torch.int32)
         return flash_attn_varlen_func(q, k, v, cu, cu, max_seqlen, max_seqlen, softmax_scale=scale, causal=causal)
     if chosen == "triton":
-        return _TritonVarlen.apply(q, k, v, cu_seqlens, causal, scale, schedule)
+        if not q.is_cuda and q.dtype == torch.bfloat16:
+            # Interpreted (the CPU under CUDA's rules): the interpreter's bf16 arithmetic is wrong,
+            # so the kernel runs on fp32 copies; on a GPU it reads bf16 and accumulates in fp32.
+            out = triton_varlen_fwd(q.float(), k.float(), v.float(), cu_seqlens, causal, scale, schedule)[0]
+            return out.to(q.dtype)
+        return triton_varlen_fwd(q, k, v, cu_seqlens, causal, scale, schedule)[0]
     return sdpa_varlen(q, k, v, cu_seqlens, causal, scale)
 
 
@@ -120,59 +125,106 @@ def _blocks(q: torch.Tensor) -> tuple[int, int]:
     return 64, 2 * sms
 
 
-class _TritonVarlen(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, causal, scale, schedule):
-        from omni.kernels import _attention_triton as kern
+def _unit_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take any token and head strides (a transposed or sliced q/k/v is read in
+    place, no copy) but read the head dims of a row contiguously."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        t, h, d = q.shape
-        h_kv = k.shape[1]
-        block, programs = _blocks(q)
-        cu = cu_seqlens.to(torch.int32)
-        order = "cost" if schedule == "cost" else "natural"
-        q_tiles = build_tiles(cu_seqlens, t, block, block, causal, "q", order)
-        o = torch.empty_like(q)
-        lse = torch.empty(h, t, dtype=torch.float32, device=q.device)
-        meta = dict(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, triton_next_pow2(d)),
-                    IEEE=q.dtype == torch.float32, num_warps=4 if d <= 64 else 8, num_stages=2)
-        qk_scale = scale * kern.LOG2E
-        _run(kern.attention_fwd, q_tiles, h, schedule, programs,
-             (q, k, v, o, lse, cu, q_tiles.doc, q_tiles.block, q_tiles.order),
-             (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *o.stride()[:2], lse.stride(0), qk_scale, h,
-              h // h_kv, d), meta)
-        ctx.save_for_backward(q, k, v, o, lse, cu)
-        ctx.q_tiles, ctx.causal, ctx.scale, ctx.schedule, ctx.block, ctx.programs = (q_tiles, causal, scale, schedule,
-                                                                                     block, programs)
-        return o
 
-    @staticmethod
-    def backward(ctx, do):
-        from omni.kernels import _attention_triton as kern
+def _meta(q: torch.Tensor, causal: bool, block: int) -> dict:
+    d = q.shape[-1]
+    return dict(CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, triton_next_pow2(d)),
+                IEEE=q.dtype == torch.float32, num_warps=4 if d <= 64 else 8, num_stages=2)
 
-        q, k, v, o, lse, cu = ctx.saved_tensors
-        # The incoming gradient may arrive in another dtype than the output (a consumer that
-        # upcast it); the kernels need one dtype throughout.
-        do = do.to(o.dtype).contiguous()
-        t, h, d = q.shape
-        h_kv = k.shape[1]
-        delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [H, T]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        meta = dict(CAUSAL=ctx.causal, BLOCK_M=ctx.block, BLOCK_N=ctx.block, BLOCK_D=max(16, triton_next_pow2(d)),
-                    IEEE=q.dtype == torch.float32, num_warps=4 if d <= 64 else 8, num_stages=2)
-        qk_scale = ctx.scale * kern.LOG2E
-        group = h // h_kv
-        strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
-        qt = ctx.q_tiles
-        _run(kern.attention_bwd_dq, qt, h, ctx.schedule, ctx.programs,
-             (q, k, v, do, dq, lse, delta, cu, qt.doc, qt.block, qt.order),
-             (*strides, *dq.stride()[:2], lse.stride(0), qk_scale, ctx.scale, h, group, d), meta)
-        kv_tiles = build_tiles(cu, t, ctx.block, ctx.block, ctx.causal, "kv",
-                               "cost" if ctx.schedule == "cost" else "natural")
-        _run(kern.attention_bwd_dkv, kv_tiles, h_kv, ctx.schedule, ctx.programs,
-             (q, k, v, do, dk, dv, lse, delta, cu, kv_tiles.doc, kv_tiles.block, kv_tiles.order),
-             (*strides, *dk.stride()[:2], *dv.stride()[:2], lse.stride(0), qk_scale, ctx.scale, h_kv, group, d), meta)
-        return dq, dk, dv, None, None, None, None
+
+# The Triton backend is a torch.library custom op, not an autograd.Function, so that the
+# forward is one named op to whatever dispatches below autograd: selective activation
+# checkpointing (omni.models.recompute) names it to keep its output instead of running the
+# kernel again in the backward, and torch.compile treats it as one opaque call.
+@torch.library.custom_op("omni::varlen_attention_fwd", mutates_args=())
+def triton_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool,
+                      scale: float, schedule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H_q, D], base-2 log-sum-exp [H_q, T] fp32) of the Triton forward kernel."""
+    from omni.kernels import _attention_triton as kern
+
+    q, k, v = _unit_last_dim(q), _unit_last_dim(k), _unit_last_dim(v)
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    block, programs = _blocks(q)
+    cu = cu_seqlens.to(torch.int32)
+    q_tiles = build_tiles(cu_seqlens, t, block, block, causal, "q", _order(schedule))
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(h, t, dtype=torch.float32, device=q.device)
+    _run(kern.attention_fwd, q_tiles, h, schedule, programs,
+         (q, k, v, o, lse, cu, q_tiles.doc, q_tiles.block, q_tiles.order),
+         (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *o.stride()[:2], lse.stride(0), scale * kern.LOG2E, h,
+          h // h_kv, d), _meta(q, causal, block))
+    return o, lse
+
+
+@triton_varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens, causal, scale, schedule):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("omni::varlen_attention_bwd", mutates_args=())
+def triton_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, cu_seqlens: torch.Tensor, causal: bool, scale: float,
+                      schedule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of the Triton backward kernels, from the forward's output and log-sum-exp."""
+    from omni.kernels import _attention_triton as kern
+
+    q, k, v = _unit_last_dim(q), _unit_last_dim(k), _unit_last_dim(v)
+    # The incoming gradient may arrive in another dtype than the output (a consumer that
+    # upcast it); the kernels need one dtype throughout.
+    do = _unit_last_dim(do.to(o.dtype))
+    t, h, d = q.shape
+    h_kv = k.shape[1]
+    block, programs = _blocks(q)
+    cu = cu_seqlens.to(torch.int32)
+    delta = (o.float() * do.float()).sum(-1).transpose(0, 1).contiguous()  # [H, T]
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    meta = _meta(q, causal, block)
+    qk_scale = scale * kern.LOG2E
+    group = h // h_kv
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *do.stride()[:2])
+    # The tiles are rebuilt rather than kept from the forward: a few small device ops, and the
+    # forward op's outputs stay plain tensors.
+    qt = build_tiles(cu, t, block, block, causal, "q", _order(schedule))
+    _run(kern.attention_bwd_dq, qt, h, schedule, programs,
+         (q, k, v, do, dq, lse, delta, cu, qt.doc, qt.block, qt.order),
+         (*strides, *dq.stride()[:2], lse.stride(0), qk_scale, scale, h, group, d), meta)
+    kv_tiles = build_tiles(cu, t, block, block, causal, "kv", _order(schedule))
+    _run(kern.attention_bwd_dkv, kv_tiles, h_kv, schedule, programs,
+         (q, k, v, do, dk, dv, lse, delta, cu, kv_tiles.doc, kv_tiles.block, kv_tiles.order),
+         (*strides, *dk.stride()[:2], *dv.stride()[:2], lse.stride(0), qk_scale, scale, h_kv, group, d), meta)
+    return dq, dk, dv
+
+
+@triton_varlen_bwd.register_fake
+def _(do, q, k, v, o, lse, cu_seqlens, causal, scale, schedule):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens, causal, scale, schedule = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
+    ctx.causal, ctx.scale, ctx.schedule = causal, scale, schedule
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = triton_varlen_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.causal, ctx.scale, ctx.schedule)
+    return dq, dk, dv, None, None, None, None
+
+
+triton_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _order(schedule: str) -> str:
+    return "cost" if schedule == "cost" else "natural"
 
 
 def _run(kernel, tiles, heads: int, schedule: str, programs: int, tensors: tuple, scalars: tuple, meta: dict) -> None:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel.transfer import to_device
+
 
 @dataclass
 class ContextParallelSegments:
@@ -57,12 +59,16 @@ class PackedSegments:
     max_seqlen: int
     causal: bool = True
     backend: str = "auto"
+    # The segments' lengths on the host (None: not known there): the PyTorch path then reads
+    # nothing back from the device to find them.
+    lengths: tuple[int, ...] | None = None
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device, causal: bool, backend: str) -> "PackedSegments":
         cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
-        return cls(ids[None].to(device), cu.to(device), max(lengths, default=0), causal, backend)
+        ids, cu = to_device([ids[None], cu], device)  # built on the host, moved together
+        return cls(ids, cu, max(lengths, default=0), causal, backend, tuple(int(n) for n in lengths))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """q [1, H_q, T, D], k/v [1, H_kv, T, D] -> [1, H_q, T, D]."""
@@ -70,7 +76,7 @@ class PackedSegments:
 
         backend = resolve_backend(self.backend, q)
         if backend == "sdpa":
-            return segment_attention(q, k, v, self.ids, causal=self.causal, scale=scale)
+            return segment_attention(q, k, v, self.ids, causal=self.causal, scale=scale, lengths=self.lengths)
         out = varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), self.cu_seqlens,
                                self.max_seqlen, causal=self.causal, backend=backend, scale=scale)
         return out.transpose(0, 1)[None]
@@ -100,8 +106,11 @@ def segment_attention(
     segment_ids: torch.Tensor | None,
     causal: bool,
     scale: float | None = None,
+    lengths: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, T, D] (Hq a multiple of Hkv), segment_ids [B, T] or None.
+    ``lengths``: the contiguous segments' lengths when the host knows them (B = 1); else they
+    are read from ``segment_ids`` (a host sync when those are on a GPU).
 
     Returns [B, Hq, T, D].
     """
@@ -109,14 +118,15 @@ def segment_attention(
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
-    if segment_ids is None:
+    if segment_ids is None and lengths is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if q.shape[0] == 1:
-        lengths = _contiguous_lengths(segment_ids[0])
+        if lengths is None:
+            lengths = _contiguous_lengths(segment_ids[0])
         if lengths is not None:
             if len(lengths) == 1:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-            return _bucketed_attention(q, k, v, lengths, causal, scale)
+            return _bucketed_attention(q, k, v, list(lengths), causal, scale)
     t = q.shape[2]
     mask = segment_ids[:, :, None] == segment_ids[:, None, :]
     if causal:
@@ -150,25 +160,31 @@ def _bucketed_attention(q, k, v, lengths: list[int], causal: bool, scale: float 
     length are gathered into a padded batch per bucket and run through SDPA, then scattered back.
 
     Padding repeats a segment's last token. Under causal attention pads come after every real
-    query, so no mask is needed; otherwise a key-padding mask hides them.
+    query, so no mask is needed; otherwise a key-padding mask hides them. Every index is built
+    on the host from ``lengths`` and moved in one batched copy: nothing is read back.
     """
-    device = q.device
-    starts = torch.tensor([0] + lengths[:-1], device=device).cumsum(0)
-    lens = torch.tensor(lengths, device=device)
-    outs, where = [], []
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    lens = torch.tensor(lengths)
+    plans, host = [], []
     for group in _buckets(lengths):
-        g = torch.tensor(group, device=device)
+        g = torch.tensor(group)
         width = lengths[group[0]]
-        offs = torch.arange(width, device=device)
+        offs = torch.arange(width)
         valid = offs[None, :] < lens[g][:, None]  # [n, width]
         idx = starts[g][:, None] + torch.minimum(offs[None, :], lens[g][:, None] - 1)
-        flat = idx.reshape(-1)
+        plans.append(idx.shape)
+        # gather rows, valid slots of the padded batch, their rows, the key-padding mask
+        host += [idx.reshape(-1), valid.reshape(-1).nonzero().squeeze(1), idx[valid], valid]
+    moved = to_device(host, q.device)
+    outs, where = [], []
+    for b, shape in enumerate(plans):
+        flat, keep, rows, valid = moved[4 * b: 4 * b + 4]
         # [1, H, T, D] -> [n, H, width, D]
-        qb, kb, vb = (x[0][:, flat].unflatten(1, idx.shape).transpose(0, 1) for x in (q, k, v))
+        qb, kb, vb = (x[0][:, flat].unflatten(1, shape).transpose(0, 1) for x in (q, k, v))
         mask = None if causal else valid[:, None, None, :]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=causal, scale=scale)
-        outs.append(ob.transpose(0, 1)[:, valid])  # [H, n_valid, D]
-        where.append(idx[valid])
+        outs.append(ob.transpose(0, 1).flatten(1, 2).index_select(1, keep))  # [H, n_valid, D]
+        where.append(rows)
     out = q.new_zeros(q.shape[1:])
     out = out.index_copy(1, torch.cat(where), torch.cat(outs, dim=1))
     return out[None]

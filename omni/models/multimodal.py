@@ -23,10 +23,12 @@ from dataloading.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
 from dataloading.context_parallel import local_documents, local_positions, local_real_tokens
 from omni.models.attention import (ContextParallelSegments, PackedSegments, segment_ids_from_position_ids,
                                    uses_varlen_kernels)
+from omni.models.device_inputs import on_the_device
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.llm import Decoder
 from omni.models.projector import Projector
 from parallel.cp_attention import RingHop, plan_ring_hops
+from parallel.strict_device import on_device
 from parallel.tensor_parallel import (gather_sequence_shards, local_tensor, scatter_to_sequence_shards,
                                       vocab_parallel_cross_entropy, vocab_range)
 
@@ -163,14 +165,13 @@ class OmniModel(nn.Module):
         when not given) — the varlen attention kernels need it. ``device``: where the row
         trains; a host row is described on the host (target positions, CP ring hops) and moved
         there once with what was derived from it, so the forward reads nothing back."""
-        on_host = mb.input_ids.device.type == "cpu"
+        on_host = not on_device(mb.input_ids)
         device = mb.input_ids.device if device is None else torch.device(device)
         p = self._describe(mb, global_targets, real_tokens, max_seqlen, on_host, device)
         if on_host:
             targets = (mb.labels != IGNORE_INDEX).nonzero().squeeze(1)
             p.target_index, p.target_labels, p.num_targets = targets, mb.labels[targets], int(targets.numel())
-        if device != mb.input_ids.device:
-            p = _moved(p, device)
+            p = on_the_device(p, device)
         return p
 
     def _describe(self, mb: MicroBatch, global_targets: float, real_tokens: int | None, max_seqlen: int | None,
@@ -186,10 +187,16 @@ class OmniModel(nn.Module):
             mask = local_real_tokens(mb.cp, t)[None]
         else:
             segments = segment_ids_from_position_ids(position_ids)
-            if uses_varlen_kernels(rt.attn_backend, device):
+            varlen = uses_varlen_kernels(rt.attn_backend, device)
+            if varlen or on_host:
+                # The documents' lengths from the host row: the varlen kernels take them, and the
+                # PyTorch path then reads nothing back from the device either.
+                lengths = tuple((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()) if on_host else None
                 if max_seqlen is None:
-                    max_seqlen = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max()) if t else 0
-                segments = PackedSegments(segments, mb.cu_seqlens.to(torch.int32), max_seqlen, True, rt.attn_backend)
+                    max_seqlen = (max(lengths, default=0) if lengths is not None else
+                                  int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max()) if t else 0)
+                segments = PackedSegments(segments, mb.cu_seqlens.to(torch.int32), max_seqlen, True,
+                                          rt.attn_backend if varlen else "sdpa", lengths)
             if real_tokens is not None and real_tokens < t:
                 mask = (torch.arange(t, device=mb.input_ids.device) < real_tokens)[None]
         # M-RoPE positions when the backbone rotates by them and an item of the row has a grid;
@@ -324,21 +331,3 @@ def _ring_hops(info: CPInfo, doc: torch.Tensor, position_ids: torch.Tensor) -> l
         peer = replace(info, cp_rank=(info.cp_rank - step) % info.cp_size)
         peers.append((local_documents(peer, t), local_positions(peer, t)))
     return plan_ring_hops(doc[None], position_ids[None], [(d[None], q[None]) for d, q in peers])
-
-
-def _moved(p: Prepared, device: torch.device) -> Prepared:
-    """``p`` with every tensor on ``device`` (the segments' too); host numbers stay."""
-    def to(x):
-        return None if x is None else x.to(device)
-
-    seg = p.segments
-    if isinstance(seg, ContextParallelSegments):
-        seg = replace(seg, doc=to(seg.doc), pos=to(seg.pos), hops=None if seg.hops is None else
-                      [hop.to(device) for hop in seg.hops])
-    elif isinstance(seg, PackedSegments):
-        seg = replace(seg, ids=to(seg.ids), cu_seqlens=to(seg.cu_seqlens))
-    elif isinstance(seg, torch.Tensor):
-        seg = to(seg)
-    return replace(p, mb=p.mb.to(device), position_ids=to(p.position_ids), rope_position_ids=to(p.rope_position_ids),
-                   segments=seg, token_mask=to(p.token_mask),
-                   target_index=to(p.target_index), target_labels=to(p.target_labels))

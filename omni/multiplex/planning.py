@@ -43,6 +43,7 @@ import numpy as np
 
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
+from parallel.strict_device import on_device
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,13 @@ def describe_media(mb: MicroBatch, units_of: Mapping[str, Callable[[object], Seq
     out = MediaManifest()
     for m in sorted(mb.media):
         media = mb.media[m]
-        if media.features.device.type != "cpu":
+        # It reads the items' sizes, token counts and placeholder positions, which stay on the
+        # host; of the features (on the device when the data peers sent them ahead) only their
+        # shape and dtype, which the host knows.
+        read = (media.sizes, media.num_tokens, media.positions, media.output_rows)
+        if any(on_device(t) for t in read):
             raise ValueError(f"describe_media reads host tensors; describe the {m} inputs before moving the "
-                             f"micro-batch to {media.features.device}")
+                             f"micro-batch to the device")
         units = [int(u) for u in units_of[m](media.sizes)]
         for i, (tok, u, size) in enumerate(zip(media.num_tokens.tolist(), units, media.sizes.tolist())):
             out.items.append((m, i, int(tok), u, tuple(int(s) for s in size)))

@@ -58,6 +58,7 @@ from omni.runtime.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
 from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, chunks_per_cut_setting, cut_group_size, encoder_segments,
                                   encoder_ranks, encoder_shard_group, fills_bubbles, memory_budget_setting)
+from parallel.device_rules import free_memory_at_steady_state
 from parallel.layout import Layout, LayoutError, host_group, new_group
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
@@ -68,10 +69,12 @@ INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
 
 class Multiplexer:
     def __init__(self, tower: MediaTower | None, layout: Layout, cfg: MultiplexConfig, cost: CostModel,
-                 hidden_size: int, timeline=None):
+                 hidden_size: int, timeline=None, held: tuple = ()):
         """``tower``: this rank's encoders and projectors (None on a rank that does not encode:
         later pipeline stages under stage0). ``hidden_size``: the LLM width the projectors
-        map to. Built on every rank, in the same order (it creates process groups)."""
+        map to. ``held``: this rank's other model parts (the LLM chunks), whose gradients and
+        optimizer state the memory budget leaves room for. Built on every rank, in the same
+        order (it creates process groups)."""
         if cfg.placement not in PLACEMENTS:
             raise LayoutError(f"multiplex.placement={cfg.placement!r} is not one of {', '.join(PLACEMENTS)}")
         if cfg.exchange not in EXCHANGE_MODES:
@@ -113,12 +116,12 @@ class Multiplexer:
                 raise LayoutError(str(e)) from None
         threshold = str(cfg.long_threshold).lower()
         self.long_threshold = None if threshold == "auto" else int(threshold)
-        self.memory_limit = _memory_budget(cfg.encoder_memory_mib, layout)
+        self.memory_limit = _memory_budget(cfg.encoder_memory_mib, layout, list(held) + ([tower] if tower else []))
         # The fixed cost of an SP pass in the cost model's units (``encoder_plan.splits``); no
         # measured value exists yet, so long_threshold=auto counts none (as before).
         self.split_fixed_cost = 0.0
         self.exchange = cfg.exchange
-        element = 2 if layout.device.type == "cuda" else 4  # bf16 activations on the GPU
+        element = layout.rules.activation_bytes  # bf16 activations under bf16 autocast
         # (an item's size in the plan is its output rows; its encoder runs tokens_per_row x as many tokens)
         self._item_bytes = (lambda m, rows: encoders[m].activation_bytes(rows * encoders[m].tokens_per_row, element)) \
             if encoders else None
@@ -478,15 +481,20 @@ def _call_name(cut: Call) -> str:
     return f"{chunks} bubble{cut.bubble.stage}" if cut.bubble is not None else chunks
 
 
-def _memory_budget(setting: str, layout: Layout) -> float | None:
-    """Bytes of activations one rank may spend on one item (``multiplex.encoder_memory_mib``)."""
+def _memory_budget(setting: str, layout: Layout, held: list[nn.Module]) -> float | None:
+    """Bytes of activations one rank may spend on one item (``multiplex.encoder_memory_mib``):
+    auto is a quarter of the device memory free at steady state, the smallest over ranks. It is
+    read at start-up, before the gradients and the optimizer state of ``held`` (this rank's
+    model parts) exist, so those are taken off (``free_memory_at_steady_state``): read as it
+    was, the budget overstated what the second step has by about three times the trainable
+    weights. Under the CPU's own rules: None (host memory, no budget worth planning around)."""
     budget = memory_budget_setting(setting)
     if budget != "auto":
         return budget
-    if layout.device.type != "cuda":
-        return None  # host memory: no budget worth planning around
-    free, _ = torch.cuda.mem_get_info(layout.device)
-    budget = torch.tensor([free / 4.0], dtype=torch.float64, device=layout.device)
+    free = free_memory_at_steady_state(layout.rules, held)
+    if free is None:
+        return None
+    budget = torch.tensor([max(free, 0.0) / 4.0], dtype=torch.float64, device=layout.device)
     if layout.world_size > 1:  # every rank must plan with the same number
         dist.all_reduce(budget, op=dist.ReduceOp.MIN)
     return float(budget)

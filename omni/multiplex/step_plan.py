@@ -18,6 +18,7 @@ from omni.multiplex.bubbles import (BubbleCall, busy_ranks, closing_modalities, 
 from omni.multiplex.planning import CutPlan, ItemMeta, MediaManifest, plan_cut
 from omni.multiplex.rules import chunks_backward_after_pipeline, chunks_per_call, forward_insertion_points
 from parallel.sizing import Sizes
+from parallel.transfer import to_device
 
 
 @dataclass
@@ -274,9 +275,7 @@ class IndexUpload:
     def upload(self) -> None:
         if not self._parts:
             return
-        flat = torch.from_numpy(np.concatenate([a for _, _, a in self._parts]))
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        flat, = to_device([torch.from_numpy(np.concatenate([a for _, _, a in self._parts]))], self.device)
         at = 0
         for target, key, a in self._parts:
             view = flat[at:at + a.size]

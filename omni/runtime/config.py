@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-# trainer.precision: "auto" is bf16 autocast on a GPU and fp32 on the CPU.
-TRAINER_PRECISIONS = ("auto", "fp32", "bf16")
+from parallel.device_rules import DEVICE_RULES, PRECISIONS as TRAINER_PRECISIONS  # noqa: F401  (checked in recipes/checks.py)
 # checkpoint.resume keywords; any other value is the path of a checkpoint folder.
 RESUME_CHOICES = ("auto", "never")
 
@@ -90,6 +89,16 @@ class TrainerConfig:
     device: str = "auto"
     # "auto": bf16 autocast on GPU, fp32 on CPU. Or "fp32" / "bf16".
     precision: str = "auto"
+    # Whose rules every device-dependent decision follows (parallel/device_rules.py): "auto",
+    # the device's own; "cuda", a GPU's on any device: on the CPU bf16 autocast and FSDP
+    # parameters, media features sent ahead to the "device", the Triton kernels (interpreted:
+    # needs TRITON_INTERPRET=1), batched copies, memory budgets from device_memory_gib, and the
+    # strict device check (parallel/strict_device.py): a host read of a tensor the GPU would
+    # hold raises with its call site, and metrics.jsonl counts the step's host syncs.
+    device_rules: str = "auto"
+    # The device memory (GiB) budgets are planned with under device_rules=cuda on a CPU; null:
+    # 80 (an H100). On a GPU its own memory is read and this is ignored.
+    device_memory_gib: Optional[float] = None
     log_every: int = 1
     progress: bool = True
     # Experiment trackers the metrics also go to, besides <run_dir>/metrics.jsonl (always
@@ -108,6 +117,10 @@ class TrainerConfig:
     eval_at_end: bool = True
     eval_samples: int = 64
     eval_batch_size: int = 32
+    # A split layout's end-of-run evaluation puts a full copy of the model on every rank's device
+    # (each rank then generates for its share of the samples): skipped, with a note, for a model
+    # above this many GiB (then evaluate with omni export + omni generate).
+    eval_max_gib: float = 8.0
     max_new_tokens: int = 100
     # Numeric guards (docs/fault-tolerance.md). A step whose loss or gradient norm is not finite
     # is skipped: no optimizer or lr-schedule update, its gradients dropped, its sample ids in
@@ -196,7 +209,10 @@ class MultiplexConfig:
     # whose live encoder activations fit encoder_memory_mib (omni.multiplex.rules.cut_group_size);
     # a number: that many; 1: one chunk per cut, the least encoder memory.
     chunks_per_cut: str = "auto"
-    # Record each rank's encoder / LLM / communication / idle time per step (metrics.jsonl).
+    # Record each rank's encoder / LLM / communication / idle time (metrics.jsonl) on every
+    # timeline_every-th step (and trace_step): only those steps pay for it (on a GPU the step's
+    # events are waited for at its end, and every rank's times are gathered to the log).
     timeline: bool = True
+    timeline_every: int = 10
     # Write a Chrome trace (chrome://tracing, Perfetto) of this step to <run_dir>/trace_step<N>.json; 0: none.
     trace_step: int = 0

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from dataloading.batch import StepBatch
 from dataloading.context_parallel import slice_for_cp
 from parallel.broadcast import broadcast_object
+from parallel.strict_device import mark_copied
+from parallel.transfer import to_device
 
 
 class _Features(NamedTuple):
@@ -40,7 +42,8 @@ class PeerFeed:
         """``loader`` on rank ``src`` (None elsewhere); ``group`` holds the peers (None: world);
         ``host_group``: the same peers over gloo (None: ``group`` is used for host objects too,
         right when it is gloo). ``device``: where the features train; ``features_on_device``
-        (default: when ``group`` is not gloo) sends them over ``group`` into it."""
+        (default: when ``group`` is not gloo; ``DeviceRules.features_on_device`` in a run) sends
+        them over ``group`` into it."""
         is_src = not dist.is_initialized() or dist.get_rank() == src
         if is_src == (loader is None):
             raise ValueError(f"rank {dist.get_rank() if dist.is_initialized() else 0}: the source rank {src} "
@@ -88,9 +91,10 @@ class PeerFeed:
             which = [i for i, m in enumerate(marks) if m.dtype == dtype]
             sizes = [_numel(marks[i].shape) for i in which]
             if self.loader is not None:  # the source
-                flat = torch.cat([features[i].reshape(-1) for i in which]).to(self.device)
+                flat, = to_device([torch.cat([features[i].reshape(-1) for i in which])], self.device)
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+                mark_copied(flat)  # (under the strict check: a device buffer, as on a GPU)
             dist.broadcast(flat, src=self.src, group=self.group)
             for i, piece in zip(which, torch.split(flat, sizes)):
                 out[i] = piece.view(marks[i].shape)

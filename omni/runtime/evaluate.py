@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy generation (``omni.runtime.generate``) and exact-match accuracy."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -17,6 +17,25 @@ class EvalResult:
     num_samples: int
     by_group: dict[str, float]  # accuracy per group (e.g. per eval sub-folder), when known
     examples: list[dict]  # a few (expected, generated) pairs for the log
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (correct, samples)
+
+
+def merge_results(parts: list[EvalResult]) -> EvalResult:
+    """One result from the ranks' shares of the held-out set (``evaluate(..., shard=...)``)."""
+    counts: dict[str, list[int]] = {}
+    for part in parts:
+        for g, (c, n) in part.counts.items():
+            tally = counts.setdefault(g, [0, 0])
+            tally[0] += c
+            tally[1] += n
+    return _result(counts, [e for part in parts for e in part.examples][:8])
+
+
+def _result(counts: dict, examples: list[dict]) -> EvalResult:
+    correct, total = sum(c for c, _ in counts.values()), sum(n for _, n in counts.values())
+    return EvalResult(accuracy=correct / max(1, total), num_samples=total,
+                      by_group={g: c / n for g, (c, n) in sorted(counts.items())}, examples=examples,
+                      counts={g: (c, n) for g, (c, n) in sorted(counts.items())})
 
 
 def evaluate(
@@ -27,7 +46,11 @@ def evaluate(
     max_new_tokens: int,
     batch_size: int,
     limit: int,
+    shard: tuple[int, int] = (0, 1),
 ) -> EvalResult:
+    """Greedy generation over the first ``limit`` held-out samples. ``shard`` = (index, count):
+    this process takes every count-th of them from the index-th (the ranks of a split layout
+    each evaluate their share; ``merge_results`` joins them)."""
     was_training = model.training
     model.eval()
     correct = total = 0
@@ -52,14 +75,16 @@ def evaluate(
                 examples.append({"sample": prompt.sample_ids[:1], "expected": expected, "generated": text})
         pending.clear()
 
-    for item in samples:
-        if total + len(pending) >= limit:
+    index, count = shard
+    for i, item in enumerate(samples):
+        if i >= limit:
             break
+        if i % count != index:
+            continue
         pending.append(item)
         if len(pending) == batch_size:
             flush()
     if pending:
         flush()
     model.train(was_training)
-    by_group = {g: c / n for g, (c, n) in sorted(groups.items())}
-    return EvalResult(accuracy=correct / max(1, total), num_samples=total, by_group=by_group, examples=examples)
+    return _result(groups, examples)

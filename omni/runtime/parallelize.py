@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dataloading.cost import CostModel
 from omni.models.cost import default_cost_model
-from omni.models.materialize import SeededInit, TensorSource, WeightSource, fill_meta, is_meta, materialize
+from omni.models.materialize import TensorSource, WeightSource, is_meta, materialize
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
@@ -34,8 +34,9 @@ from omni.multiplex.runtime import Multiplexer
 from omni.multiplex.rules import encoder_ranks
 from omni.runtime.timeline import Timeline
 from parallel.config import ParallelConfig
+from parallel.data_parallel import all_reduce_coalesced
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
-from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh, host_group,
+from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh,
                              pipeline_gradient_group)
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
@@ -116,7 +117,7 @@ class ParallelModel:
             if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
                 p.grad = g.redistribute(g.device_mesh, p.placements)
         for params, group in self.replica_syncs:
-            alone = dist.get_world_size(group) == 1
+            grads = []
             for p in params:
                 if not p.requires_grad:  # frozen (LoRA's base, model.freeze): the same on every rank
                     continue
@@ -125,9 +126,9 @@ class ParallelModel:
                 # this rank holds the only copy.
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                if not alone:
-                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                    dist.all_reduce(g, group=group)
+                grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+            if dist.get_world_size(group) > 1:
+                all_reduce_coalesced(grads, group)  # a few bucketed collectives, not one per tensor
 
 
 def activation_dtype(layout: Layout) -> torch.dtype:
@@ -137,7 +138,7 @@ def activation_dtype(layout: Layout) -> torch.dtype:
     own dtype (fp32). bf16 autocast does not change it: autocast casts matmul inputs, and the
     residual additions and norms return to the stream's dtype (docs/parallelism.md, "Precision")."""
     if layout.fsdp_mesh().size() > 1:
-        return precision_policy(layout.config.mixed_precision, layout.device).param_dtype or torch.float32
+        return precision_policy(layout.config.mixed_precision, layout.rules).param_dtype or torch.float32
     return torch.float32
 
 
@@ -184,7 +185,8 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
         if num_stages > 1:
             chunk.keep_stage(layers[sid], first=sid == 0, last=sid == num_stages - 1)
         chunks.append(chunk)
-    timeline = Timeline(layout.rank, enabled=multiplex.timeline, device=layout.device)  # CUDA events on a GPU
+    timeline = Timeline(layout.rank, enabled=multiplex.timeline, device=layout.device,  # CUDA events on a GPU
+                        every=multiplex.timeline_every)
     pm = ParallelModel(chunks, ids, num_stages, timeline=timeline)
     for chunk in chunks:
         _apply_one(chunk, layout, pm)
@@ -233,13 +235,13 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
     if active:
         pm.media = tower
         if sharded:
-            precision = precision_policy(layout.config.mixed_precision, layout.device)
+            precision = precision_policy(layout.config.mixed_precision, layout.rules)
             params = tower.shard(mesh, precision, reshard_after_forward=_reshard_after_forward(layout),
                                  prefetch=layout.config.fsdp_prefetch, weights=cfg.encoder_weights)
             # FSDP averages over both dimensions of a 2-D mesh (reduce-scatter, then all-reduce).
             pm.averaged.append((params, mesh.size()))
         place([tower])  # only the ranks that encode hold encoder weights
-    mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline)
+    mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline, held=tuple(pm.chunks))
     pm.multiplexer = mux
     if isinstance(pm.runner, PipelineExecutor):
         pm.runner.on_cut = mux.cut
@@ -292,7 +294,7 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         units = [blocks[i:i + per] for i in range(0, len(blocks), per)]
         reshard = _reshard_after_forward(layout)
         ignored = [p for moe in moe_layers for p in moe.parameters()]
-        sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.device),
+        sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.rules),
                     cpu_offload=pcfg.cpu_offload, reshard_after_forward=reshard, prefetch=pcfg.fsdp_prefetch,
                     ignored=ignored)
         pm.averaged.append((sharded, layout.fsdp_mesh().size()))
@@ -313,63 +315,3 @@ def _experts_as_dtensors(moe: MoE, layout: Layout) -> None:
         local = getattr(moe.experts, name)
         dt = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False)
         setattr(moe.experts, name, nn.Parameter(dt, requires_grad=local.requires_grad))
-
-
-def gather_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], OmniModel]) -> OmniModel | None:
-    """An unsharded copy of the trained model in rank 0's host memory (None elsewhere), for
-    evaluation on the host: no GPU ever holds more than one full parameter.
-
-    Each stage gathers its full tensors one at a time (a collective over the parameter's own
-    mesh, on the device) and its first rank moves them to host memory; those ranks then send
-    them, tensor by tensor, to rank 0 over a gloo group (never an object collective over
-    NCCL). Rank 0 fills ``build()``'s skeleton (meta device) with them. The cost is one full
-    copy of the model in rank 0's host memory; a model too large for that would be evaluated
-    under its own layout."""
-    group = host_group(layout)  # None: the default group already is gloo
-    sender = _first_of_stage(layout, layout.rank)
-    state: dict = {}
-    for part in pm.parts:
-        for name, t in part.state_dict().items():
-            if isinstance(t, DTensor):
-                if t.device != layout.device:  # parallel.cpu_offload: gather on the device
-                    t = t.to(layout.device)
-                t = t.full_tensor()
-            if sender:
-                state[name] = t.detach().to("cpu", copy=True)
-            del t
-    senders = [r for r in range(layout.world_size) if _first_of_stage(layout, r)]
-    if not layout.is_main:
-        if sender:
-            _send_tensors(state, dst=0, group=group)
-        return None
-    merged = dict(state)
-    for src in senders:
-        if src != layout.rank:
-            merged.update(_recv_tensors(src, group))
-    model = build()
-    model.load_state_dict(merged, strict=True, assign=True)
-    fill_meta(model, SeededInit(0))  # derived buffers (rotary frequencies) are not in the state
-    return model
-
-
-def _first_of_stage(layout: Layout, rank: int) -> bool:
-    c = layout.sizes.coords(rank)
-    return c["dp_replicate"] == c["dp_shard"] == c["cp"] == c["tp"] == 0
-
-
-def _send_tensors(state: dict, dst: int, group) -> None:
-    meta = [(name, tuple(t.shape), t.dtype) for name, t in state.items()]
-    dist.send_object_list([meta], dst=dst, group=group)
-    for t in state.values():
-        dist.send(t.contiguous(), dst=dst, group=group)
-
-
-def _recv_tensors(src: int, group) -> dict:
-    box = [None]
-    dist.recv_object_list(box, src=src, group=group)
-    out = {}
-    for name, shape, dtype in box[0]:
-        t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, src=src, group=group)
-        out[name] = t
-    return out

@@ -106,9 +106,13 @@ class Timeline:
     """
 
     def __init__(self, rank: int, enabled: bool = True, clock: Callable[[], float] = time.perf_counter,
-                 sync: Callable[[], None] | None = None, device: torch.device | str | None = None):
+                 sync: Callable[[], None] | None = None, device: torch.device | str | None = None,
+                 every: int = 1):
         self.rank = rank
         self.enabled = enabled
+        if every < 1:
+            raise ValueError(f"multiplex.timeline_every={every} must be >= 1")
+        self.every = every  # the steps it times (``times``)
         self._clock = clock
         self._sync_fn = sync
         self._cuda = device is not None and torch.device(device).type == "cuda" and sync is None
@@ -137,6 +141,11 @@ class Timeline:
         if isinstance(mark, float | int):
             return mark - self._t0
         return self._t0_event.elapsed_time(mark) / 1e3
+
+    def times(self, step: int) -> bool:
+        """Whether step ``step`` is timed: an enabled timeline's every ``every``-th step. The
+        others record, wait for and gather nothing."""
+        return self.enabled and step % self.every == 0
 
     def begin_step(self, step: int) -> None:
         if self._step is not None:
@@ -318,7 +327,7 @@ class RunSummary:
     def lines(self) -> list[str]:
         recs = self._records
         if not recs:
-            return ["timeline: no steps recorded"]
+            return ["timeline: no step was timed (multiplex.timeline_every sets which are)"]
         n = len(recs)
 
         def mean(key: str) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -23,7 +23,7 @@ from omni.errors import UserError
 from omni.models.multimodal import OmniModel
 from omni.runtime.checkpoint import Checkpointer
 from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
-from omni.runtime.evaluate import evaluate
+from omni.runtime.final_eval import final_evaluation
 from omni.runtime.guards import BadStepGuard, NonFiniteSteps, SpikeDetector
 from omni.runtime.metrics import MetricsLog, progress_bar
 from omni.runtime.trackers import TrackedRun, open_trackers
@@ -32,13 +32,14 @@ from omni.runtime.optim import PartOptimizers
 from omni.runtime.stages import Stage, StageSchedule
 from omni.models.freeze import ModuleNames
 from omni.models.multimodal import Prepared
-from omni.runtime.parallelize import ParallelModel, gather_full_model
+from omni.runtime.parallelize import ParallelModel
 from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
                                    write_chrome_trace)
 from parallel.data_parallel import all_reduce_sums
 from parallel.grad_norm import local_grad_square_sum, scale_to_max_norm_
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
+from parallel.strict_device import StrictDevice, host_read
 from parallel.pipeline import microbatch_count
 from parallel.sizing import reduces_every_microbatch
 
@@ -65,6 +66,17 @@ class CollectiveTimeout(UserError):
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc)
     return "Timed out" in text or "timed out" in text or "Timeout" in text
+
+
+@dataclass
+class HostInputs:
+    """A step's host work (``Trainer._host_inputs``): its micro-batches ready on the device, the
+    common row length, and the global batch's target and token counts."""
+
+    prepared: list[Prepared]
+    length: int
+    global_targets: float
+    global_tokens: float
 
 
 @dataclass
@@ -137,9 +149,19 @@ class Trainer:
         # default group already is), never through the accelerator.
         self._host = host_group(layout)
         self._step, self._phase_name = 0, "starting"
-        self._global_tokens = 0.0
+        self._ahead: tuple | None = None  # (step, batch, HostInputs) built during the previous step
+        self._loader_state: dict | None = None  # the loader's state before the step built ahead
+        self._last = trainer_cfg.max_steps
+        self._mux_metrics: dict = {}
         self.trace_step = trace_step
-        self.bf16 = trainer_cfg.precision == "bf16" or (trainer_cfg.precision == "auto" and self.device.type == "cuda")
+        # bf16 autocast as the layout's device rules take trainer.precision (auto: bf16 under CUDA's).
+        self.bf16 = replace(layout.rules, precision=trainer_cfg.precision).bf16
+        # CUDA's rules on the CPU: the strict device check (parallel/strict_device.py) runs every
+        # step; the parameters and buffers are where a GPU would hold them.
+        self.strict = StrictDevice() if layout.rules.emulated else None
+        if self.strict is not None:
+            for part in self.pm.parts:
+                self.strict.mark_module(part)
         # Autocast keeps the bf16 copy of an fp32 weight for the whole autocast region (the
         # step). For fp32 DTensor parameters (FSDP's, TP's) used by several forwards before
         # their backwards (pipeline micro-batches, encoder calls at the cuts), that shared copy
@@ -203,12 +225,31 @@ class Trainer:
         self._phase_name = name
         self.watchdog.beat(self._step, name)
 
-    def train_step(self, batch: StepBatch, step: int | None = None) -> dict[str, float]:
+    def train_step(self, batch: StepBatch, step: int | None = None, inputs: HostInputs | None = None,
+                   before_read: Callable[[], None] | None = None) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics.
-        ``step``: the optimizer step it is (1-based; default fit's count), which picks the stage."""
+        ``step``: the optimizer step it is (1-based; default fit's count), which picks the stage.
+        ``inputs``: the step's host inputs when they were built ahead (``fit``); ``before_read``:
+        host work to do while the device runs the step, before the host waits for its read (the
+        next step's inputs)."""
         self._enter_stage(self._step if step is None else step)
-        prepared, length, global_targets = self._host_inputs(batch)
-        return self._device_step(prepared, length, global_targets)
+        with self.strict_scope():
+            if inputs is None:
+                inputs = self._host_inputs(batch)
+            window = contextlib.nullcontext() if self.strict is None else self.strict.device_window()
+            with window:
+                out = self._device_step(inputs.prepared, inputs.length, inputs.global_targets, before_read)
+        if self.strict is not None:
+            # what the strict check counted since the step's data arrived: the host syncs
+            # (declared reads) and the batched host-to-device copies
+            out.update(host_syncs=self.strict.sync_count, host_to_device_copies=self.strict.copies)
+            self.strict.begin_step()
+        return out
+
+    def strict_scope(self):
+        """The strict device check around what feeds a step too (``fit`` fetches the step's data
+        under it: the features the data peers send ahead are device tensors, as on a GPU)."""
+        return contextlib.nullcontext() if self.strict is None else self.strict
 
     def _enter_stage(self, step: int) -> None:
         """``trainer.stages``: the parameters whose gradients the stage of ``step`` drops
@@ -226,10 +267,10 @@ class Trainer:
             trainable = {self.stages.names.unit_of(name) for name, p in named if p.requires_grad}
             print(f"omni: {self.stages.describe(stage, trainable)}", flush=True)
 
-    def _host_inputs(self, batch: StepBatch) -> tuple[list[Prepared], int, float]:
+    def _host_inputs(self, batch: StepBatch) -> HostInputs:
         """The step's host work: global counts (over the host group), padding, and every
         micro-batch's inputs built on the host and moved to the device once."""
-        global_targets, global_real, self._global_tokens = self._counts(batch)
+        global_targets, global_real, global_tokens = self._counts(batch)
         if global_targets == 0:
             raise UserError(f"step {batch.step} has no target tokens in the whole global batch; check the data")
         # Every rank divides by the same global count, so summing gradients over ranks and
@@ -250,7 +291,7 @@ class Trainer:
                          for _ in range(n - len(prepared))]
         for i, p in enumerate(prepared):
             p.index = i
-        return prepared, length, global_targets
+        return HostInputs(prepared, length, global_targets, global_tokens)
 
     def _forward_backward(self, prepared: list[Prepared], length: int,
                           global_targets: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -302,12 +343,16 @@ class Trainer:
         """The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum: one counts it."""
         return self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
 
-    def _device_step(self, prepared: list[Prepared], length: int, global_targets: float) -> dict[str, float]:
+    def _device_step(self, prepared: list[Prepared], length: int, global_targets: float,
+                     before_read: Callable[[], None] | None = None) -> dict[str, float]:
         """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
         step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
         norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
-        test_no_host_sync.py holds it to that)."""
+        test_no_host_sync.py holds it to that). ``before_read`` runs just before that read, while
+        a GPU still works through the step."""
         ce_parts, aux_parts = self._forward_backward(prepared, length, global_targets)
+        mux = self.pm.multiplexer
+        self._mux_metrics = mux.step_metrics() if mux is not None else {}  # before the next step's plan
         self._phase("gradient sync")
         with self._span("comm", "gradient sync"):
             self.pm.sync_gradients()
@@ -324,7 +369,11 @@ class Trainer:
                 dist.all_reduce(sums)  # one collective for the loss, the router loss and the norm
             max_norm = self.clip if self.clip > 0 else math.inf
             scale_to_max_norm_(params, sums[2].sqrt(), max_norm)
-            ce_sum, aux_sum, square = sums.tolist()  # the step's one device read
+            if before_read is not None:
+                with self._host_work():
+                    before_read()
+            with host_read("the step's losses and gradient norm"):
+                ce_sum, aux_sum, square = sums.tolist()  # the step's one device read
             loss_value, grad_norm = ce_sum / global_targets, math.sqrt(square)
             lr, group_lrs = self.optim.lr, self.optim.group_lrs()
             # The loss and the norm are the same on every rank (all-reduced), so every rank
@@ -349,8 +398,8 @@ class Trainer:
         that is exact under every layout (the pipeline executor and the multiplexer interleave
         forwards and backwards); its gradients are dropped here, and nothing else moves: no
         gradient sync, optimizer, lr schedule, guard or spike detector."""
-        prepared, length, global_targets = self._host_inputs(batch)
-        ce_parts, _ = self._forward_backward(prepared, length, global_targets)
+        inputs = self._host_inputs(batch)
+        ce_parts, _ = self._forward_backward(inputs.prepared, inputs.length, inputs.global_targets)
         for p in self.pm.parameters():
             p.grad = None
         return ce_parts if self._counts_loss() else []
@@ -382,6 +431,7 @@ class Trainer:
         it = iter(self.loader)
         step = start
         last = min(self.cfg.max_steps, self.cfg.stop_at or self.cfg.max_steps)
+        self._last, self._ahead = last, None
         for part in self.pm.parts:
             part.train()
         summary = RunSummary()
@@ -421,19 +471,28 @@ class Trainer:
         return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy, skipped_steps=self.guard.skipped)
 
     def _one_step(self, it, step: int) -> dict:
-        """Fetch, train, log and judge one step; returns its stats (``skipped`` included)."""
+        """Fetch, train, log and judge one step; returns its stats (``skipped`` included). The
+        step's host inputs were usually built during the previous step (``_build_ahead``)."""
         t0 = time.perf_counter()
-        self._phase("waiting for data")
-        batch = next(it)
-        self._phase("forward and backward")
-        reset_peak_memory(self.device)
-        if self.pm.timeline is not None:
-            self.pm.timeline.begin_step(step)
-        stats = self.train_step(batch)
+        ahead, self._ahead = self._ahead, None
+        with self.strict_scope():
+            if ahead is not None and ahead[0] == step:
+                _, batch, inputs = ahead
+            else:
+                self._phase("waiting for data")
+                batch, inputs = next(it), None
+            self._phase("forward and backward")
+            reset_peak_memory(self.device)
+            timed = self._timed(step)
+            if timed:
+                self.pm.timeline.begin_step(step)
+            if inputs is None:
+                inputs = self._host_inputs(batch)
+            stats = self.train_step(batch, inputs=inputs, before_read=lambda: self._build_ahead(it, step + 1))
         self._phase("logging")
-        stats.update(self._step_profile(step))
+        stats.update(self._step_profile(step, timed))
         dt = time.perf_counter() - t0
-        tokens = self._global_tokens
+        tokens = inputs.global_tokens
         bad = stats["skipped"]
         spike = None if bad else self.spikes.check(stats["loss"])
         samples = self._gather_samples(batch) if (bad or spike or self.cfg.log_samples) else None
@@ -467,9 +526,32 @@ class Trainer:
                           last_good, str(self.run_dir / FLAGGED))
         return stats
 
+    def _build_ahead(self, it, step: int) -> None:
+        """Step ``step``'s data and host inputs (counts, padding, the multiplexing plan, the
+        batched copies), built while the device still runs the previous step (it is called
+        before that step's one read): on a GPU the host work of one step overlaps the device
+        work of the other. Not before a validation (which plans steps of its own) nor past the
+        run's last step. The loader state the previous step ends with is kept for its
+        checkpoint (the loader has moved on by a step)."""
+        if step > self._last or (self.validator is not None and self.validator.due(step - 1)):
+            return
+        phase = self._phase_name
+        self._phase("next step's inputs")
+        self._loader_state = self.loader.state_dict()
+        batch = next(it)
+        self._ahead = (step, batch, self._host_inputs(batch))
+        self._phase(phase)
+
+    def _host_work(self):
+        """Host work inside the step's device window (the next step's inputs): host tensors
+        there are host tensors, under the strict check too."""
+        return contextlib.nullcontext() if self.strict is None else self.strict.outside_window()
+
     def _save(self, step: int) -> None:
         self._phase("checkpoint save")
-        self.checkpointer.save(step, self.optim, self.loader.state_dict(), self.guard.state_dict())
+        # the loader's state after this step: it has moved on if the next step was built ahead
+        state = self._loader_state if self._ahead is not None else self.loader.state_dict()
+        self.checkpointer.save(step, self.optim, state, self.guard.state_dict())
         if self.ckpt_cfg.async_save:
             self.metrics.write({"event": "checkpoint", "step": step, "blocked_s": self.checkpointer.last_block_s})
 
@@ -501,40 +583,34 @@ class Trainer:
             return None
         return {str(dp): ids for dp, ids in sorted(x for x in got if x is not None)}
 
-    def _step_profile(self, step: int) -> dict:
-        """The step's time split over ranks (encoder / LLM / communication / idle), the
-        encoder plan's figures and peak memory; the Chrome trace of ``multiplex.trace_step``."""
+    def _timed(self, step: int) -> bool:
+        """Whether the timeline records step ``step``: every ``multiplex.timeline_every``-th
+        step and ``multiplex.trace_step``; no other step waits for its events or gathers."""
+        tl = self.pm.timeline
+        return tl is not None and tl.enabled and (tl.times(step) or step == self.trace_step)
+
+    def _step_profile(self, step: int, timed: bool) -> dict:
+        """The step's time split over ranks (encoder / LLM / communication / idle) on a timed
+        step, the encoder plan's figures and peak memory; the Chrome trace of
+        ``multiplex.trace_step``."""
         out: dict = {}
         tl = self.pm.timeline
-        if tl is not None and tl.enabled:
+        if timed:
             trace = step == self.trace_step
             per_rank = gather_step_times(tl.end_step(), group=self._host, keep_events=trace)  # over gloo
             out.update(summarise_ranks(per_rank))
             if trace and self.layout.is_main:
                 write_chrome_trace(self.run_dir / f"trace_step{step}.json", per_rank)
-        if self.pm.multiplexer is not None:
-            out.update(self.pm.multiplexer.step_metrics())
+        out.update(self._mux_metrics)  # the step's own plan (the next one may be planned already)
         out.update(peak_memory(self.device))
         return out
 
     def _final_eval(self, step: int) -> float | None:
-        """Greedy generation needs the whole model: under a split layout the weights are
-        gathered into an unsharded copy in rank 0's host memory (``gather_full_model``), which
-        evaluates there alone (others get None); no GPU holds the whole model."""
-        device = self.device
-        if self.layout.world_size > 1:
-            if self.full_model is None:
-                return None
-            model = gather_full_model(self.pm, self.layout, self.full_model)
-            if model is None:
-                return None
-            whole, device = contextlib.nullcontext(model), torch.device("cpu")
-        else:
-            whole = self.pm.inline_encoders()
-        with whole as model:
-            result = evaluate(model, self.eval_samples(), self.tokenizer, device,
-                              max_new_tokens=self.cfg.max_new_tokens, batch_size=self.cfg.eval_batch_size,
-                              limit=self.cfg.eval_samples)
+        """The held-out evaluation by greedy generation (``omni.runtime.final_eval``), logged."""
+        result = final_evaluation(self.pm, self.layout, self.cfg, self.eval_samples, self.tokenizer, self.full_model,
+                                  self._host, self._phase)
+        if result is None:
+            return None
         self.metrics.write(
             {"event": "eval", "step": step, "accuracy": result.accuracy, "num_samples": result.num_samples,
              "accuracy_by_group": result.by_group, "misses": result.examples}

@@ -21,6 +21,7 @@ from dataloading.constructor import dummy_micro_batch
 from dataloading.context_parallel import slice_for_cp
 from dataloading.validation import ValidationBatch
 from omni.errors import UserError
+from parallel.strict_device import host_read
 from parallel.layout import Layout
 
 
@@ -59,7 +60,8 @@ class Validator:
             sums.index_add_(0, self._group_of.to(device), torch.stack([c.to(torch.float64) for c in ce[:mine]]))
         if self.layout.world_size > 1:
             dist.all_reduce(sums)
-        totals = sums.tolist()  # the validation's one device read
+        with host_read("the validation losses"):
+            totals = sums.tolist()  # the validation's one device read
         tokens = sum(self.targets.values())
         record = {"event": "validation", "step": step, "val_loss": sum(totals) / tokens,
                   "val_loss_by_group": {g: t / self.targets[g] for g, t in zip(self.groups, totals)

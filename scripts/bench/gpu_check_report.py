@@ -4,10 +4,10 @@
     python scripts/bench/gpu_check_report.py report OUT          # OUT/gpu_check.json and OUT/gpu_check.md
 
 ``report`` reads what the parts left in OUT: ``parts.tsv`` (one line per part: name, status,
-exit code, seconds, timeout), ``env.json``, ``gpu_tests/junit.xml``, ``demo_bf16/metrics.jsonl``,
-``mfu/mfu.json`` (or ``mfu_tiny.json``) with ``mfu/*.md``, ``kernels/kernels.json`` with
-``kernels/section.md``. A part that failed or never ran is reported as such; the report itself
-never fails on a missing file. The markdown is what goes under "GPU check" in
+exit code, seconds, timeout), ``setup/setup.json``, ``env.json``, ``gpu_tests/junit.xml``,
+``demo_bf16/metrics.jsonl``, ``mfu/mfu.json`` (or ``mfu_tiny.json``) with ``mfu/*.md``,
+``kernels/kernels.json`` with ``kernels/section.md``. A part that failed or never ran is reported
+as such; the report itself never fails on a missing file. The markdown is what goes under "GPU check" in
 docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-TITLES = {"setup": "virtual environment", "env": "torch and the GPU", "gpu_tests": "GPU-only tests",
+TITLES = {"setup": "interpreter and packages", "env": "torch and the GPU", "gpu_tests": "GPU-only tests",
           "mfu": "MFU and memory model (1B-class)", "demo_bf16": "bf16 demo", "kernels": "varlen attention kernels"}
 
 
@@ -29,7 +29,7 @@ def env_probe(path: str) -> int:
     import torch
 
     info = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "executable": sys.executable}
     if info["cuda_available"]:
         info.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(),
                     memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
@@ -131,9 +131,13 @@ def kernels(out: Path) -> dict | None:
     return res
 
 
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def _result(part: str, data: dict) -> str:
     """One line of figures per part for the summary table."""
-    env, tests, d, m, k = (data.get(x) for x in ("env", "gpu_tests", "demo_bf16", "mfu", "kernels"))
+    su, env, tests, d, m, k = (data.get(x) for x in ("setup", "env", "gpu_tests", "demo_bf16", "mfu", "kernels"))
     if part == "env" and env:
         return (f"torch {env['torch']} (CUDA {env.get('cuda_build')}), {env.get('gpu', 'no GPU')}, "
                 f"triton {env.get('triton')}, flash-attn {env.get('flash_attn') or 'not installed'}")
@@ -144,15 +148,29 @@ def _result(part: str, data: dict) -> str:
         acc = f", held-out accuracy {d['eval_accuracy']:.3f}" if d["eval_accuracy"] is not None else ""
         return (f"{d['steps']} steps, loss {d['first_loss']:.3f} -> {d['last_loss']:.3f}, "
                 f"{d['step_time_s_median']:.3f} s/step{acc}")
+    if part == "setup" and su:
+        mods = su.get("modules", {})
+        wheels = ", ".join(f"{n} {mods[n]['version']}" for n in ("hydra", "omegaconf", "webdataset", "wids")
+                           if mods.get(n, {}).get("version"))
+        return (f"{su['mode']}: {su['python']} (Python {su['python_version']}), torch "
+                f"{mods.get('torch', {}).get('version')}" + (f"; {wheels}" if wheels else ""))
     if part == "mfu" and m:
-        me, pr = m["measured"], m["predicted"]
+        me, pr, mm = m["measured"], m["predicted"], m.get("matmul_peak") or {}
         mem = ""
         if me.get("peak_allocated_gib"):
             mem = (f"; memory predicted {pr['memory_gib']['total']:.1f} GiB / measured "
                    f"{me['peak_allocated_gib']:.1f} GiB = {m['memory_ratio_predicted_over_measured']:.3f}")
-        return f"MFU {100 * me['mfu']:.1f}% ({me['step_s_median']:.3f} s/step; predicted {100 * pr['mfu']:.1f}%){mem}"
+        return (f"MFU {_pct(me.get('mfu'))} with encoders, {_pct(me.get('mfu_without_encoders'))} LLM only "
+                f"(datasheet {m['peak_tflops']:.4g} TFLOP/s); {_pct(me.get('mfu_vs_measured_matmul'))} / "
+                f"{_pct(me.get('mfu_without_encoders_vs_measured_matmul'))} of the measured matmul peak "
+                f"{mm.get('tflops', float('nan')):.4g} TFLOP/s; {me['step_s_median']:.3f} s/step (predicted "
+                f"{pr['step_time_s']:.3f}){mem}")
     if part == "kernels" and k:
-        return f"{len(k.get('rows', []))} kernel timings ({k.get('tokens')} tokens, {k.get('dtype')})"
+        mem = "; ".join(f"{mix} {p['peak_gib']:.1f} GiB planned" + (f", {p['measured_peak_gib']:.1f} measured"
+                                                                    if "measured_peak_gib" in p else "")
+                        for mix, p in (k.get("memory") or {}).items())
+        return (f"{len(k.get('rows', []))} kernel timings ({k.get('tokens')} tokens, {k.get('dtype')})"
+                + (f"; memory: {mem}" if mem else ""))
     return ""
 
 
@@ -178,8 +196,8 @@ def commit() -> str:
 
 def report(out: str) -> int:
     out = Path(out)
-    data = {"env": _load(out / "env.json"), "gpu_tests": gpu_tests(out), "demo_bf16": demo(out), "mfu": mfu(out),
-            "kernels": kernels(out)}
+    data = {"setup": _load(out / "setup" / "setup.json"), "env": _load(out / "env.json"), "gpu_tests": gpu_tests(out),
+            "demo_bf16": demo(out), "mfu": mfu(out), "kernels": kernels(out)}
     ps = parts(out)
     res = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "total_s": sum(p["seconds"] for p in ps), "parts": ps,
            **{k: ({kk: vv for kk, vv in v.items() if kk not in ("table", "section")} if isinstance(v, dict) else v)

@@ -9,8 +9,14 @@ mask; backward 2.5x the forward, the FlashAttention convention), and the ratios 
 Triton (cost) / flash-attn, and cost-ordered / plain grid. Every backend's output is checked
 against flash-attn's (or the fp32 reference) before it is timed.
 
+Memory: sized to fit an 80 GB H100, not only the 139 GiB H200. ``memory_plan`` adds up, from the
+shapes, what the run holds at its peak and picks how many KV heads the fp32 reference takes at a
+time: unchunked, its score matrices for the long-tailed mix's 16k-token document would be 64 GiB
+(32 heads x 16384^2 x 4 bytes, twice). The plan must stay under ``--memory-cap-gib`` (default 48);
+on a GPU the measured ``max_memory_allocated`` of each mix is reported beside it.
+
     python scripts/bench/kernels.py [--tokens 65536] [--heads 32] [--kv-heads 8] [--head-dim 128]
-        [--repeats 20] [--out DIR] [--doc docs/benchmarks.md]
+        [--repeats 20] [--memory-cap-gib 48] [--out DIR] [--doc docs/benchmarks.md]
     python scripts/bench/kernels.py --smoke     # CPU, TRITON_INTERPRET=1, tiny: checks the script runs
 
 On a GPU the table replaces the "Varlen attention kernels (GPU)" section of ``--doc``; the
@@ -57,6 +63,66 @@ def attention_flops(lengths: list[int], heads: int, head_dim: int, causal: bool)
     return 3.5 * fwd  # forward + backward (backward = 2.5 x forward)
 
 
+GIB = 2**30
+# A backend's forward + backward, in [T, H_q, D] tensors of the input dtype: the SDPA path is the
+# largest (k and v repeated to the query heads: 2; the bucketed gathers of q, k, v, padded by up
+# to 4/3: 4; the per-bucket outputs and the scattered output: 2; in the backward, the gradients of
+# the gathers and of the outputs: 5; the output's and dq: 2), 15 counted, rounded up. Estimated,
+# not measured: on a GPU the script reports the measured peak beside the plan.
+RUN_COPIES = 16
+
+
+def memory_plan(lengths: list[int], heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                cap_gib: float) -> dict:
+    """Bytes at the peak of one mix, from the shapes ``make_inputs``, ``reference_check`` and a
+    backend's run allocate, and the KV heads per reference chunk (the most that fit ``cap_gib``).
+
+    Held throughout: q and the upstream gradient [T, H, D], k and v [T, H_kv, D] (input dtype),
+    the fp32 check [T, H, D]. Then either the check being computed (the longest document L, c KV
+    heads and their g = H / H_kv query heads at a time, in fp32: the q, k, v slices, k and v
+    repeated to c*g heads, the output; two [c*g, L, L] score matrices alive at once in
+    ``attention_reference`` and three L x L boolean masks), or a backend's run (``RUN_COPIES``
+    [T, H, D] tensors, dk and dv, fp32 statistics per head and token; then the error's two fp32
+    copies of the output)."""
+    t, longest, group = sum(lengths), max(lengths), heads // kv_heads
+    full = t * heads * head_dim  # elements of one [T, H, D] tensor
+    held = (2 * full + 2 * t * kv_heads * head_dim) * elem_bytes + 4 * full
+    run = max(RUN_COPIES * full * elem_bytes + 2 * t * kv_heads * head_dim * elem_bytes + 4 * heads * t * 4,
+              2 * full * 4 + full * elem_bytes)
+
+    def check(c: int) -> int:
+        rows = longest * head_dim * 4
+        return rows * (c * group * 4 + 2 * c) + 2 * c * group * longest * longest * 4 + 3 * longest * longest
+
+    fits = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0 and held + max(check(c), run) <= cap_gib * GIB]
+    c = max(fits) if fits else 1
+    peak = held + max(check(c), run)
+    return {"kv_heads_per_chunk": c, "fits": bool(fits), "cap_gib": cap_gib, "peak_gib": peak / GIB,
+            "held_gib": held / GIB, "check_gib": check(c) / GIB, "run_gib": run / GIB,
+            "unchunked_check_peak_gib": (held + check(kv_heads)) / GIB}
+
+
+def reference_check(q, k, v, lengths: list[int], kv_per_chunk: int):
+    """The fp32 reference output, one document and ``kv_per_chunk`` KV heads (with their query
+    heads) at a time, written into one [T, H, D] tensor (``memory_plan`` sizes the chunks)."""
+    import torch
+
+    from omni.kernels.reference import attention_reference
+
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    start = 0
+    for n in lengths:
+        cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+        rows = slice(start, start + n)
+        for h in range(0, k.shape[1], kv_per_chunk):
+            qh, kh = slice(h * group, (h + kv_per_chunk) * group), slice(h, h + kv_per_chunk)
+            out[rows, qh] = attention_reference(q[rows, qh].detach().float(), k[rows, kh].detach().float(),
+                                                v[rows, kh].detach().float(), cu)
+        start += n
+    return out
+
+
 def make_inputs(lengths, heads, kv_heads, head_dim, dtype, device):
     import torch
 
@@ -99,18 +165,17 @@ def time_one(fn, repeats: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def run_mix(name, lengths, args, device, dtype, has_flash) -> list[dict]:
+def run_mix(name, lengths, args, device, dtype, has_flash, plan: dict) -> list[dict]:
     import torch
 
     from omni.kernels import varlen_attention
-    from omni.kernels.reference import attention_reference
 
     q, k, v, cu, grad = make_inputs(lengths, args.heads, args.kv_heads, args.head_dim, dtype, device)
     longest = max(lengths)
     if has_flash:
         check = varlen_attention(q, k, v, cu, longest, backend="flash").detach().float()
     else:
-        check = attention_reference(q.detach().float(), k.detach().float(), v.detach().float(), cu)
+        check = reference_check(q, k, v, lengths, plan["kv_heads_per_chunk"])
     rows = []
     for label, kw in backends(has_flash):
         def step(kw=kw):
@@ -143,6 +208,10 @@ def report(res: dict) -> str:
         cost, grid = by.get((mix, "triton (cost-ordered)")), by.get((mix, "triton (plain grid)"))
         if cost and grid:
             lines.append(f"- {mix}: cost-ordered / plain grid = {grid['seconds'] / cost['seconds']:.2f}x")
+    for mix, plan in res.get("memory", {}).items():
+        measured = f", measured {plan['measured_peak_gib']:.1f} GiB" if "measured_peak_gib" in plan else ""
+        lines.append(f"- {mix}: memory planned {plan['peak_gib']:.1f} GiB (cap {plan['cap_gib']:g} GiB; fp32 "
+                     f"reference {plan['kv_heads_per_chunk']} KV heads at a time){measured}")
     return "\n".join(lines)
 
 
@@ -172,6 +241,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--memory-cap-gib", type=float, default=48.0,
+                   help="the most the run may hold (planned from the shapes); 48 leaves an 80 GB H100 room")
     p.add_argument("--doc", default=str(REPO / "docs" / "benchmarks.md"))
     args = p.parse_args()
     import importlib.util
@@ -197,9 +268,26 @@ def main() -> None:
            "torch": torch.__version__, "triton": triton.__version__, "smoke": args.smoke,
            "flash_attn": __import__("flash_attn").__version__ if has_flash else None,
            "lengths": mixes(args.tokens), "rows": []}
+    elem = torch.finfo(dtype).bits // 8
+    res["memory"] = {name: memory_plan(lengths, args.heads, args.kv_heads, args.head_dim, elem, args.memory_cap_gib)
+                     for name, lengths in res["lengths"].items()}
+    for name, plan in res["memory"].items():
+        if not plan["fits"]:
+            raise SystemExit(f"kernels: error: the {name} mix needs {plan['peak_gib']:.1f} GiB even one KV head at a "
+                             f"time, over --memory-cap-gib {args.memory_cap_gib:g}; lower --tokens or --heads")
     t0 = time.perf_counter()
     for name, lengths in res["lengths"].items():
-        res["rows"] += run_mix(name, lengths, args, device, dtype, has_flash)
+        plan = res["memory"][name]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        res["rows"] += run_mix(name, lengths, args, device, dtype, has_flash, plan)
+        if cuda:
+            plan["measured_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            torch.cuda.empty_cache()
+        print(f"  {name}: planned peak {plan['peak_gib']:.1f} GiB (cap {plan['cap_gib']:g}; reference "
+              f"{plan['kv_heads_per_chunk']} KV heads at a time)"
+              + (f", measured {plan['measured_peak_gib']:.1f} GiB" if "measured_peak_gib" in plan else ""),
+              flush=True)
     res["seconds"] = time.perf_counter() - t0
     text = report(res)
     print(text)

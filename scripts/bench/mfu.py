@@ -21,12 +21,19 @@ the peak of ``torch.cuda.max_memory_allocated`` over the timed steps (reset afte
 optimizer state exists). The step timeline is off (``multiplex.timeline=false``): it is
 instrumentation, not training.
 
-Counted with the project's own rules, nothing restated here:
-- model FLOPs per step: ``ModelSpec.mfu_flops`` (what ``omni simulate`` reports MFU with);
-- peak: the cluster preset's ``peak_tflops`` (``conf/cluster/``), chosen from
-  ``torch.cuda.get_device_name`` (``--cluster`` to force one);
-- predicted memory, step time and MFU: ``omni.sim.simulate.simulate`` on one GPU of that preset,
-  placement colocated (the runtime's default), uncalibrated.
+Counted with the project's own rules, and one correction:
+- model FLOPs per step: ``ModelSpec.mfu_flops`` (what ``omni simulate`` reports MFU with), except
+  the LM head: that rule counts it on every token, but the model computes logits only at the loss
+  targets (``OmniModel._ce_sum`` in ``omni/models/multimodal.py`` gathers the hidden states at the
+  target positions before the head), so here the head counts on the step's target tokens alone
+  (``flops_by_part``);
+- MFU with and without the encoders' FLOPs, each against two peaks: the cluster preset's
+  datasheet ``peak_tflops`` (``conf/cluster/``, chosen from ``torch.cuda.get_device_name``;
+  ``--cluster`` to force one) and the dense matmul throughput measured in the same run
+  (``matmul_peak``: large matmuls in the step's dtype, timed with CUDA events);
+- predicted memory and step time: ``omni.sim.simulate.simulate`` on one GPU of that preset,
+  placement colocated (the runtime's default), uncalibrated; its MFU here is the same FLOPs over
+  its predicted step time.
 
     python scripts/bench/mfu.py [--steps 10] [--warmup 3] [--out DIR]
     python scripts/bench/mfu.py --tiny --device cpu --steps 2 --warmup 1   # mechanics only
@@ -146,6 +153,68 @@ def synthetic_step(work, processors: dict, vocab: int, step: int, seed: int = 0)
     return StepBatch(step, mbs)
 
 
+def flops_by_part(spec, docs: list[int], media, targets: int) -> dict:
+    """Model FLOPs of one step by part. ``ModelSpec.mfu_flops`` counts the LM head (6 x its
+    parameters per token) on all ``sum(docs)`` tokens; the model runs it on the ``targets`` loss
+    positions only, so the difference comes off. A tied head multiplies by the embedding."""
+    tokens = sum(docs)
+    if not 0 < targets <= tokens:
+        raise SystemExit(f"mfu: error: {targets} target tokens in a step of {tokens} tokens")
+    head = spec.head_params or spec.embed_params
+    every_token = spec.mfu_flops(docs, media)  # the rule as the simulator applies it
+    llm = spec.mfu_flops(docs, []) - 6.0 * head * (tokens - targets)
+    encoders = spec.mfu_flops([], media)
+    return {"total": llm + encoders, "llm": llm, "encoders": encoders, "lm_head": 6.0 * head * targets,
+            "lm_head_params": head, "lm_head_positions": targets, "tokens": tokens,
+            "head_on_every_token": every_token}
+
+
+def matmul_peak(device: str, dtype_name: str, n: int, repeats: int = 5, inner: int = 10) -> dict:
+    """The dense matmul throughput this device reaches in this run: the best of ``repeats``
+    timings of ``inner`` back-to-back n x n x n matmuls (CUDA events on a GPU), after warm-up.
+    A roof measured beside the datasheet's, on the same clocks and the same software."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    cuda = device == "cuda"
+    for _ in range(3):
+        torch.mm(a, b, out=c)
+    best = math.inf
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+        else:
+            t = time.perf_counter()
+        for _ in range(inner):
+            torch.mm(a, b, out=c)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            dt = time.perf_counter() - t
+        best = min(best, dt / inner)
+    del a, b, c
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"n": n, "dtype": dtype_name, "repeats": repeats, "inner": inner, "seconds": best,
+            "tflops": 2.0 * n**3 / best / 1e12}
+
+
+def mfu_figures(flops: dict, seconds: float, datasheet_tflops: float, measured_tflops: float) -> dict:
+    """MFU with and without the encoders' FLOPs, against the datasheet and the measured peak."""
+    out = {}
+    for label, f in (("", flops["total"]), ("_without_encoders", flops["llm"])):
+        out[f"mfu{label}"] = f / (seconds * datasheet_tflops * 1e12)
+        out[f"mfu{label}_vs_measured_matmul"] = f / (seconds * measured_tflops * 1e12)
+    return out
+
+
 def measure(args, work):
     """Build the model as ``omni train`` does, run warm-up + timed training steps."""
     import torch
@@ -197,8 +266,10 @@ def measure(args, work):
                 times.append(dt)
                 losses.append(stats["loss"])
                 skipped += int(stats["skipped"])
+        timed_batches = batches[args.warmup:]
         out = {"precision": precision, "params": params, "build_s": build_s, "step_s": times, "losses": losses,
-               "skipped_steps": skipped, "tokens_per_step": batches[0].num_tokens}
+               "skipped_steps": skipped, "tokens_per_step": batches[0].num_tokens,
+               "target_tokens_per_step": statistics.mean(b.num_target_tokens for b in timed_batches)}
         if cuda:
             out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -208,13 +279,19 @@ def measure(args, work):
         shutdown()
 
 
+MFU_ROWS = (("mfu", "MFU, LLM + encoders, datasheet peak"), ("mfu_without_encoders", "MFU, LLM only, datasheet peak"),
+            ("mfu_vs_measured_matmul", "MFU, LLM + encoders, measured matmul peak"),
+            ("mfu_without_encoders_vs_measured_matmul", "MFU, LLM only, measured matmul peak"))
+
+
 def report(res: dict) -> str:
-    m, p = res["measured"], res["predicted"]
+    m, p, f, mm = res["measured"], res["predicted"], res["flops"], res["matmul_peak"]
     rows = [["step time (s, median)", f"{m['step_s_median']:.3f}", f"{p['step_time_s']:.3f}",
-             f"{p['step_time_s'] / m['step_s_median']:.2f}"],
-            ["MFU", f"{100 * m['mfu']:.1f}%", f"{100 * p['mfu']:.1f}%", f"{p['mfu'] / m['mfu']:.2f}"],
-            ["tokens/s", f"{m['tokens_per_s']:,.0f}", f"{p['tokens_per_s']:,.0f}",
-             f"{p['tokens_per_s'] / m['tokens_per_s']:.2f}"]]
+             f"{p['step_time_s'] / m['step_s_median']:.2f}"]]
+    rows += [[label, f"{100 * m[key]:.1f}%", f"{100 * p[key]:.1f}%", f"{p[key] / m[key]:.2f}"]
+             for key, label in MFU_ROWS]
+    rows.append(["tokens/s", f"{m['tokens_per_s']:,.0f}", f"{p['tokens_per_s']:,.0f}",
+                 f"{p['tokens_per_s'] / m['tokens_per_s']:.2f}"])
     if m.get("peak_allocated_gib") is not None:
         rows.append(["peak memory (GiB; measured: max_memory_allocated)", f"{m['peak_allocated_gib']:.2f}",
                      f"{p['memory_gib']['total']:.2f}", f"{p['memory_gib']['total'] / m['peak_allocated_gib']:.3f}"])
@@ -222,9 +299,13 @@ def report(res: dict) -> str:
         rows.append(["peak memory (GiB)", "n/a (no CUDA)", f"{p['memory_gib']['total']:.2f}", "n/a"])
     head = ["figure", "measured", "predicted (simulator, uncalibrated)", "predicted / measured"]
     parts = ", ".join(f"{k} {v:.2f}" for k, v in p["memory_gib"].items() if k != "total")
-    return (table(head, rows) + f"\n\nModel FLOPs per step {res['flops_per_step'] / 1e12:.4g} TFLOP "
-            f"(ModelSpec.mfu_flops), peak {res['peak_tflops']:.4g} TFLOP/s ({res['cluster']} preset); "
-            f"predicted memory by part (GiB): {parts}.")
+    return (table(head, rows) + f"\n\nModel FLOPs per step {f['total'] / 1e12:.4g} TFLOP: LLM {f['llm'] / 1e12:.4g} "
+            f"(of which the LM head {f['lm_head'] / 1e12:.4g}, on the {f['lm_head_positions']:,.0f} target tokens of "
+            f"{f['tokens']:,}; counted on every token as ModelSpec.mfu_flops does, the step would be "
+            f"{f['head_on_every_token'] / 1e12:.4g}), encoders {f['encoders'] / 1e12:.4g}. Peaks: datasheet "
+            f"{res['peak_tflops']:.4g} TFLOP/s ({res['cluster']} preset), measured {mm['tflops']:.4g} TFLOP/s "
+            f"({mm['dtype']} {mm['n']}^3 matmuls, best of {mm['repeats']}; "
+            f"{mm['tflops'] / res['peak_tflops']:.2f} of the datasheet). Predicted memory by part (GiB): {parts}.")
 
 
 def main() -> None:
@@ -240,6 +321,8 @@ def main() -> None:
     p.add_argument("--sample-tokens", type=int, default=2048)
     p.add_argument("--image-tokens", type=int, default=1024, help="patches of each sample's one image")
     p.add_argument("--global-batch", type=int, default=8, help="samples per step")
+    p.add_argument("--matmul-n", type=int, default=0,
+                   help="size of the matmuls that measure the peak (0: 8192 on a GPU, 256 on the CPU)")
     args = p.parse_args()
     if args.quick:  # the shared --quick flag: fewer steps
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
@@ -263,25 +346,35 @@ def main() -> None:
     sim_cfg = load_sim_config(sim_overrides(args, preset))
     spec = model_spec(sim_cfg.model, sim_cfg.encoders, sim_cfg.parallel.encoder_activation_checkpoint)
     (work,) = draw_steps(sim_cfg.data, spec, 1)
-    flops = spec.mfu_flops(work.docs(), work.media())
     predicted = simulate(sim_cfg)["placements"]["colocated"]
-    peak = sim_cfg.cluster.peak_tflops * 1e12
+    peak = sim_cfg.cluster.peak_tflops
     encoders = ", ".join(f"{k} {e.params / 1e6:,.1f}M" for k, e in spec.encoders.items())
     print(f"mfu: LLM {spec.llm_params() / 1e6:,.1f}M + encoder ({encoders}) parameters; "
           f"{len(work.groups[0])} micro-batches of {[mb.tokens for mb in work.groups[0]]} tokens, "
-          f"{len(work.media())} images; {flops / 1e12:.2f} TFLOP per step", flush=True)
+          f"{len(work.media())} images", flush=True)
+    # Before the model exists: the matmuls have the device to themselves.
+    precision = args.precision if args.precision != "auto" else ("bf16" if args.device == "cuda" else "fp32")
+    mm = matmul_peak(args.device, precision, args.matmul_n or (8192 if args.device == "cuda" else 256))
+    print(f"mfu: measured matmul peak {mm['tflops']:.4g} TFLOP/s ({precision}, n={mm['n']}); datasheet {peak:.4g}",
+          flush=True)
 
     m = measure(args, work)
+    if m["tokens_per_step"] != sum(work.docs()):
+        raise SystemExit(f"mfu: error: the step ran {m['tokens_per_step']} tokens, the simulator drew "
+                         f"{sum(work.docs())}")
+    flops = flops_by_part(spec, work.docs(), work.media(), m["target_tokens_per_step"])
     med = statistics.median(m["step_s"])
-    m.update(step_s_median=med, mfu=flops / (med * peak), tokens_per_s=m["tokens_per_step"] / med)
+    m.update(step_s_median=med, tokens_per_s=m["tokens_per_step"] / med, **mfu_figures(flops, med, peak, mm["tflops"]))
+    pred = {k: predicted[k] for k in ("step_time_s", "tokens_per_s", "memory_gib", "fits")}
+    # The simulator's own MFU counts the head on every token; the same FLOPs as measured instead.
+    pred.update(simulator_mfu=predicted["mfu"], **mfu_figures(flops, predicted["step_time_s"], peak, mm["tflops"]))
     finite = all(math.isfinite(x) for x in m["losses"])
-    res = {"device": args.device, "tiny": args.tiny, "cluster": preset, "peak_tflops": sim_cfg.cluster.peak_tflops,
+    res = {"device": args.device, "tiny": args.tiny, "cluster": preset, "peak_tflops": peak, "matmul_peak": mm,
            "overrides": model_overrides(args.tiny), "sim_overrides": sim_overrides(args, preset),
            "batch": {"micro_batches": [{"docs": mb.docs, "media": mb.media} for mb in work.groups[0]]},
            "llm_params": spec.llm_params(), "encoder_params": {k: e.params for k, e in spec.encoders.items()},
-           "flops_per_step": flops, "measured": m, "losses_finite": finite,
-           "predicted": {k: predicted[k] for k in ("step_time_s", "mfu", "tokens_per_s", "memory_gib", "fits")},
-           "torch": torch.__version__, "machine": machine(), "git": git_state()}
+           "flops_per_step": flops["total"], "flops": flops, "measured": m, "losses_finite": finite,
+           "predicted": pred, "torch": torch.__version__, "machine": machine(), "git": git_state()}
     if m.get("peak_allocated_gib"):
         res["memory_ratio_predicted_over_measured"] = predicted["memory_gib"]["total"] / m["peak_allocated_gib"]
     text = report(res)

@@ -227,7 +227,7 @@ def test_describe_media_lists_items_and_the_rows_each_shard_embeds():
 
 def test_describe_media_refuses_device_tensors():
     mb = _row_with_media().to("meta")
-    with pytest.raises(ValueError, match="describe the image inputs before moving the micro-batch to meta"):
+    with pytest.raises(ValueError, match="describe the image inputs before moving the micro-batch to the device"):
         describe_media(mb, {"image": lambda sizes: [4, 3]})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -95,9 +95,11 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
 
 
 def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), merge: int = 1,
-          vision: str = "siglip") -> OmniModel:
+          vision: str = "siglip", lora: int = 0) -> OmniModel:
     """``frozen``: modalities whose encoder does not train (its projector still does);
-    ``merge``, ``vision``: the vision tower's spatial merge and kind (``encoders``)."""
+    ``merge``, ``vision``: the vision tower's spatial merge and kind (``encoders``); ``lora``:
+    LoRA adapters of that rank on the LLM's linear layers (its base weights frozen), their B
+    initialised non-zero so that the first step's gradients reach every adapter."""
     torch.manual_seed(1234)
     llm = Decoder(model_config(moe, num_layers, mrope=vision == "qwen"))
     model = OmniModel(llm, *encoders(media, merge, vision), frozen=set(frozen))
@@ -107,6 +109,16 @@ def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), mer
                 p.normal_(1.0, 0.1)
             elif "router" in name:
                 p.normal_(0.0, 0.5)
+    if lora:
+        from omni.models import lora as adapters
+        from omni.models.config import LoraConfig
+
+        adapters.inject(model, LoraConfig(rank=lora, alpha=2.0 * lora), {m: m for m in model.encoders})
+        gen = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if ".lora_B" in name else p.shape[1] ** -0.5))
     return model
 
 
@@ -221,13 +233,15 @@ def autocast(precision: str):
 
 
 def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None = None, frozen: tuple = (),
-              precision: str = "fp32") -> dict:
+              precision: str = "fp32", lora: int = 0, attn_backend: str = "auto") -> dict:
     """The single-process run: same math as the Trainer with one rank (global-token-normalised
     CE, router losses averaged over the global batch's micro-batches, clipping, AdamW), with
     the encoders run inline. ``data``: keyword arguments of ``global_batches``. ``precision``:
     "bf16" runs every forward under bf16 autocast (the GPU default, on the CPU). ``data``'s
-    ``merge`` is also the vision tower's spatial merge."""
-    model = build(moe, num_layers, media, frozen, (data or {}).get("merge", 1), (data or {}).get("vision", "siglip"))
+    ``merge`` is also the vision tower's spatial merge. ``attn_backend``: ``model.attn_backend``."""
+    model = build(moe, num_layers, media, frozen, (data or {}).get("merge", 1), (data or {}).get("vision", "siglip"),
+                  lora=lora)
+    model.set_attn_backend(attn_backend)  # the layout's kernels: the runs then differ by their layout alone
     opt = build_optimizer(model, OPTIM)
     sched = build_scheduler(opt, OPTIM, 100)
     losses, grads, norms = [], {}, []
@@ -255,11 +269,15 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
 
 def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple = (), data: dict | None = None,
                multiplex: dict | None = None, probe=None, frozen: tuple = (), precision: str = "fp32",
-               instrument=None) -> dict:
+               instrument=None, device_rules: str = "auto", lora: int = 0, attn_backend: str = "auto") -> dict:
     """Train STEPS steps under ``sizes`` on this rank; returns losses, grad norms and the full
     first-step gradients of the parameters this rank holds. ``multiplex``: MultiplexConfig
     fields; ``probe(pm, result)``: called after every step (to record runtime figures);
-    ``instrument(pm, result)``: called once before the first step (to record inside steps)."""
+    ``instrument(pm, result)``: called once before the first step (to record inside steps).
+    ``device_rules="cuda"``: the GPU's rules on the CPU (``trainer.device_rules``): the default
+    attention backend, FSDP dtype and precision as on a GPU, under the strict device check,
+    whose host syncs per step are returned (``host_syncs``). ``lora``: LoRA rank on the LLM.
+    ``attn_backend``: ``model.attn_backend`` (auto: as the device rules take it)."""
     from torch.distributed.tensor import DTensor
 
     from omni.runtime.config import MultiplexConfig
@@ -268,15 +286,20 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout
 
-    layout = init_layout(ParallelConfig(**sizes), device="cpu")
-    pm = parallelize(build(moe, num_layers, media, frozen, (data or {}).get("merge", 1),
-                           (data or {}).get("vision", "siglip")), layout,
-                     MultiplexConfig(**(multiplex or {})))
+    # The layout learns the precision under CUDA's rules only (FSDP's auto dtype then follows it,
+    # bf16 as on a GPU); the CPU layouts keep fp32 FSDP parameters under autocast, a case of its own.
+    layout = init_layout(ParallelConfig(**sizes), device="cpu", device_rules=device_rules,
+                         precision=precision if device_rules == "cuda" else "auto")
+    model = build(moe, num_layers, media, frozen, (data or {}).get("merge", 1), (data or {}).get("vision", "siglip"),
+                  lora=lora)
+    model.set_attn_backend(layout.rules.attention_backend(attn_backend))
+    pm = parallelize(model, layout, MultiplexConfig(**(multiplex or {})))
     # Removed when the layout ends (the suite starts hundreds of layouts; each left a folder in /tmp).
     tmp = tempfile.TemporaryDirectory(prefix="omni-layout-")
     run_dir = tmp.name
     trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=100, run_dir=run_dir, progress=False,
-                                                      eval_at_end=False, precision=precision),
+                                                      eval_at_end=False, precision=precision,
+                                                      device_rules=device_rules),
                       OPTIM, CheckpointConfig(save_at_end=False), tokenizer=None)
     first_grads: dict = {}
     missing: list[str] = []  # trainable parameters of this rank that got no gradient
@@ -295,22 +318,53 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
 
     pm.sync_gradients = sync_and_capture
     dp, cp = layout.dp_size, layout.sizes.cp
-    losses, norms = [], []
+    losses, norms, syncs = [], [], []
     result: dict = {}
     if instrument is not None:
         instrument(pm, result)
-    for step, mbs in enumerate(global_batches(96, media, **(data or {}))):
-        mine = mbs[layout.dp_rank::dp]
-        if cp > 1:
-            mine = [slice_for_cp(mb, cp, layout.cp_rank, pad_id=0) for mb in mine]
-        out = trainer.train_step(StepBatch(step=step + 1, micro_batches=mine))
+    steps = [StepBatch(step=step + 1, micro_batches=mbs[layout.dp_rank::dp])
+             for step, mbs in enumerate(global_batches(96, media, **(data or {})))]
+    n = len(steps)
+    if layout.rules.cuda and layout.world_size > dp:
+        # As a run feeds them (recipes/train.py): the peers' source rank has the loader and
+        # sends each step to its TP/CP/PP peers, the media features ahead to the "device".
+        from omni.runtime.data_feed import PeerFeed
+
+        steps = PeerFeed(_Steps(steps) if layout.rank == layout.peer_source else None, layout.group("peers"),
+                         layout.peer_source, cp_size=cp, cp_rank=layout.cp_rank, pad_id=0,
+                         host_group=layout.group("peers_host"), device=layout.device,
+                         features_on_device=layout.rules.features_on_device)
+    elif cp > 1:
+        steps = [replace(b, micro_batches=[slice_for_cp(mb, cp, layout.cp_rank, pad_id=0) for mb in b.micro_batches])
+                 for b in steps]
+    feed = iter(steps)
+    for _ in range(n):
+        with trainer.strict_scope():  # as fit() fetches a step
+            out = trainer.train_step(next(feed))
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
+        syncs.append(out.get("host_syncs"))
         if probe is not None:
             probe(pm, result)
     tmp.cleanup()
     return {"losses": losses, "norms": norms, "grads": first_grads, "missing": missing, "sizes": dict(sizes),
-            **result}
+            "host_syncs": syncs, **result}
+
+
+class _Steps:
+    """A loader of fixed steps (the peers' source rank's, under ``PeerFeed``)."""
+
+    def __init__(self, steps: list):
+        self.steps = iter(steps)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.steps)
+
+    def state_dict(self) -> dict:
+        return {}
 
 
 def run_named_layouts(rank: int, layouts: list, out_dir: str, probe=None, instrument=None) -> None:
@@ -366,6 +420,35 @@ def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
         bad.append("no gradients captured")
     if not all(math.isfinite(x) for x in result["losses"]):
         bad.append("non-finite loss")
+    return bad
+
+
+def compare_bf16(result: dict, ref: dict, truth: dict, tol: float = BF16_TOL) -> list[str]:
+    """A bf16 layout against its single-process bf16 run ``ref``, measured from the fp32 run
+    ``truth`` (same model and data): losses and gradient norms within ``tol`` of ``ref``; each
+    gradient no farther from the exact one than twice ``ref``'s own distance plus ``tol`` of
+    it. Why not ``compare(result, ref, tol)``: a gradient built from cancellations (attention
+    q/k weights of a peaked layer, a key bias that is zero in exact arithmetic) carries a bf16
+    error of its own, the same size in both runs (Whisper's first q/k weights: 3.7% and 5.8%
+    off the fp32 gradient in the single-process bf16 run, 3.3% and 6.4% in dp_shard=2 with bf16
+    parameters, 4.1% and 6.8% apart), so the two bf16 runs differ by about that whatever the
+    layout; a layout's own error (a missing or doubled contribution) moves it much farther
+    from the exact gradient than that."""
+    bad = [line for line in compare(dict(result, grads={}), ref, tol) if line != "no gradients captured"]
+    bad += [f"grad {name}: trainable, but no gradient on this rank" for name in result.get("missing", ())]
+    total = math.sqrt(sum(float(t.norm()) ** 2 for t in truth["grads"].values()))
+    for name, g in result["grads"].items():
+        r, t = ref["grads"].get(name), truth["grads"].get(name)
+        if r is None or t is None or g.shape != t.shape:
+            bad.append(f"grad {name}: shape {tuple(g.shape)} vs {None if t is None else tuple(t.shape)}")
+            continue
+        own, single = float((g.float() - t).norm()), float((r.float() - t).norm())
+        # a millionth of the whole gradient: below it, bf16 roundoff (a gradient zero in exact arithmetic)
+        if own > 2 * single + tol * float(t.norm()) + 1e-6 * total:
+            bad.append(f"grad {name}: {own / max(float(t.norm()), 1e-30):.2e} off the fp32 gradient (relative), "
+                       f"the single-process bf16 run {single / max(float(t.norm()), 1e-30):.2e}")
+    if not result["grads"]:
+        bad.append("no gradients captured")
     return bad
 
 

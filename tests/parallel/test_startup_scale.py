@@ -161,7 +161,7 @@ def _slices_of(cfg) -> dict:
 
     from omni.models.build import build_meta_model, build_model
     from omni.models.materialize import local_index, named_tensors
-    from omni.runtime.parallelize import gather_full_model
+    from omni.runtime.full_model import gather_full_model
 
     from omni.models.hf_checkpoint import CheckpointReader
 

@@ -21,6 +21,21 @@ def ref():
     return reference(data=DATA, **BOTH)
 
 
+@pytest.fixture(autouse=True)
+def own_process_group():
+    """``run_layout`` in this process creates a one-rank process group; each test ends the
+    group it created, pass or fail, so none outlives this module (a later test that makes its
+    own group, tests/sim/test_sim_encoder_costs.py, would find it there)."""
+    import torch.distributed as dist
+
+    had_one = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if dist.is_initialized() and not had_one:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("mux,calls_per_step", [
     ({"chunks_per_cut": 1}, 4),  # a call per chunk
     ({"chunks_per_cut": 2}, 2),

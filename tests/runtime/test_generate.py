@@ -203,3 +203,75 @@ def test_kv_cache_refuses_tokens_past_its_length_and_a_growing_trim():
         cache.step(2)
     with pytest.raises(ValueError, match="cannot trim"):
         cache.trim([3, 4])
+
+
+def test_a_decode_step_reads_grouped_kv_heads_in_place():
+    """A decode step attends to the cached keys with grouped-query SDPA: no op copies the cache
+    out per query head (repeat_interleave, or expand + clone, or an index of the buffers), only
+    the new token's keys are written in. Its tokens and logits are checked above (against
+    recomputing the sequence, and against transformers)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from omni.models.llm import KVCache
+
+    model = _model(LLM)
+    llm = model.llm
+    heads, kv_heads, dim = LLM["num_heads"], LLM["num_kv_heads"], LLM["hidden_size"] // LLM["num_heads"]
+    assert heads > kv_heads
+    batch, lengths = 2, [7, 4]
+    cache = KVCache(batch, max(lengths) + 2, "cpu")
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            reads = [a for a in args if isinstance(a, torch.Tensor)]
+            seen.append((func._schema.name, reads, [o for o in outs if isinstance(o, torch.Tensor)]))
+            return out
+
+    with torch.no_grad():
+        embeds = torch.randn(batch, max(lengths), LLM["hidden_size"], generator=torch.Generator().manual_seed(0))
+        llm(inputs_embeds=embeds, output_hidden=True, cache=cache)
+        cache.trim(lengths)
+        width = max(lengths) + 1
+        buffers = {t.untyped_storage().data_ptr() for t in (*cache.keys.values(), *cache.values.values())}
+        with Record():
+            llm(inputs_embeds=embeds[:, :1], output_hidden=True, cache=cache)
+    names = [name for name, _, _ in seen]
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names  # the fused kernel, per layer
+    assert not [n for n in names if "repeat" in n], names
+    cache_size = batch * kv_heads * width * dim  # one layer's keys of this step
+    for name, reads, outs in seen:
+        for o in outs:
+            fresh = o.untyped_storage().data_ptr() not in buffers and not any(
+                o.untyped_storage().data_ptr() == r.untyped_storage().data_ptr() for r in reads)
+            # a new tensor as large as the step's keys is a copy of them (per head or not)
+            assert not (fresh and o.numel() >= cache_size), (name, tuple(o.shape))
+            assert tuple(o.shape[-3:]) != (heads, width, dim), (name, tuple(o.shape))
+        if name == "aten::index.Tensor":  # gathers from the cache buffers
+            assert reads[0].untyped_storage().data_ptr() not in buffers, name
+
+
+def test_kv_cache_attention_equals_sdpa_on_repeated_heads():
+    """Each way ``LayerCache.attend`` calls SDPA (a prompt into an empty cache, a decode step,
+    several tokens after cached ones) computes masked attention over the repeated KV heads."""
+    import torch.nn.functional as F
+
+    from omni.models.llm import KVCache
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, dim = 2, 6, 2, 8
+    cache = KVCache(batch, 12, "cpu")
+    for t, trim in ((5, [5, 3]), (1, None), (3, None)):  # the second row's prompt: 3 tokens, right-padded
+        step = cache.step(t)
+        q = torch.randn(batch, heads, t, dim, generator=gen)
+        k, v = (torch.randn(batch, kv_heads, t, dim, generator=gen) for _ in range(2))
+        got = step.layer(0).attend(q, k, v, scale=0.3)
+        keys, values = (buf[:, :, :step.width].repeat_interleave(heads // kv_heads, 1)
+                        for buf in (cache.keys[0], cache.values[0]))
+        want = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=0.3)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        cache.advance(t)
+        if trim:
+            cache.trim(trim)

@@ -87,9 +87,9 @@ def fit(sizes: dict, run_dir: str, stages=(), freeze=(), stop_at=None, every=0, 
     snaps = {}
     train_step = trainer.train_step
 
-    def step_and_snapshot(batch, step=None):
+    def step_and_snapshot(batch, step=None, **kwargs):
         snaps.setdefault("start", _full(pm))
-        out = train_step(batch, step)
+        out = train_step(batch, step, **kwargs)
         if trainer._step == snapshot_at:
             snaps[snapshot_at] = _full(pm)
         return out

@@ -185,7 +185,7 @@ def test_chrome_trace_has_every_interval_in_microseconds(tmp_path):
 
 def test_run_summary_lines_mention_the_figures():
     rs = RunSummary()
-    assert rs.lines() == ["timeline: no steps recorded"]
+    assert rs.lines() == ["timeline: no step was timed (multiplex.timeline_every sets which are)"]
     rs.add({"step": 1, "loss": 2.0})  # a record without timeline fields is ignored
     rs.add({"step": 1, "step_time_s": 2.0, "bubble_fraction": 0.25, "imbalance": 1.5, "busy_encoder_s": 0.5,
             "busy_llm_s": 1.0, "busy_comm_s": 0.0, "idle_s": 0.5, "busy_max_rank": 1, "peak_mem_gib": 3.0})

@@ -92,7 +92,8 @@ def train(placement: str, mixture: Path, demo: Path, run_dir: Path, steps: int, 
          "data.micro_batch_tokens": MICRO_BATCH_TOKENS, "data.num_workers": 0, "trainer.seed": SEED,
          "trainer.run_dir": run_dir, "trainer.max_steps": steps, "trainer.progress": "false",
          "trainer.eval_at_end": "false", "checkpoint.every": 0, "checkpoint.save_at_end": "false",
-         "multiplex.trace_step": trace_step, **model_overrides(placement), **(extra or {})}
+         "multiplex.trace_step": trace_step, "multiplex.timeline_every": 1,  # every step's times, replayed
+         **model_overrides(placement), **(extra or {})}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -128,9 +128,12 @@ class EncoderAnchor(nn.Module):
     def item_attention(self, tokens: Sequence[int], device: torch.device) -> "AttentionSpec":
         """How packed items of ``tokens`` attend within themselves: segment ids for the PyTorch
         path, or the varlen kernels' ``PackedSegments`` (``attn_backend``)."""
-        if not tokens or not uses_varlen_kernels(self.attn_backend, device):
-            return packed_segment_ids(tokens, device)
-        return PackedSegments.from_lengths(list(tokens), device, causal=False, backend=self.attn_backend)
+        varlen = bool(tokens) and uses_varlen_kernels(self.attn_backend, device)
+        if not varlen and len(tokens) <= 1:
+            return None  # one segment: no mask
+        # The lengths are known here, on the host: the PyTorch path gets them too (nothing read back).
+        return PackedSegments.from_lengths(list(tokens), device, causal=False,
+                                           backend=self.attn_backend if varlen else "sdpa")
 
     # --- the steps of forward (optional; needed for sequence parallelism) -------------------
     def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:

@@ -37,8 +37,9 @@ import torch
 from torch import nn
 
 from dataloading.media import MediaItem
+from parallel.transfer import to_device
 from dataloading.video import frame_times, sample_count
-from omni.models.attention import segment_attention
+from omni.models.attention import PackedSegments, segment_attention, uses_varlen_kernels
 from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.llm.layers import RMSNorm
@@ -294,12 +295,13 @@ class _Attention(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, 3 * c.hidden_size)
         self.proj = nn.Linear(c.hidden_size, c.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seg: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seg: Optional[PackedSegments]) -> torch.Tensor:
         n, d = x.shape
         q, k, v = self.qkv(x).view(n, 3, self.heads, d // self.heads).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        o = segment_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                              None if seg is None else seg[None], causal=False)
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        o = segment_attention(q, k, v, None, causal=False) if seg is None else seg.attend(q, k, v, None)
         return self.proj(o[0].transpose(0, 1).reshape(n, d))
 
 
@@ -382,18 +384,39 @@ class QwenVisionEncoder(EncoderAnchor):
         if not grids:
             return x
         device = x.device
-        pos = torch.cat([merge_order_positions(t, h, w, c.spatial_merge) for t, h, w in grids]).to(device)
+        pos = torch.cat([merge_order_positions(t, h, w, c.spatial_merge) for t, h, w in grids])
+        order, frames, windows = _window_order(grids, c)
+        # Window order (each window's patches contiguous, frames too: windows lie inside frames),
+        # as transformers' window_index: every layer then attends over contiguous segments whose
+        # lengths the host knows, never over a dense mask or lengths read back. Host-built
+        # indices move in one batched copy.
+        back = None if order is None else torch.argsort(order)
+        pos = pos if order is None else pos[order]
+        pos, order_d, back_d = to_device([pos, order, back], device)
+        if order_d is not None:
+            x = x.index_select(0, order_d)
         # Computed per call, not a buffer: a few numbers, and nothing to materialise off meta.
         half = c.head_dim // 2
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, half, 2, device=device).float() / half)
         angles = torch.cat([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], dim=-1).float()
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        frames, windows = _segments(grids, c)
-        frames, windows = frames.to(device), (windows.to(device) if windows is not None else None)
+        spec = {name: None if lengths is None else self._segments_spec(lengths, device)
+                for name, lengths in (("frames", frames), ("windows", windows))}
         for i, block in enumerate(self.blocks):  # under parallel.encoder_activation_checkpoint
-            x = recompute(block, x, cos, sin, windows if c.windowed(i) else frames, mode=self.activation_checkpoint)
-        return x
+            x = recompute(block, x, cos, sin, spec["windows" if c.windowed(i) else "frames"],
+                          mode=self.activation_checkpoint)
+        return x if back_d is None else x.index_select(0, back_d)
+
+    def _segments_spec(self, lengths: List[int], device: torch.device):
+        """Attention within contiguous segments of ``lengths`` (host numbers): the varlen
+        kernels' ``PackedSegments`` (``attn_backend``), or the PyTorch path's, which also takes
+        the lengths from the host; None for a single segment on the PyTorch path (no mask)."""
+        varlen = uses_varlen_kernels(self.attn_backend, device)
+        if len(lengths) <= 1 and not varlen:
+            return None
+        return PackedSegments.from_lengths(lengths, device, causal=False,
+                                           backend=self.attn_backend if varlen else "sdpa")
 
     # --- the planner's view --------------------------------------------------------------------
     def input_units(self, sizes: torch.Tensor) -> List[int]:
@@ -507,17 +530,22 @@ def merger_names(variant: str, prefix: str) -> Dict[str, str]:
     return {k: prefix + v for k, v in names.items()}
 
 
-def _segments(grids: Sequence[Tuple[int, int, int]], c: QwenVisionConfig) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Segment ids of the packed patches: one per frame of each item (full attention), and one
-    per window of each frame (Qwen2.5-VL's window layers; None when no layer uses windows)."""
-    frames, windows, f0, w0 = [], [], 0, 0
-    use_windows = any(c.windowed(i) for i in range(c.num_hidden_layers))
-    per_side = c.window_size // (c.spatial_merge * c.patch_size) if use_windows else 0
+def _window_order(grids: Sequence[Tuple[int, int, int]],
+                  c: QwenVisionConfig) -> Tuple[Optional[torch.Tensor], List[int], Optional[List[int]]]:
+    """On the host, from the grids: the permutation that puts the packed patches (merge-window
+    order) in window order (None when no layer uses windows: merge order already keeps every
+    frame contiguous), and the segment lengths in that order: one per frame of each item (full
+    attention) and one per window of each frame (Qwen2.5-VL's window layers; None without)."""
+    frames = [h * w for t, h, w in grids for _ in range(t)]
+    if not any(c.windowed(i) for i in range(c.num_hidden_layers)):
+        return None, frames, None
+    per_side = c.window_size // (c.spatial_merge * c.patch_size)
+    ids, w0 = [], 0
     for t, h, w in grids:
-        frames.append(torch.arange(t).repeat_interleave(h * w) + f0)
-        f0 += t
-        if use_windows:
-            ids = window_ids(t, h, w, c.spatial_merge, per_side)
-            windows.append(ids + w0)
-            w0 += int(ids.max()) + 1 if ids.numel() else 0
-    return torch.cat(frames), (torch.cat(windows) if use_windows else None)
+        item = window_ids(t, h, w, c.spatial_merge, per_side)
+        ids.append(item + w0)  # numbered across items: frame after frame, item after item
+        w0 += int(item.max()) + 1 if item.numel() else 0
+    ids = torch.cat(ids)
+    order = torch.argsort(ids, stable=True)  # windows in order, each window's patches in merge order
+    counts = torch.bincount(ids, minlength=w0)
+    return order, frames, [int(n) for n in counts.tolist() if n]

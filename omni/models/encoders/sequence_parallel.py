@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from parallel.transfer import to_device
 from omni.multiplex.planning import piece_bounds  # the routing plan uses the same pieces
 from omni.models.attention import PackedSegments, segment_attention
 from omni.models.encoders.base import EncoderAnchor
@@ -198,5 +199,6 @@ def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.dev
         pos.append(torch.arange(member * c, (member + 1) * c))
         start += n
         t_loc += c
-    as_dev = lambda parts: torch.cat(parts).to(dtype=torch.int64, device=device)
-    return as_dev(src), as_dev(dst), as_dev(doc), as_dev(pos), t_loc, bounds
+    # built on the host from the sizes, moved in one batched copy
+    moved = to_device([torch.cat(parts).to(torch.int64) for parts in (src, dst, doc, pos)], device)
+    return (*moved, t_loc, bounds)

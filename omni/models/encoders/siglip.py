@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
+from parallel.transfer import to_device
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.base import (
     EncoderAnchor,
@@ -311,7 +312,7 @@ class SiglipEncoder(EncoderAnchor):
             for h, w in grids:
                 order.append(merge_order(h, w, m) + start)
                 start += h * w
-            x = x.index_select(0, torch.cat(order).to(x.device))
+            x = x.index_select(0, to_device([torch.cat(order)], x.device)[0])  # built on the host
         return x, tokens
 
     def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
+from parallel.transfer import to_device
 from omni.models.encoders.base import (
     EncoderAnchor,
     activation,
@@ -316,8 +317,9 @@ class WhisperEncoder(EncoderAnchor):
         in_idx = np.repeat(starts, lens) + _local(lens)
         pos = _local(outs)
         out_idx = np.repeat(starts // 2, outs) + pos
-        as_t = lambda a: torch.from_numpy(a).to(device)
-        return int(sum(slots)), as_t(in_idx), as_t(out_idx), as_t(pos)
+        # built on the host from the sizes, moved in one batched copy
+        in_idx, out_idx, pos = to_device([torch.from_numpy(a) for a in (in_idx, out_idx, pos)], device)
+        return int(sum(slots)), in_idx, out_idx, pos
 
     def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
         """conv1 + conv2 over the zero-separated clip layout, plus positions 0..n-1 per clip."""

@@ -96,8 +96,20 @@ class LayerCache:
         keys[rows, :, step.slots] = k.transpose(1, 2).to(keys.dtype)
         values[rows, :, step.slots] = v.transpose(1, 2).to(values.dtype)
         k, v = keys[:, :, :step.width], values[:, :, :step.width]
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scale)
+        # Grouped KV heads are read in place, never repeated per query head: that would copy the
+        # whole cache at every step, the group size times over.
+        b, h, t, d = q.shape
+        group = h // k.shape[1]
+        if t == 1 and group > 1:
+            # A decode step: a KV head's query heads become that many query rows (of one token,
+            # under one mask) of the KV head, which every SDPA kernel takes. enable_gqa would not
+            # do on CUDA: flash takes no mask and the memory-efficient kernel no grouped heads
+            # (torch < 2.14), so SDPA would fall back to its math path, which repeats K and V.
+            out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], group, d), k, v, attn_mask=step.mask,
+                                                 scale=scale)
+            return out.reshape(b, h, 1, d)
+        if step.width == t:
+            # A prompt into an empty cache: every row's mask is plain causal, so none is passed and
+            # the flash kernels (which take grouped heads) apply.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, scale=scale, enable_gqa=group > 1)

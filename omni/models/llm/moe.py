@@ -55,9 +55,11 @@ class Experts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x_sorted: torch.Tensor, counts: Union[torch.Tensor, List[int]]) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts: Union[torch.Tensor, List[int]],
+                host_counts: Optional[List[int]] = None) -> torch.Tensor:
         """x_sorted [M, H]: rows grouped by local expert, ``counts[e]`` rows for expert e (an int
-        tensor on the rows' device, or a host list)."""
+        tensor on the rows' device, or a host list); ``host_counts``: the same on the host where
+        it is known already (expert parallelism), for the per-expert loop."""
         # Under EP the runtime may wrap the expert blocks as DTensor shards (for checkpointing);
         # the compute only ever needs this rank's block.
         w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
@@ -65,6 +67,8 @@ class Experts(nn.Module):
             return _grouped_swiglu(x_sorted, w_gate_up, w_down, counts)
         # The per-expert loop needs the row counts on the host: with device counts this is a
         # device-to-host read (once per layer and micro-batch), where grouped_mm is missing.
+        if host_counts is not None:
+            counts = host_counts
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         outs = []
         for e, xe in enumerate(torch.split(x_sorted, counts)):
@@ -192,8 +196,14 @@ class MoE(nn.Module):
 
         ``token_mask`` (bool, shape ``hidden.shape[:-1]``) marks the real tokens: padding is still
         routed and computed (its output is ignored by the caller) but left out of the aux loss."""
-        shape = hidden.shape
+        shape, dtype = hidden.shape, hidden.dtype
         x = hidden.reshape(-1, shape[-1])
+        own = self.router.weight.dtype
+        if x.dtype != own and not torch.is_autocast_enabled(x.device.type):
+            # The layer is outside FSDP (its parameters keep their own dtype): a stream in
+            # FSDP's bf16 with fp32 MoE weights and no autocast to reconcile them computes in
+            # the weights' dtype and returns to the stream's.
+            x = x.to(own)
         n = x.shape[0]
         logits, probs, weights, ids = self.route(x)
 
@@ -208,7 +218,7 @@ class MoE(nn.Module):
             # An all-to-all takes its split sizes as host lists and the counts depend on the
             # data, so EP reads them back once per layer (one transfer, in ``dispatch``).
             x_local, local_counts, handle = expert_parallel.dispatch(x_sorted, counts, self.ep_group)
-            y_sorted = expert_parallel.combine(self.experts(x_local, local_counts), handle)
+            y_sorted = expert_parallel.combine(self.experts(x_local, handle.local_counts, local_counts), handle)
         else:  # the counts stay on the device (grouped_mm)
             y_sorted = self.experts(x_sorted, counts)
         # Undo the permutation (a gather, so the backward is a scatter-add), then mix the k slots.
@@ -219,7 +229,7 @@ class MoE(nn.Module):
 
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.view(shape), self.aux_loss(logits, probs, ids, token_mask)
+        return out.view(shape).to(dtype), self.aux_loss(logits, probs, ids, token_mask)
 
     def aux_loss(self, logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor,
                  token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
