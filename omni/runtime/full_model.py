@@ -25,18 +25,16 @@ def model_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
-def _full_local_state(pm: ParallelModel, layout: Layout) -> dict[str, torch.Tensor]:
-    """Every tensor this rank holds, whole: a DTensor gathered over its mesh (a collective every
-    rank of the mesh runs, in the same order: ``state_dict`` order)."""
-    state: dict[str, torch.Tensor] = {}
+def _full_tensors(pm: ParallelModel, layout: Layout):
+    """Every tensor this rank holds, whole, one at a time: a DTensor gathered over its mesh (a
+    collective every rank of the mesh runs, in the same order: ``state_dict`` order)."""
     for part in pm.parts:
         for name, t in part.state_dict().items():
             if isinstance(t, DTensor):
                 if t.device != layout.device:  # parallel.cpu_offload: gather on the device
                     t = t.to(layout.device)
                 t = t.full_tensor()
-            state.setdefault(name, t.detach())
-    return state
+            yield name, t.detach()
 
 
 def replicate_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], OmniModel],
@@ -45,7 +43,9 @@ def replicate_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], 
     that holds it (its pipeline stage's, its encoder ranks'), over the default group (the
     device's own: NCCL on GPUs); which rank holds what is exchanged once over the host group.
     Collective: every rank calls it."""
-    local = _full_local_state(pm, layout)
+    local: dict[str, torch.Tensor] = {}
+    for name, t in _full_tensors(pm, layout):
+        local.setdefault(name, t)
     mine = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
     everyone: list = [None] * layout.world_size
     dist.all_gather_object(everyone, mine, group=host_group(layout))
@@ -74,15 +74,10 @@ def gather_full_model(pm: ParallelModel, layout: Layout, build: Callable[[], Omn
     group = host_group(layout)  # None: the default group already is gloo
     sender = _first_of_stage(layout, layout.rank)
     state: dict = {}
-    for part in pm.parts:
-        for name, t in part.state_dict().items():
-            if isinstance(t, DTensor):
-                if t.device != layout.device:  # parallel.cpu_offload: gather on the device
-                    t = t.to(layout.device)
-                t = t.full_tensor()
-            if sender:
-                state[name] = t.detach().to("cpu", copy=True)
-            del t
+    for name, t in _full_tensors(pm, layout):  # every rank joins the gathers; the senders keep a host copy
+        if sender:
+            state[name] = t.to("cpu", copy=True)
+        del t
     senders = [r for r in range(layout.world_size) if _first_of_stage(layout, r)]
     if not layout.is_main:
         if sender:

@@ -169,6 +169,23 @@ def flops_by_part(spec, docs: list[int], media, targets: int) -> dict:
             "head_on_every_token": every_token}
 
 
+def _elapsed(run, cuda: bool):
+    """(seconds, result) of ``run()``: between CUDA events on a GPU (the device's time, waited
+    for once at the end), on the host clock elsewhere."""
+    import torch
+
+    if not cuda:
+        t = time.perf_counter()
+        out = run()
+        return time.perf_counter() - t, out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3, out
+
+
 def matmul_peak(device: str, dtype_name: str, n: int, repeats: int = 5, inner: int = 10) -> dict:
     """The dense matmul throughput this device reaches in this run: the best of ``repeats``
     timings of ``inner`` back-to-back n x n x n matmuls (CUDA events on a GPU), after warm-up.
@@ -177,29 +194,23 @@ def matmul_peak(device: str, dtype_name: str, n: int, repeats: int = 5, inner: i
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     g = torch.Generator(device=device).manual_seed(0)
-    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=g) for _ in range(2))
-    c = torch.empty(n, n, device=device, dtype=dtype)
+    # [a, b, c]: c = a @ b, held in a list so that they are freed before empty_cache
+    mats = [*(torch.randn(n, n, device=device, dtype=dtype, generator=g) for _ in range(2)),
+            torch.empty(n, n, device=device, dtype=dtype)]
     cuda = device == "cuda"
-    for _ in range(3):
-        torch.mm(a, b, out=c)
+
+    def run(times: int):
+        for _ in range(times):
+            torch.mm(mats[0], mats[1], out=mats[2])
+
+    run(3)  # warm-up
     best = math.inf
     for _ in range(repeats):
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-            start.record()
-        else:
-            t = time.perf_counter()
-        for _ in range(inner):
-            torch.mm(a, b, out=c)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            dt = time.perf_counter() - t
+        dt, _ = _elapsed(lambda: run(inner), cuda)
         best = min(best, dt / inner)
-    del a, b, c
+    mats.clear()
     if cuda:
         torch.cuda.empty_cache()
     return {"n": n, "dtype": dtype_name, "repeats": repeats, "inner": inner, "seconds": best,
@@ -249,18 +260,7 @@ def measure(args, work):
             if cuda and i == args.warmup:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                t = time.perf_counter()
-            stats = trainer.train_step(batch)
-            if cuda:
-                end.record()
-                torch.cuda.synchronize()
-                dt = start.elapsed_time(end) / 1e3
-            else:
-                dt = time.perf_counter() - t
+            dt, stats = _elapsed(lambda: trainer.train_step(batch), cuda)
             print(f"  step {i + 1}{'' if timed else ' (warm-up)'}: {dt:.3f} s, loss {stats['loss']:.4f}", flush=True)
             if timed:
                 times.append(dt)
