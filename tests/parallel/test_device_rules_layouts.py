@@ -7,9 +7,11 @@ counted. Each layout trains like its single-process bf16 run (``layout_harness.c
 losses and norms within ``BF16_TOL``, gradients as close to the fp32 run's as the single-process
 bf16 run's are).
 
-Where the GPU would run the Triton varlen kernels (``model.attn_backend=auto``), the layouts
-marked ``triton`` run them interpreted (slow: a few layouts); the others take the PyTorch path,
-which under these rules also reads nothing back (segment lengths from the host).
+Where the GPU would run the Triton varlen kernels (``model.attn_backend=auto``), the layout
+marked ``triton`` (the headline: colocated at pp=2 x dp_shard=2, LLM and both encoders) runs them
+interpreted, against a single-process run on the same kernels (the interpreter is slow: one
+layout); the others take the PyTorch path, which under these rules also reads nothing back
+(segment lengths from the host).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ PP2_DP2 = dict(dp_shard=2, pp=2, pp_schedule="1f1b")
 # (name, sizes, model, data, multiplex, attention backend)
 LAYOUTS = {
     1: [
-        ("single process, image + audio", {}, BOTH, TWO, {}, "triton"),
+        ("single process, image + audio", {}, BOTH, TWO, {}, "sdpa"),
         ("single process, MoE", {}, MOE, TWO, {}, "sdpa"),
     ],
     2: [
