@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dataloading.processes import worker_context
+from dataloading.processes import worker_pool
 from dataloading.chat import MESSAGES_FIELD, parse_messages, prompt_text
 from dataloading.convert_formats import Conversation, MediaRef, RecordProblem, record_id, to_conversation
 from dataloading.convert_inputs import batches, open_input
@@ -81,8 +81,6 @@ class ConvertSummary:
             kinds = ", ".join(f"{k}={n}" for k, n in sorted(self.skipped.items()))
             listed = "would be listed in" if self.dry_run else "listed in"
             out.append(f"skipped {sum(self.skipped.values())}: {kinds}; {listed} {self.report}")
-        else:
-            out.append("skipped 0")
         if self.dry_run:
             out.append("dry run: nothing was written")
         elif self.index_line:
@@ -265,7 +263,7 @@ def _results(jobs, workers: int):
                     return
             yield job
 
-    with worker_context().Pool(workers) as pool:
+    with worker_pool(workers) as pool:
         try:
             for res in pool.imap(_convert_batch, bounded()):
                 slots.release()

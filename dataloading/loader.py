@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch.utils.data as tud
@@ -290,3 +290,23 @@ def _index_problems(indices: Mapping[str, SourceIndex], on_error: str) -> dict[s
                 )
             counts[f"index_{kind}"] = counts.get(f"index_{kind}", 0) + n
     return counts
+
+
+def skipped_summary(per_rank: Sequence[Mapping[str, int]], metrics: str | Path) -> str | None:
+    """The end-of-run line on the problems ``data.on_error=skip`` let through (None: there were
+    none). ``per_rank``: each data-parallel rank's loader totals (``StepLoader.problems``). A
+    rank counts the samples it met; the index's (``index_<kind>``) every rank counts alike, once."""
+    totals: dict[str, int] = {}
+    for problems in per_rank:
+        for kind, n in problems.items():
+            totals[kind] = max(totals.get(kind, 0), n) if kind.startswith("index_") else totals.get(kind, 0) + n
+    totals = {k: n for k, n in totals.items() if n}
+    if not totals:
+        return None
+    kinds = ", ".join(f"{k}={n}" for k, n in sorted(totals.items()))
+    where = [f"counts by step in {metrics} (data_problems)"]
+    if any(not k.startswith("index_") for k in totals):
+        where.append("the first few of each kind logged above")
+    if any(k.startswith("index_") for k in totals):
+        where.append("examples of the index_ kinds in each source's omni_index.jsonl header")
+    return f"omni: {sum(totals.values())} bad sample(s) skipped (data.on_error=skip): {kinds}; {', '.join(where)}"

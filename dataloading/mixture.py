@@ -12,7 +12,9 @@ Every mistake is reported as ``FILE:LINE: key: problem; fix`` using the YAML nod
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +104,23 @@ def _mapping(node: yaml.Node) -> dict[str, tuple[yaml.Node, yaml.Node]]:
     return {str(k.value): (k, v) for k, v in node.value}
 
 
+def _records_format(head: str) -> str | None:
+    """The ``omni data convert --from`` that reads ``text`` when it is a dataset's records, not a
+    mixture: a JSON list of objects (LLaVA's layout) or JSON lines. A mixture is a YAML mapping;
+    its JSON spelling (``{"sources": ...}``) is one object, and YAML writes keys unquoted.
+    ``head``: the file's first characters (a dataset may be gigabytes)."""
+    if re.match(r'\s*\[\s*\{\s*"', head):
+        return "llava"
+    lines = [line for line in head.splitlines() if line.strip()][:2]
+    try:
+        objects = [json.loads(line) for line in lines]
+    except ValueError:
+        return None
+    if len(objects) == 2 and all(isinstance(o, dict) and "sources" not in o for o in objects):
+        return "jsonl"
+    return None
+
+
 def load_mixture(path: str | Path) -> Mixture:
     path = Path(path)
     if not path.is_file():
@@ -111,6 +130,14 @@ def load_mixture(path: str | Path) -> Mixture:
     def err(node: yaml.Node, what: str) -> DataError:
         return DataError(f"{path}:{node.start_mark.line + 1}: {what}", kind="config")
 
+    with path.open() as f:
+        fmt = _records_format(f.read(1 << 16))
+    if fmt is not None:  # said before YAML parses a dataset of a million records
+        raise DataError(f"{path} holds a dataset's records (conversations), not a mixture file; convert it first: "
+                        f"`omni data convert --from {fmt} {path} --media-root DIR --out OUT` (DIR: where its media "
+                        "paths start), then pass a mixture file that names OUT as a source "
+                        "(sources: [{name: mine, path: OUT, weight: 1}]) as data.mixture; see docs/data.md",
+                        kind="config")
     try:
         root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
@@ -119,7 +146,9 @@ def load_mixture(path: str | Path) -> Mixture:
         raise DataError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})", kind="config") from None
     if not isinstance(root, yaml.MappingNode):
         line = f":{root.start_mark.line + 1}" if root is not None else ""
-        raise DataError(f"{path}{line}: expected a mapping with a 'sources' list", kind="config")
+        raise DataError(f"{path}{line}: expected a mapping with a 'sources' list (sources: [{{name, path, weight}}, "
+                        "...]); a dataset's records are converted first with `omni data convert`, see docs/data.md",
+                        kind="config")
     top = _mapping(root)
     for key, (knode, _) in top.items():
         if key not in TOP_KEYS:

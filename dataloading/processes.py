@@ -1,15 +1,45 @@
 """Worker processes for the data plane's CPU-bound passes (indexing, token counting,
-conversion) and its loader: one start method and one "in order, in a pool" loop for all."""
+conversion) and its loader: one start method, one pool set-up and one "in order, in a pool"
+loop for all."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import sys
 from typing import Any, Callable, Iterable, Iterator
+
+# The thread pools of the numeric libraries read these when they load (a spawned worker, or a
+# library a worker imports first).
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def worker_context():
     """fork where the platform has it: the workers need no torch and start in milliseconds
     (spawn would import it again in each)."""
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
+def one_thread() -> None:
+    """Keep a worker at one compute thread: a pool has a worker per core already, and a forked
+    worker would otherwise start an OpenMP team as large as its parent's in its first torch op
+    (workers x threads on the cores). torch's DataLoader workers do the same for themselves."""
+    for var in _THREAD_VARS:
+        os.environ[var] = "1"
+    torch = sys.modules.get("torch")  # set only when loaded: a worker need not import torch
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def _init_worker(initializer: Callable[..., None] | None, initargs: tuple) -> None:
+    one_thread()
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def worker_pool(workers: int, initializer: Callable[..., None] | None = None, initargs: tuple = ()):
+    """A pool of ``workers`` processes, each at one compute thread, then set up by
+    ``initializer(*initargs)``."""
+    return worker_context().Pool(workers, initializer=_init_worker, initargs=(initializer, initargs))
 
 
 def imap_in_workers(fn: Callable[[Any], Any], jobs: Iterable, workers: int,
@@ -21,5 +51,5 @@ def imap_in_workers(fn: Callable[[Any], Any], jobs: Iterable, workers: int,
             initializer(*initargs)
         yield from map(fn, jobs)
         return
-    with worker_context().Pool(workers, initializer=initializer, initargs=initargs) as pool:
+    with worker_pool(workers, initializer, initargs) as pool:
         yield from pool.imap(fn, jobs)

@@ -161,6 +161,7 @@ def _sim_parsers(sub: argparse._SubParsersAction) -> None:
                           "(multiplex.trace_step=N) run with the same overrides")
     sim.add_argument("--out", metavar="FILE", help="with --calibrate: write the fitted factors here "
                                                     "(use them with sim.calibration=FILE)")
+    sim.add_argument("--plot", metavar="FILE.png", help="draw the step decomposition per placement (PNG)")
     plan = sub.add_parser(
         "plan", help="search layouts for a model, cluster and mixture; print the best (and why others lost)",
         description="Search dp_replicate, dp_shard, tp, pp, virtual stages, cp, ep, micro-batch tokens, encoder SP, "
@@ -171,6 +172,7 @@ def _sim_parsers(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--json", action="store_true", help="print one JSON object (ranked layouts, rejections)")
     plan.add_argument("--top", type=int, default=None, help="layouts to show (default sim.top_k)")
     plan.add_argument("--placement", default="colocated", help="placement to plan for (default colocated)")
+    plan.add_argument("--plot", metavar="FILE.png", help="draw the ranked layouts' steps and tokens/s (PNG)")
 
 
 EXPORT_EPILOG = """\
@@ -282,11 +284,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "simulate":
         from recipes.simulate_cmd import simulate_main
 
-        return simulate_main(args.overrides, as_json=args.json, calibrate=args.calibrate, out_file=args.out)
+        return simulate_main(args.overrides, as_json=args.json, calibrate=args.calibrate, out_file=args.out,
+                             plot=args.plot)
     if args.cmd == "plan":
         from recipes.simulate_cmd import plan_main
 
-        return plan_main(args.overrides, as_json=args.json, top=args.top, placement=args.placement)
+        return plan_main(args.overrides, as_json=args.json, top=args.top, placement=args.placement, plot=args.plot)
     if args.cmd == "export":
         from recipes.export_cmd import export_main
 
@@ -309,17 +312,21 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    from recipes.errors import USER_ERRORS, one_line
+    from omni.runtime.stop import RunStopped
+    from recipes.errors import USER_ERRORS, last_line, one_line
 
     try:
         return _run(args)
     except USER_ERRORS as exc:
         if os.environ.get("OMNI_TRACEBACK"):
             raise
-        print(f"omni: error: {one_line(exc)}", file=sys.stderr)
+        last_line(f"omni: error: {one_line(exc)}")
         return 2
-    except KeyboardInterrupt:
-        print("omni: interrupted", file=sys.stderr)
+    except RunStopped as exc:  # Ctrl-C or SIGTERM during training: where it stopped, how to go on
+        last_line(f"omni: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:  # outside training's loop: nothing to save
+        last_line("omni: interrupted")
         return 130
 
 

@@ -3,7 +3,11 @@ how to phrase them."""
 from __future__ import annotations
 
 import difflib
+import json
+import os
 import re
+import sys
+import time
 
 from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import OmegaConf
@@ -71,3 +75,30 @@ def one_line(exc: BaseException) -> str:
     # Hydra/OmegaConf messages span lines (key, full key, object type): keep them on one.
     text = " ".join(part.strip() for part in text.splitlines() if part.strip())
     return text or type(exc).__name__
+
+
+def last_line(line: str) -> None:
+    """Print the line a run ends with (``omni: error: ...``, ``omni: stopped ...``) once per job.
+
+    Under torchrun every rank reaches the same config error, and every rank stops at the same
+    step: rank 0 prints the line, the others stay quiet. Each rank also writes its line into
+    torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, set by torchrun for every worker):
+    the failure report torchrun prints when a worker exits non-zero then shows the line as that
+    rank's "traceback" (its root cause last), instead of a link to torch's docs. So a line that
+    only one rank has (a data error, a timeout) still reaches the screen through that report. A
+    worker cannot keep torchrun from printing the report; docs/fault-tolerance.md shows it. Other
+    launchers set no error file: every rank prints."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The shape torchelastic's ErrorHandler writes: the report shows "py_callstack" if
+        # present, else the message; the timestamp picks the root cause.
+        record = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(record, f)
+        except OSError:
+            error_file = None  # no report will carry it: print it
+    if not error_file or int(os.environ.get("RANK", "0")) == 0:
+        # One write: print's separate newline could land after another process's output.
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()

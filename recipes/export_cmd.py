@@ -1,6 +1,7 @@
 """``omni export``: a run's checkpoint (any layout) or a Hugging Face directory -> a Hugging Face
 directory in the model family's own class (``omni.models.families``: the model and its image
-processor's config), with the tokenizer the run trained with (its chat template included).
+processor's config), with the tokenizer the run trained with (its chat template included), whose
+ids the config names, and a generation_config.json that stops where ``omni generate`` stops.
 A run trained with LoRA is written with its adapters merged, or (``--adapter``) without them
 plus a peft adapter folder ``OUT/adapter``."""
 from __future__ import annotations
@@ -22,7 +23,8 @@ def export_main(model: str, out: str, step: Optional[int] = None, dtype: Optiona
     import torch
     from tqdm import tqdm
 
-    from omni.models.families import family_of_model
+    from omni.models.families import exported_tokenizer, family_of_model, write_generation_config
+    from recipes.generate_cmd import eos_ids
     from recipes.model_source import load_model, locate
 
     if dtype is not None and dtype not in _DTYPES:
@@ -33,7 +35,7 @@ def export_main(model: str, out: str, step: Optional[int] = None, dtype: Optiona
     where = locate(model, step)  # a wrong --model or --step fails here, before the progress bar
     if adapter:
         _check_adapter_export(model, where)
-    stages = ["read the weights", "check the family", "write the model", "write tokenizer and processor"]
+    stages = ["read the weights", "check the family", "write the tokenizer", "write the model and its configs"]
     bar = tqdm(total=len(stages), desc="omni export", unit="stage", disable=not progress, file=sys.stderr)
     bar.set_postfix_str(stages[0])
     loaded = load_model(where, merge_adapters=not adapter)
@@ -45,20 +47,23 @@ def export_main(model: str, out: str, step: Optional[int] = None, dtype: Optiona
     bar.update()
     bar.set_postfix_str(stages[2])
     target.mkdir(parents=True, exist_ok=True)
+    # The tokenizer first: the config names its ids, the processor config is built with it.
+    loaded.tokenizer.save(target)
+    if hasattr(loaded.tokenizer, "save_hf"):  # Omni's byte tokenizer: also as transformers files
+        loaded.tokenizer.save_hf(target)
+    vocab = exported_tokenizer(str(target))
+    bar.update()
+    bar.set_postfix_str(stages[3])
     adapters = {}
     if adapter:
         from omni.models import lora
 
         adapters = lora.adapter_tensors(loaded.model)
         lora.unload(loaded.model)  # the base model, written as the family's class
-    family.export(loaded.model, str(target), loaded.tokenizer)
+    family.export(loaded.model, str(target), loaded.tokenizer, vocab)
+    write_generation_config(str(target), vocab, eos_ids(loaded))
     if adapter:
         lora.write_peft_adapter(adapters, loaded.cfg.model.lora, target, target / "adapter")
-    bar.update()
-    bar.set_postfix_str(stages[3])
-    loaded.tokenizer.save(target)
-    if hasattr(loaded.tokenizer, "save_hf"):  # Omni's byte tokenizer: also as transformers files
-        loaded.tokenizer.save_hf(target)
     bar.update()
     bar.close()
     also = f", its LoRA adapter to {target / 'adapter'}" if adapter else ""

@@ -9,6 +9,7 @@ writes them. Every argument is checked before the model is read."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -39,17 +40,33 @@ def _media_files(images: Sequence[str], videos: Sequence[str], audios: Sequence[
     return files
 
 
-def _decode(kind: str, path: Path):
-    from dataloading.sample import decode_audio, decode_image
+# What each option takes, in the words of the error that refuses a file.
+_EXPECTED = {"image": "an image (PNG, JPEG, WebP)", "audio": "an audio file (WAV, FLAC)",
+             "video": "a video (MP4, WebM)"}
 
-    data = path.read_bytes()
-    if kind == "image":
-        return decode_image(data)
-    if kind == "audio":
-        return decode_audio(data)
+
+def _decode(kind: str, path: Path):
+    """The file of ``--{kind}`` decoded; one that is not such a file (an image given as
+    ``--audio``, a damaged video) is one line naming it, and the option its extension suggests."""
+    from dataloading.errors import DataError
+    from dataloading.media import MODALITY_EXTENSIONS
+    from dataloading.sample import decode_audio, decode_image
     from dataloading.video import decode_video
 
-    return decode_video(data)  # frames are decoded when the processor samples them
+    decode = {"image": decode_image, "audio": decode_audio, "video": decode_video}[kind]
+    try:
+        return decode(path.read_bytes())  # a video's frames are decoded when the processor samples them
+    except DataError:
+        raise  # the video decoder is not installed: its own line says how to install it
+    except Exception as e:  # each decoder's library raises its own kinds (PIL, libsndfile, FFmpeg)
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        cause = re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "the file", cause)  # libsndfile names its buffer
+        suffix = path.suffix.lower().lstrip(".")
+        other = next((k for k, exts in MODALITY_EXTENSIONS.items() if suffix in exts and k != kind), None)
+        hint = (f"; it looks like {_EXPECTED[other]}: pass it with --{other}" if other
+                else f"; check that it is {_EXPECTED[kind]} and not damaged")
+        raise ConfigError(f"--{kind} {path}: cannot be read as {_EXPECTED[kind]} ({type(e).__name__}: "
+                          f"{cause[:200]}){hint}") from None
 
 
 def prompt_text(tokenizer, kinds: list[str], prompt: str) -> str:
@@ -62,7 +79,7 @@ def prompt_text(tokenizer, kinds: list[str], prompt: str) -> str:
     return "".join(MEDIA_PLACEHOLDERS[k] + "\n" for k in kinds) + prompt
 
 
-def _eos_ids(loaded) -> set[int]:
+def eos_ids(loaded) -> set[int]:
     """The tokenizer's end of sequence, and those the model's generation config adds (chat
     models stop at the end of their turn as well)."""
     eos = {int(loaded.tokenizer.eos_id)}
@@ -90,8 +107,8 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1")
     sampling = _sampling(greedy, temperature, top_p, top_k, seed)
     files = _media_files(images, videos, audios)
+    media = [(kind, _decode(kind, path)) for kind, path in files]  # a video: its header only
     where = locate(model, step)
-    media = [(kind, _decode(kind, path)) for kind, path in files]
     loaded = load_model(where)
     processors = media_processors(loaded.model)
     for kind, path in files:
@@ -112,7 +129,7 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
     batch, _ = constructor.build_prompt(DecodedSample("prompt", text, None, media))
     dev = torch.device(device)
     loaded.model.to(dev)
-    out = generate(loaded.model, [batch], _eos_ids(loaded), max_new_tokens, dev, sampling)[0]
+    out = generate(loaded.model, [batch], eos_ids(loaded), max_new_tokens, dev, sampling)[0]
     answer = tokenizer.decode(out)
     if as_json:
         print(json.dumps({"text": answer, "token_ids": out}), flush=True)

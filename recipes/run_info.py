@@ -67,9 +67,36 @@ def saved_config(cfg, llm_config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(replace(cfg, model=model)))
 
 
-def describe_training(model, names) -> str:
+def shown_config(dcfg: DictConfig) -> str:
+    """``omni train --cfg job``: the composed config, and under ``model.pretrained`` the
+    backbone's fields as the checkpoint's config.json gives them (what will be built, not the
+    preset's values that it ignores), each marked with a comment."""
+    if not dcfg.model.get("pretrained"):
+        return OmegaConf.to_yaml(dcfg)
+    from dataclasses import fields
+
+    from recipes.checks import pretrained_architecture
+
+    cfg = OmegaConf.to_object(dcfg)
+    arch = pretrained_architecture(cfg.model.pretrained)
+    taken = {f.name for f in fields(arch)} & {f.name for f in fields(cfg.model)}
+    mark = f"  # from {Path(cfg.model.pretrained) / 'config.json'}"
+    lines, in_model = [], False
+    for line in saved_config(cfg, arch).splitlines():
+        if line and not line.startswith(" "):
+            in_model = line == "model:"
+        key = line.strip().split(":", 1)[0]
+        # only the section's own keys (two spaces in), not the nested ones (model.lora.*)
+        own = line.startswith("  ") and not line.startswith("   ") and not line.startswith("  -")
+        lines.append(line + mark if in_model and own and key in taken else line)
+    return "\n".join(lines) + "\n"
+
+
+def describe_training(model, names, lora=None) -> str:
     """What trains, for the banner: "0.05M trainable; frozen: llm, encoder.vision" (a module
-    counts as frozen when none of its parameters trains; LoRA shows as a small trainable share)."""
+    counts as frozen when none of its parameters trains). With ``lora`` (``model.lora``, rank > 0)
+    the adapters lead: "LoRA rank 8, alpha 16 on llm (14 layers: q_proj, v_proj), 24,576 adapter
+    weights; ...", the layer names as peft matched them (``all-linear`` resolved)."""
     counts: dict[str, list[int]] = {}
     for name, p in model.named_parameters():
         unit = counts.setdefault(names.unit_of(name) or "other", [0, 0])
@@ -77,7 +104,16 @@ def describe_training(model, names) -> str:
         unit[1] += p.numel()
     trainable = sum(t for t, _ in counts.values())
     frozen = [u for u in names.units if u in counts and counts[u][0] == 0]
-    return f"{trainable / 1e6:.2f}M trainable" + (f"; frozen: {', '.join(frozen)}" if frozen else "")
+    text = f"{trainable / 1e6:.2f}M trainable" + (f"; frozen: {', '.join(frozen)}" if frozen else "")
+    if lora is None or not lora.rank:
+        return text
+    from omni.models.lora import adapter_tensors
+
+    adapters = adapter_tensors(model)
+    weights = sum(a.numel() + b.numel() for a, b in adapters.values())
+    leaves = ", ".join(sorted({path.rsplit(".", 1)[-1] for path in adapters}))
+    return (f"LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.modules)} ({len(adapters)} layers: "
+            f"{leaves}), {weights:,} adapter weights; {text}")
 
 
 def describe_model(cfg, llm_config, n_params: int, training: str = "") -> str:
@@ -91,16 +127,17 @@ def describe_model(cfg, llm_config, n_params: int, training: str = "") -> str:
 
 
 def record_run(cfg, run_dir: Path, tokenizer, llm_config, n_params: int, layout_text: str, mixture: str,
-               training: str = "") -> None:
+               training: str = "", threads: str = "") -> None:
     """On the main rank: write ``config.yaml`` and ``tokenizer/`` into the run dir and print
-    the banner (what really runs, where it writes)."""
+    the banner (what really runs, how many CPU threads each rank computes with
+    (``recipes.threads``), where it writes)."""
     from dataloading.tokenizer import save_tokenizer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(saved_config(cfg, llm_config))
     save_tokenizer(tokenizer, run_dir / "tokenizer")
-    print(f"omni: {cfg.name}: {describe_model(cfg, llm_config, n_params, training)}, layout {layout_text}, data {mixture}, "
-          f"run dir {run_dir}", flush=True)
+    print(f"omni: {cfg.name}: {describe_model(cfg, llm_config, n_params, training)}, layout {layout_text}"
+          f"{', ' + threads if threads else ''}, data {mixture}, run dir {run_dir}", flush=True)
 
 
 def configured_modalities(cfg) -> list[str]:

@@ -9,14 +9,19 @@ import sys
 from omegaconf import OmegaConf
 
 
-def load_sim_config(overrides: list[str]):
-    """The composed ``conf/simulate.yaml`` as a SimConfig (typos in overrides name the key)."""
+def load_sim_config(overrides: list[str], notes: list[str] | None = None):
+    """The composed ``conf/simulate.yaml`` as a SimConfig (typos in overrides name the key).
+    ``notes`` gets one line per workload setting the chosen towers have no use for."""
     from omni.sim.calibrate import apply_calibration
+    from omni.sim.workload import apply_encoder_params
     from recipes.checks import check_multiplex
     from recipes.compose import compose_config
 
     cfg = OmegaConf.to_object(compose_config(overrides, config_name="simulate"))
     cfg.parallel.gpus_per_node = cfg.cluster.gpus_per_node  # the cluster says how wide a node is
+    skipped = apply_encoder_params(cfg, overrides)
+    if notes is not None:
+        notes += skipped
     check_multiplex(cfg)  # training's own checks of the group, before any simulation
     _fold_frozen_encoders(cfg)
     if cfg.sim.calibration:
@@ -48,9 +53,10 @@ def _fold_frozen_encoders(cfg) -> None:
 
 
 def simulate_main(overrides: list[str], as_json: bool = False, calibrate: str | None = None,
-                  out_file: str | None = None, out=None) -> int:
+                  out_file: str | None = None, plot: str | None = None, out=None) -> int:
     out = out or sys.stdout
-    cfg = load_sim_config(overrides)
+    notes: list[str] = []
+    cfg = load_sim_config(overrides, notes)
     if calibrate:
         from omni.sim.calibrate import calibrate_from_trace
 
@@ -67,6 +73,12 @@ def simulate_main(overrides: list[str], as_json: bool = False, calibrate: str | 
     progress = None if as_json else (lambda p: print(f"simulating {p} ...", file=sys.stderr, flush=True))
     result = simulate(cfg, progress=progress)
     result["name"] = cfg.name
+    result["workload"]["notes"] = notes
+    _say_warnings(result)
+    if plot:
+        from omni.sim.plot import plot_simulation
+
+        plot_simulation(result, plot)
     if as_json:
         out.write(json.dumps(result, separators=(",", ":")) + "\n")
     else:
@@ -81,7 +93,7 @@ def format_report(result: dict) -> str:
 
 
 def plan_main(overrides: list[str], as_json: bool = False, top: int | None = None, placement: str = "colocated",
-              out=None) -> int:
+              plot: str | None = None, out=None) -> int:
     from omni.sim.config import PLACEMENTS
     from omni.sim.search import plan_layouts
     from omni.errors import ConfigError
@@ -89,7 +101,8 @@ def plan_main(overrides: list[str], as_json: bool = False, top: int | None = Non
     out = out or sys.stdout
     if placement not in PLACEMENTS:
         raise ConfigError(f"--placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
-    cfg = load_sim_config(overrides)
+    notes: list[str] = []
+    cfg = load_sim_config(overrides, notes)
     bar = None
     if not as_json:
         from tqdm import tqdm
@@ -103,6 +116,12 @@ def plan_main(overrides: list[str], as_json: bool = False, top: int | None = Non
     result = plan_layouts(cfg, placement=placement, top_k=top, progress=progress if bar is not None else None)
     if bar is not None:
         bar.close()
+    result["workload"]["notes"] = notes
+    _say_warnings(result)
+    if plot:
+        from omni.sim.plot import plot_plan
+
+        plot_plan(result, plot, cfg.name)
     if as_json:
         out.write(json.dumps(result, separators=(",", ":")) + "\n")
         return 0
@@ -110,3 +129,9 @@ def plan_main(overrides: list[str], as_json: bool = False, top: int | None = Non
 
     out.write(plan_table(result, cfg.name) + "\n")
     return 0
+
+
+def _say_warnings(result: dict) -> None:
+    """The layout checks' warnings, each once with its count (after any progress bar)."""
+    for line in result.get("warnings", []):
+        print(line, file=sys.stderr, flush=True)

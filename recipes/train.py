@@ -13,7 +13,9 @@ from recipes.schema import OmniConfig
 def train_main(overrides: list[str], print_cfg: bool = False) -> int:
     dcfg = compose_config(overrides)
     if print_cfg:
-        print(OmegaConf.to_yaml(dcfg))
+        from recipes.run_info import shown_config
+
+        print(shown_config(dcfg))
         return 0
     cfg: OmniConfig = OmegaConf.to_object(dcfg)  # type: ignore[assignment]
     run(cfg)
@@ -33,8 +35,13 @@ def run(cfg: OmniConfig):
     from recipes.model_source import init_checkpoint
     from omni.models.freeze import ModuleNames
     from recipes.run_info import describe_training, record_run, run_tokenizer
+    from recipes.threads import set_threads
 
     check_config(cfg, world_size=launched_world_size())
+    # Before any parallel work (torch sizes its inter-op pool once); the inline backend's data
+    # workers build steps beside the rank's compute, Ray's constructors run in their own actors.
+    threads_before = torch.get_num_threads()
+    threads = set_threads(cfg.data.num_workers if cfg.data.backend == "inline" else 0)
     t = cfg.trainer
     layout = init_layout(cfg.parallel, device=t.device, device_rules=t.device_rules, precision=t.precision,
                          device_memory_gib=t.device_memory_gib)
@@ -62,14 +69,14 @@ def run(cfg: OmniConfig):
         loader = _loader(cfg, layout, mixture, tokenizer, model, processors, show)
         n_params = sum(p.numel() for p in model.parameters())
         modules = ModuleNames.of_config(cfg.encoders)  # model.freeze / trainer.stages / optim.groups names
-        training = describe_training(model, modules)  # before parallelize shards it
+        training = describe_training(model, modules, cfg.model.lora)  # before parallelize shards it
         from recipes.data_plane import cost_model
 
         pm = parallelize(model, layout, cfg.multiplex, cost_model(cfg, model), weights=weights)
         run_dir = Path(cfg.trainer.run_dir)
         if layout.is_main:
             record_run(cfg, run_dir, tokenizer, model.llm.config, n_params, describe(layout.sizes), mixture,
-                       training)
+                       training, threads.describe())
 
         def eval_samples():
             # Prompted as the model was trained: each sub-folder with its training source's
@@ -94,13 +101,43 @@ def run(cfg: OmniConfig):
             init_from=init_checkpoint(cfg.model.init_from) if cfg.model.init_from else None,
         )
         try:
-            return trainer.fit()
+            result = trainer.fit()
         finally:
             loader.close()
+        _closing_lines(cfg, layout, trainer.checkpointer, loader)
+        return result
     finally:
         shutdown()
+        torch.set_num_threads(threads_before)  # a run called from Python leaves its process's threads
 
 
+def _closing_lines(cfg: OmniConfig, layout, checkpointer, loader) -> None:
+    """Rank 0's last words: where the checkpoints are, and what ``data.on_error=skip`` let
+    through, summed over the data-parallel ranks (each rank's loader counts its own samples)."""
+    from dataloading.loader import skipped_summary
+    from parallel.layout import host_group
+
+    mine = dict(getattr(loader, "problems", None) or {}) if layout.rank == layout.peer_source else None
+    per_rank = [mine]
+    if layout.world_size > 1:
+        import torch.distributed as dist
+
+        per_rank = [None] * layout.world_size if layout.is_main else None
+        dist.gather_object(mine, per_rank, dst=0, group=host_group(layout))
+    if not layout.is_main:
+        return
+    checkpoints = checkpointer.completed()
+    if checkpoints:
+        print(f"omni: checkpoints in {checkpoints[-1].parent} (latest step {_step_of(checkpoints[-1])})", flush=True)
+    line = skipped_summary([p for p in per_rank if p], Path(cfg.trainer.run_dir) / "metrics.jsonl")
+    if line:
+        print(line, flush=True)
+
+
+def _step_of(checkpoint: Path) -> int:
+    from omni.runtime.checkpoint import PREFIX
+
+    return int(checkpoint.name[len(PREFIX):])
 
 
 def _validator(cfg: OmniConfig, layout, eval_dir, tokenizer, processors, training_mixture):

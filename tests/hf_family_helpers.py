@@ -152,20 +152,22 @@ LLAVA_OV_CHAT = (
 LLAVA_OV_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 
 
-def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, **config):
-    """A tiny LLaVA-OneVision (SigLIP tower of 3 layers on 16-pixel tiles of 4 x 4 patches, tilings
-    up to 2 x 2, a Qwen2 with grouped-query attention; ``config`` overrides the
-    ``LlavaOnevisionConfig`` fields), its ChatML tokenizer with ``<image>``/``<video>`` and its
-    image processor (the PIL variant) in ``path``; returns (the transformers model, the tokenizer).
-    Weights are drawn large (norm gains about 1) so that positions and layout matter."""
+def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, tile: int = 16, **config):
+    """A tiny LLaVA-OneVision (SigLIP tower of 3 layers on ``tile``-pixel tiles of 4-pixel
+    patches: 16 gives 4 x 4 patches; 18, like the real 384-pixel tiles of 14-pixel patches, is
+    no whole number of patches and the convolution drops the last pixels; tilings up to 2 x 2, a
+    Qwen2 with grouped-query attention; ``config`` overrides the ``LlavaOnevisionConfig`` fields),
+    its ChatML tokenizer with ``<image>``/``<video>`` and its image processor (the PIL variant) in
+    ``path``; returns (the transformers model, the tokenizer). Weights are drawn large (norm
+    gains about 1) so that positions and layout matter."""
     import transformers
 
     tok = byte_level_tokenizer(LLAVA_OV_SPECIALS, eos="<|im_end|>", chat_template=LLAVA_OV_CHAT)
     ids = {t: tok.convert_tokens_to_ids(t) for t in LLAVA_OV_SPECIALS}
-    pinpoints = [[16, 16], [16, 32], [32, 16], [32, 32]]
+    pinpoints = [[tile, tile], [tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
     torch.manual_seed(seed)
     cfg = transformers.LlavaOnevisionConfig(**{
-        "vision_config": dict(model_type="siglip_vision_model", image_size=16, patch_size=4, hidden_size=32,
+        "vision_config": dict(model_type="siglip_vision_model", image_size=tile, patch_size=4, hidden_size=32,
                               intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, vision_use_head=False),
         "text_config": dict(model_type="qwen2", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=272, bos_token_id=None,
@@ -179,7 +181,7 @@ def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, **co
     model = model.eval()
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    transformers.LlavaOnevisionImageProcessorPil(size={"height": 16, "width": 16}, image_grid_pinpoints=pinpoints,
+    transformers.LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints,
                                                  image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
     return model, tok
 

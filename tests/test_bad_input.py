@@ -119,9 +119,59 @@ def test_placeholder_mismatch_skip_is_counted(capsys, demo_root, tmp_path):
     run_dir = tmp_path / "r"
     rc = main(["train", *tiny_overrides(demo_root, run_dir), f"data.mixture={mix}", "data.on_error=skip",
                "data.max_skip_fraction=0.5", "data.global_batch_size=8", "trainer.max_steps=1"])
-    assert rc == 0, capsys.readouterr().err
+    out = capsys.readouterr()
+    assert rc == 0, out.err
     rec = read_metrics(run_dir)[0]
     assert sum(rec["data_problems"].values()) == 1
+    # the run ends saying so (not only in metrics.jsonl): how many, of which kinds, where
+    assert out.out.splitlines()[-1] == (
+        f"omni: 1 bad sample(s) skipped (data.on_error=skip): index_placeholder_mismatch=1; counts by step in "
+        f"{run_dir / 'metrics.jsonl'} (data_problems), examples of the index_ kinds in each source's "
+        "omni_index.jsonl header"), out.out
+
+
+def test_a_sample_skipped_while_training_is_summed_up_at_the_end(capsys, caplog, demo_root, tmp_path):
+    """A PNG whose header reads (so the index keeps it) but whose pixels do not: the loader skips
+    it mid-run, and the run's last line says so."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buf, "PNG")
+    good = buf.getvalue()
+    samples = [{"__key__": f"ok-{i:03d}", "txt": "<image>\nDescribe.", "response.txt": "fine", "png": good}
+               for i in range(7)]
+    samples.insert(2, {"__key__": "torn-000", "txt": "<image>\nDescribe.", "response.txt": "x", "png": good[:100]})
+    write_shards(samples, tmp_path / "torn", "part", samples_per_shard=4)
+    assert main(["data", "index", str(tmp_path / "torn")]) == 0
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"sources:\n  - {{name: torn, path: {tmp_path / 'torn'}, weight: 1}}\n")
+    run_dir = tmp_path / "r"
+    capsys.readouterr()
+    rc = main(["train", *tiny_overrides(demo_root, run_dir), f"data.mixture={mix}", "data.on_error=skip",
+               "data.max_skip_fraction=0.5", "data.global_batch_size=8", "trainer.max_steps=1"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    kinds = read_metrics(run_dir)[0]["data_problems"]
+    assert list(kinds.values()) == [1], kinds
+    kind = next(iter(kinds))
+    assert out.out.splitlines()[-1] == (
+        f"omni: 1 bad sample(s) skipped (data.on_error=skip): {kind}=1; counts by step in "
+        f"{run_dir / 'metrics.jsonl'} (data_problems), the first few of each kind logged above"), out.out
+    assert "torn-000" in caplog.text  # the first few of each kind, logged
+
+
+def test_the_skipped_summary_sums_ranks_and_counts_the_index_once(tmp_path):
+    from dataloading.loader import skipped_summary
+
+    assert skipped_summary([{}, {"corrupt_media": 0}], tmp_path / "m.jsonl") is None
+    line = skipped_summary([{"corrupt_media": 2, "index_corrupt_shard": 3}, {"corrupt_media": 1,
+                                                                                "index_corrupt_shard": 3}],
+                           tmp_path / "m.jsonl")
+    assert line.startswith("omni: 6 bad sample(s) skipped (data.on_error=skip): corrupt_media=3, "
+                           "index_corrupt_shard=3; ")
 
 
 def test_pretrained_checkpoint_of_unsupported_type(capsys, demo_root, tmp_path):
@@ -274,3 +324,68 @@ def test_the_demo_conversations_need_a_chat_template_before_any_work(capsys, tmp
     line = _fails(capsys, ["train", "data.demo_mixture=chat", f"trainer.run_dir={tmp_path / 'r'}"])
     assert "data.demo_mixture='chat'" in line and "data.chat_template=plain" in line
     assert not (tmp_path / "cache").exists()  # nothing generated
+
+
+# ---- issue 36: a dataset passed as the mixture, media that is not what its option takes ------
+
+def test_a_llava_json_as_the_mixture_points_to_convert(capsys, tmp_path):
+    import json
+
+    records = [{"id": "1", "image": "coco/1.jpg",
+                "conversations": [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]}]
+    llava = tmp_path / "llava_v1_5_mix665k.json"
+    llava.write_text(json.dumps(records, indent=2))
+    line = _fails(capsys, ["train", f"data.mixture={llava}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert f"{llava} holds a dataset's records" in line
+    assert f"`omni data convert --from llava {llava} --media-root DIR --out OUT`" in line and "data.mixture" in line
+    lines = tmp_path / "chat.jsonl"  # JSON lines: the jsonl reader
+    lines.write_text("\n".join(json.dumps(r) for r in records * 2) + "\n")
+    line = _fails(capsys, ["train", f"data.mixture={lines}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert f"`omni data convert --from jsonl {lines} --media-root DIR --out OUT`" in line
+    # a mixture spelt as JSON is still read as one
+    src = tmp_path / "nowhere"
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": [{"name": "a", "path": str(src), "weight": 1}]}))
+    line = _fails(capsys, ["train", f"data.mixture={mix}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert "nowhere" in line and "records" not in line
+    # a YAML list of sources without its key
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(f"- {{name: a, path: {src}, weight: 1}}\n")
+    line = _fails(capsys, ["train", f"data.mixture={bare}", f"trainer.run_dir={tmp_path / 'r'}"])
+    assert "expected a mapping with a 'sources' list (sources: [{name, path, weight}, ...])" in line
+
+
+def _generate_fails(capsys, tmp_path, option: str, path) -> str:
+    (tmp_path / "m").mkdir(exist_ok=True)  # never read: the media fail first
+    return _fails(capsys, ["generate", "--model", str(tmp_path / "m"), option, str(path), "--prompt", "hi"])
+
+
+def test_generate_media_of_the_wrong_kind_is_one_line(capsys, tmp_path):
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(picture)
+    wav = tmp_path / "tone.wav"
+    soundfile.write(wav, np.zeros(1600, np.float32), 16000)
+    line = _generate_fails(capsys, tmp_path, "--audio", picture)
+    assert line.startswith(f"omni: error: --audio {picture}: cannot be read as an audio file (WAV, FLAC) (")
+    assert line.endswith("it looks like an image (PNG, JPEG, WebP): pass it with --image")
+    assert "BytesIO" not in line  # libsndfile's name for its buffer: the file is named already
+    line = _generate_fails(capsys, tmp_path, "--image", wav)
+    assert line.startswith(f"omni: error: --image {wav}: cannot be read as an image (PNG, JPEG, WebP) (")
+    assert line.endswith("it looks like an audio file (WAV, FLAC): pass it with --audio")
+    line = _generate_fails(capsys, tmp_path, "--image", tmp_path / "absent.png")
+    assert line == f"omni: error: --image {tmp_path / 'absent.png'}: no such file"
+
+
+def test_generate_with_an_unreadable_video_is_one_line(capsys, tmp_path):
+    import pytest
+
+    pytest.importorskip("av")
+    clip = tmp_path / "broken.mp4"
+    clip.write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 4)
+    line = _generate_fails(capsys, tmp_path, "--video", clip)
+    assert line.startswith(f"omni: error: --video {clip}: cannot be read as a video (MP4, WebM) (")
+    assert line.endswith("check that it is a video (MP4, WebM) and not damaged")

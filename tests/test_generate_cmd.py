@@ -147,8 +147,10 @@ def test_media_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
     wide = _image(tmp_path / "wide.png", 4, 1200)
     capsys.readouterr()  # transformers' own progress bar while saving
     assert main(["generate", "--model", str(tmp_path / "hf"), "--image", str(wide), "--prompt", "hi"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("omni: error: ") and "\n" not in err and "aspect ratio over 200" in err, err
+    # read after the model: the line before it says where the image settings came from
+    note, err = capsys.readouterr().err.strip().splitlines()
+    assert note == f"omni: QwenVisionEncoder preprocessing from {tmp_path / 'hf' / 'preprocessor_config.json'}", note
+    assert err.startswith("omni: error: ") and "aspect ratio over 200" in err, err
     pytest.importorskip("av")
     clip = tmp_path / "c.mp4"
     clip.write_bytes(clip_bytes())

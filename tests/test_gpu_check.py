@@ -79,7 +79,7 @@ def test_mfu_counts_the_lm_head_only_at_the_loss_targets(tmp_path):
     res = json.loads((tmp_path / "mfu_tiny.json").read_text())
     mbs = res["batch"]["micro_batches"]
     docs = [d for mb in mbs for d in mb["docs"]]
-    images = [n for mb in mbs for _, n in mb["media"]]
+    images = [n for mb in mbs for _, n, _ in mb["media"]]  # (modality, encoder tokens, LLM rows)
     assert docs == [256] * 4 and images == [64] * 4
     tiny = yaml.safe_load((REPO / "conf" / "model" / "tiny.yaml").read_text())
     assert tiny["tie_word_embeddings"]  # the head is the embedding: vocab x hidden

@@ -7,13 +7,16 @@ model back in the family's own transformers class. Adding a family is one module
 plugin and the exporter) plus an entry in ``FAMILIES``.
 
 ``load_pretrained(dir)`` builds the whole model of a family's directory; ``family_of_model``
-finds the family a built (or trained) model can be written as, for ``omni export``.
+finds the family a built (or trained) model can be written as, for ``omni export``, which writes
+the tokenizer first: the exporter names its ids (``config_ids``) and ``write_generation_config``
+says where transformers' ``generate`` stops.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from dataloading.tokenizer import PlaceholderTokens, Tokenizer, load_tokenizer
 from omni.errors import ConfigError
@@ -26,38 +29,85 @@ from omni.models.multimodal import OmniModel
 # placeholder it repeats once per merged patch.
 _QWEN_VL_TOKENS = {"image": PlaceholderTokens("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),
                    "video": PlaceholderTokens("<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+# The config.json fields of those tokens, besides the image placeholder (the tokenizer's own).
+_QWEN_VL_IDS = {"video_token_id": _QWEN_VL_TOKENS["video"].token,
+                "vision_start_token_id": _QWEN_VL_TOKENS["image"].before,
+                "vision_end_token_id": _QWEN_VL_TOKENS["image"].after}
 
 
 @dataclass(frozen=True)
 class Family:
     """One kind of checkpoint directory. ``vision``: the encoder plugin of its vision tower
-    (None: an LLM alone). ``export``: ``(model, path, tokenizer)`` writing a model in the
-    family's transformers class; ``matches``: whether a built model has the family's parts."""
+    (None: an LLM alone). ``export``: ``(model, path, tokenizer, vocab)`` writing a model in the
+    family's transformers class, ``vocab`` being the tokenizer already written to ``path`` as
+    transformers loads it (``exported_tokenizer``); ``matches``: whether a built model has the
+    family's parts."""
 
     vision: Optional[str] = None
     family_tokens: Mapping[str, PlaceholderTokens] = field(default_factory=dict)
-    export: Optional[Callable[[OmniModel, str, Tokenizer], None]] = None
+    export: Optional[Callable[[OmniModel, str, Tokenizer, Any], None]] = None
     matches: Optional[Callable[[OmniModel], bool]] = None
 
 
-def _export_llm(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+def exported_tokenizer(path: str) -> Any:
+    """The tokenizer ``omni export`` wrote to ``path``, as transformers loads it: the one whose ids
+    the exported config names (a user of the export gets that one)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def config_ids(vocab: Any, tokens: Mapping[str, str]) -> dict[str, Optional[int]]:
+    """The ids a family's config.json names, from ``vocab`` (``exported_tokenizer``): ``tokens``
+    (field -> token; -1 for a token the vocabulary lacks, an id no input holds, where
+    transformers' default would be another vocabulary's) and its bos/eos/pad (None where it
+    has none)."""
+    known = vocab.get_vocab()
+    out: dict[str, Optional[int]] = {f: int(known.get(t, -1)) for f, t in tokens.items()}
+    out.update(bos_token_id=vocab.bos_token_id, eos_token_id=vocab.eos_token_id, pad_token_id=vocab.pad_token_id)
+    return out
+
+
+def write_generation_config(path: str, vocab: Any, stop_ids: Iterable[int]) -> None:
+    """generation_config.json: transformers' ``generate`` stops at ``stop_ids`` (where ``omni
+    generate`` stops: the tokenizer's eos first, then those a chat model adds, e.g. Qwen's
+    ``<|endoftext|>`` beside ``<|im_end|>``) and takes bos and pad from ``vocab``. Without it,
+    generate would take the ids of the config class's defaults (another vocabulary's)."""
+    import transformers
+
+    eos = [int(vocab.eos_token_id)] + sorted({int(i) for i in stop_ids} - {int(vocab.eos_token_id)})
+    ids = {"bos_token_id": vocab.bos_token_id, "pad_token_id": vocab.pad_token_id,
+           "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    transformers.GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(path)
+
+
+def _export_llm(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
     from omni.models.hf_io import export_pretrained
 
     export_pretrained(model.llm, path)
+    # hf_io writes the architecture; the ids are the tokenizer's (transformers would take its
+    # class defaults otherwise: Llama's 1 and 2), in hf_io's layout
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        config = {**json.load(f), **config_ids(vocab, {})}
+    with open(file, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _is_llm(model: OmniModel) -> bool:
     return not model.encoders
 
 
-def _export_qwen_vl(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
+def _export_qwen_vl(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
     """The model, and the image processor's settings as transformers' Qwen2-VL image processor
-    reads them (its PIL variant: the default one needs torchvision, and both write the same file)."""
+    reads them (its PIL variant: the default one needs torchvision, and both write the same file).
+    Its processor has no settings of its own: no processor_config.json."""
     import transformers
 
     from omni.models.hf_vlm import export_qwen_vl
 
-    export_qwen_vl(model, path, image_token_id=tokenizer.placeholder_ids["image"])
+    export_qwen_vl(model, path, image_token_id=tokenizer.placeholder_ids["image"],
+                   token_ids=config_ids(vocab, _QWEN_VL_IDS))
     proc = type(model.encoders["image"]).processor(model.encoders["image"].config)
     transformers.Qwen2VLImageProcessorPil(
         size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels}, patch_size=proc.patch,
@@ -74,11 +124,13 @@ def _is_qwen_vl(variant: str) -> Callable[[OmniModel], bool]:
     return matches
 
 
-def _export_llava(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
-    """The model and its processor's preprocessor_config.json (``export_llava`` writes both)."""
+def _export_llava(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
+    """The model and its processor's settings (``export_llava`` writes both)."""
     from omni.models.hf_vlm import export_llava
 
-    export_llava(model, path, image_token_id=tokenizer.placeholder_ids["image"])
+    image = tokenizer.placeholder_ids["image"]
+    export_llava(model, path, image_token_id=image, token_ids=config_ids(vocab, {}),
+                 processor_tokens={"image_token": vocab.convert_ids_to_tokens(image)})
 
 
 def _is_llava(model: OmniModel) -> bool:
@@ -87,15 +139,18 @@ def _is_llava(model: OmniModel) -> bool:
     return isinstance(model.encoders["image"] if "image" in model.encoders else None, ClipEncoder)
 
 
-def _export_llava_onevision(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
-    """The model and its image processor's settings; the video placeholder is the tokenizer's
-    ``<video>`` when its vocabulary has one (Omni itself writes a video's rows at image
-    placeholders, ``dataloading.media.as_encoder_placeholders``)."""
+def _export_llava_onevision(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
+    """The model and its processor's settings; the video placeholder is the vocabulary's
+    ``<video>`` (-1 without one: Omni itself writes a video's rows at image placeholders,
+    ``dataloading.media.as_encoder_placeholders``)."""
     from omni.models.hf_vlm import export_llava_onevision
 
-    video = tokenizer.encode("<video>")
-    export_llava_onevision(model, path, image_token_id=tokenizer.placeholder_ids["image"],
-                           video_token_id=video[0] if len(video) == 1 else None)
+    image = tokenizer.placeholder_ids["image"]
+    ids = config_ids(vocab, {"video_token_index": "<video>"})
+    video = ids.pop("video_token_index")
+    tokens = {"image_token": vocab.convert_ids_to_tokens(image), **({"video_token": "<video>"} if video >= 0 else {})}
+    export_llava_onevision(model, path, image_token_id=image, video_token_id=video, token_ids=ids,
+                           processor_tokens=tokens)
 
 
 def _is_llava_onevision(model: OmniModel) -> bool:
@@ -104,11 +159,13 @@ def _is_llava_onevision(model: OmniModel) -> bool:
     return isinstance(model.encoders["image"] if "image" in model.encoders else None, LlavaOvEncoder)
 
 
-def _export_llava_next(model: OmniModel, path: str, tokenizer: Tokenizer) -> None:
-    """The model and its image processor's settings (``export_llava_next`` writes both)."""
+def _export_llava_next(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
+    """The model and its processor's settings (``export_llava_next`` writes both)."""
     from omni.models.hf_vlm import export_llava_next
 
-    export_llava_next(model, path, image_token_id=tokenizer.placeholder_ids["image"])
+    image = tokenizer.placeholder_ids["image"]
+    export_llava_next(model, path, image_token_id=image, token_ids=config_ids(vocab, {}),
+                      processor_tokens={"image_token": vocab.convert_ids_to_tokens(image)})
 
 
 def _is_llava_next(model: OmniModel) -> bool:

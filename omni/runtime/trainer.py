@@ -2,8 +2,9 @@
 warmup + cosine, clipping, checkpoints, metrics, and the held-out evaluation at the end.
 
 Fault handling (docs/fault-tolerance.md): non-finite steps are skipped and counted, loss spikes
-logged with their sample ids, a hang watchdog ends a stuck rank, and a collective that times
-out says at which step and phase."""
+logged with their sample ids, a hang watchdog ends a stuck rank, a collective that times
+out says at which step and phase, and Ctrl-C or SIGTERM stops every rank after the same step,
+with a checkpoint there (omni/runtime/stop.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from dataloading.batch import MicroBatch, StepBatch
+from dataloading.errors import DataError
 from omni.errors import UserError
 from omni.models.multimodal import OmniModel
 from omni.runtime.checkpoint import Checkpointer
@@ -37,6 +39,8 @@ from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, r
                                    write_chrome_trace)
 from parallel.data_parallel import all_reduce_sums
 from parallel.grad_norm import local_grad_square_sum, scale_to_max_norm_
+from omni.runtime.stop import (STOP_GRACE_MIN_S, RunStopped, StopNow, StopOnSignal, exit_if_stuck,
+                               interrupted_message, stopped_message)
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
 from parallel.strict_device import StrictDevice, host_read
@@ -145,6 +149,10 @@ class Trainer:
         self.guard = BadStepGuard(trainer_cfg.max_bad_steps)
         self.spikes = SpikeDetector(trainer_cfg.loss_spike_sigmas, trainer_cfg.loss_spike_window)
         self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
+        # Ctrl-C / SIGTERM during fit's loop: a stop after the step every rank agrees on, with a
+        # checkpoint (omni/runtime/stop.py); ``_stopping`` is that agreement, from the step's sums.
+        self._stop = StopOnSignal(announce=layout.is_main)
+        self._stopping = False
         # Host numbers and objects (global counts, sample ids, timelines) go over gloo (None: the
         # default group already is), never through the accelerator.
         self._host = host_group(layout)
@@ -349,7 +357,8 @@ class Trainer:
         step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
         norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
         test_no_host_sync.py holds it to that). ``before_read`` runs just before that read, while
-        a GPU still works through the step."""
+        a GPU still works through the step. A fourth number rides along: whether this rank was
+        asked to stop (a signal); summed over ranks, every rank stops after the same step."""
         ce_parts, aux_parts = self._forward_backward(prepared, length, global_targets)
         mux = self.pm.multiplexer
         self._mux_metrics = mux.step_metrics() if mux is not None else {}  # before the next step's plan
@@ -361,19 +370,22 @@ class Trainer:
         self._phase("optimizer")
         with self._span("optim", "clip and step"):
             params = list(self.pm.parameters())
+            # torch.full, not torch.tensor: a host number becomes a device value without a copy
+            stop = torch.full((), float(self._stop.requested), dtype=torch.float64, device=self.device)
             sums = torch.stack([_device_sum(ce_parts if self._counts_loss() else [], self.device),
                                 _device_sum(aux_parts, self.device),
                                 local_grad_square_sum(params, self.layout.stage_world, self.pm.norm_skip,
-                                                      self.device)])
+                                                      self.device), stop])
             if self.layout.world_size > 1:
-                dist.all_reduce(sums)  # one collective for the loss, the router loss and the norm
+                dist.all_reduce(sums)  # one collective for the loss, the router loss, the norm and the stop
             max_norm = self.clip if self.clip > 0 else math.inf
             scale_to_max_norm_(params, sums[2].sqrt(), max_norm)
             if before_read is not None:
                 with self._host_work():
                     before_read()
             with host_read("the step's losses and gradient norm"):
-                ce_sum, aux_sum, square = sums.tolist()  # the step's one device read
+                ce_sum, aux_sum, square, stops = sums.tolist()  # the step's one device read
+            self._stopping = stops > 0
             loss_value, grad_norm = ce_sum / global_targets, math.sqrt(square)
             lr, group_lrs = self.optim.lr, self.optim.group_lrs()
             # The loss and the norm are the same on every rank (all-reduced), so every rank
@@ -435,8 +447,13 @@ class Trainer:
         for part in self.pm.parts:
             part.train()
         summary = RunSummary()
+        stats: dict = {"skipped": False}
+        self._stop = StopOnSignal(announce=self.layout.is_main, below_bar=self.cfg.progress,
+                                  on_request=self._watch_the_stop)
+        self._stopping = self._loop_done = False
+        self._longest_step_s = 0.0
         try:
-            with self.watchdog:
+            with self.watchdog, self._stop:
                 for step in range(start + 1, last + 1):
                     self._step = step
                     stats = self._guarded(self._one_step, it, step)
@@ -451,24 +468,74 @@ class Trainer:
                     if self.ckpt_cfg.every and step % self.ckpt_cfg.every == 0 and not stats["skipped"]:
                         self._guarded(self._save, step)
                         last_saved = step
+                    if self._stopping:  # every rank read the same sum: all stop after this step
+                        break
+                self._loop_done = True  # (a stop's watch ends here: what follows is the save)
                 bar.close()
                 if self.layout.is_main and self.pm.timeline is not None and self.pm.timeline.enabled:
                     for line in summary.lines():
                         print(f"omni: {line}", flush=True)
-                if self.ckpt_cfg.save_at_end and step > last_saved:
+                # A stop saves too (nothing is saved after a skipped step, though); a signal after
+                # the last step's sum stops before the final evaluation, the end saved as usual.
+                stopping = self._stopping or self._stop.requested
+                saves = self.ckpt_cfg.save_at_end or (stopping and self.ckpt_cfg.every > 0)
+                if saves and step > last_saved and not stats["skipped"]:
                     self._guarded(self._save, step)
+                    last_saved = step
                 self._guarded(self.checkpointer.close)
         except NonFiniteSteps:
             self.checkpointer.close()  # a save in flight holds the last good state: finish it
             self.metrics.close(failed=True)
             raise
-        except BaseException:
+        except BaseException as exc:
             self.metrics.close(failed=True)  # the trackers' runs end as failed, not left running
+            stopped = self._stopped_by_signal(exc)
+            if stopped is not None:
+                raise stopped from None
             raise
+        if stopping:
+            self.metrics.close()
+            raise RunStopped(self._stopped_line(step, last_saved, stats["skipped"]), self._stop.signum)
         finished = step >= self.cfg.max_steps
         accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None
         self.metrics.close()
         return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy, skipped_steps=self.guard.skipped)
+
+    def _watch_the_stop(self, signum: int) -> None:
+        """On the first signal: a rank that then makes no progress for a few step times (a peer
+        gone, a hang) ends at once instead of holding the signal until torchrun kills it."""
+        grace = max(STOP_GRACE_MIN_S, 3.0 * self._longest_step_s)
+        exit_if_stuck(signum, lambda: self.watchdog._now, lambda: self._stopping or self._loop_done, grace,
+                      self.layout.rank)
+
+    def _newest_checkpoint(self) -> Path | None:
+        done = self.checkpointer.completed()
+        return done[-1] if done else None
+
+    def _stopped_line(self, step: int, last_saved: int, skipped: bool) -> str:
+        """The last line of a run stopped by a signal after ``step``."""
+        newest = self._newest_checkpoint()
+        saved = newest if last_saved == step and newest is not None and newest.name.endswith(f"_{step:08d}") \
+            else None
+        why = (f"step {step} was skipped, and nothing is saved after a skipped step" if skipped else
+               "checkpoint.every=0 and checkpoint.save_at_end=false: this run saves none")
+        return stopped_message(self._stop.signum, step, saved, newest, self.ckpt_cfg.resume, why)
+
+    def _stopped_by_signal(self, exc: BaseException) -> RunStopped | None:
+        """What ``exc`` means once a signal came: a second signal stops at once (the line says
+        what is lost); a collective that fails after the first one (torchrun signals every rank
+        when one of them has ended, and a peer may be gone already) ends the run as stopped.
+        A user error stays one."""
+        if self._stop.second is not None or isinstance(exc, StopNow):
+            second = self._stop.second or exc.signum
+            return RunStopped(interrupted_message(self._stop.signum or second, second, self._step,
+                                                  self._newest_checkpoint(), self.ckpt_cfg.resume), second)
+        if self._stop.requested and not isinstance(exc, (UserError, DataError, KeyboardInterrupt, SystemExit)):
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            why = f"a collective or save failed after the signal; another rank may have ended first: {first}"
+            return RunStopped(stopped_message(self._stop.signum, self._step, None, self._newest_checkpoint(),
+                                              self.ckpt_cfg.resume, why, during=True), self._stop.signum)
+        return None
 
     def _one_step(self, it, step: int) -> dict:
         """Fetch, train, log and judge one step; returns its stats (``skipped`` included). The
@@ -492,6 +559,7 @@ class Trainer:
         self._phase("logging")
         stats.update(self._step_profile(step, timed))
         dt = time.perf_counter() - t0
+        self._longest_step_s = max(self._longest_step_s, dt)
         tokens = inputs.global_tokens
         bad = stats["skipped"]
         spike = None if bad else self.spikes.check(stats["loss"])

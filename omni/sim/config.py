@@ -91,6 +91,13 @@ class SimDataConfig:
     audio_tokens: List[int] = field(default_factory=lambda: [250, 1500])  # per clip, log-uniform
     # Mean text tokens around a media sample's items (prompt, caption, answer), log-normal.
     media_text_tokens: int = 256
+    # The encoder settings the sizes above assume, slot -> {param: value} (a workload's ViT:
+    # its spatial merge and patch budget). Each goes to encoders.<slot>.params where the slot's
+    # tower has that param and the command line does not set it; where the tower has no such
+    # param it is skipped with one line, and the tower sizes the media in its own terms
+    # (EncoderAnchor.simulated_item / simulated_clip: an image of n patches is what its
+    # processor makes of n of its patches, e.g. anyres tiles or one fixed square).
+    encoder_params: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     # How the planner arranges a step over DP ranks and micro-batches (data.balance in training).
     balance: str = "balanced"
     # source=mixture: as training's data.over_budget (error, truncate, split, skip).

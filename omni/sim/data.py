@@ -15,8 +15,11 @@ Two sources (``data.source``):
   index exactly as ``omni train`` would draw them (no shard is opened); ``data.run_steps``
   spreads the simulated steps over the run, so the mixture's curriculum applies.
 
-A media item's encoder tokens (``MicroBatchWork.media``) and the LLM tokens it occupies (part of
-``MicroBatchWork.docs``) are separate quantities, related by ``llm_tokens`` alone.
+A media item is (modality, encoder tokens, LLM rows) (``MicroBatchWork.media``): what the tower
+runs and what the LLM sees of it (part of ``MicroBatchWork.docs``). ``source=lengths`` asks the
+tower for both (``EncoderAnchor.simulated_item`` / ``simulated_clip``: a tower in its own terms,
+e.g. anyres tiles and their newlines); ``source=mixture`` has the rows from the index and the
+tokens by ``encoder_tokens``.
 """
 from __future__ import annotations
 
@@ -41,27 +44,22 @@ EXPECTATION_DRAWS = 1 << 15
 EXPECTATION_SEED = 20240518
 
 
-def llm_tokens(spec: ModelSpec, modality: str, encoder_tokens):
-    """LLM tokens a media item of ``encoder_tokens`` encoder tokens occupies (ints or arrays):
-    one per ``tokens_per_row`` (the projector's spatial merge joins that many neighbours)."""
-    return encoder_tokens // spec.encoders[modality].tokens_per_row
-
-
 def encoder_tokens(spec: ModelSpec, modality: str, rows):
-    """The encoder tokens behind ``rows`` LLM placeholders (the inverse of ``llm_tokens``)."""
+    """The encoder tokens behind ``rows`` LLM placeholders of an indexed item (source=mixture:
+    the index counts rows): ``tokens_per_row`` each (the projector's spatial merge)."""
     return rows * spec.encoders[modality].tokens_per_row
 
 
-def media_rows(spec: ModelSpec, media) -> list[tuple[str, int]]:
-    """(modality, encoder tokens) items as the shared cost model and the planners count them:
-    by their LLM placeholders."""
-    return [(m, int(llm_tokens(spec, m, n))) for m, n in media]
+def media_rows(media) -> list[tuple[str, int]]:
+    """(modality, encoder tokens, LLM rows) items as the shared cost model and the planners
+    count them: by their LLM placeholders."""
+    return [(m, int(rows)) for m, _, rows in media]
 
 
 @dataclass
 class MicroBatchWork:
     docs: list[int] = field(default_factory=list)  # LLM document lengths (text + media tokens)
-    media: list[tuple[str, int]] = field(default_factory=list)  # (modality, encoder tokens)
+    media: list[tuple[str, int, int]] = field(default_factory=list)  # (modality, encoder tokens, LLM rows)
 
     @property
     def tokens(self) -> int:
@@ -76,31 +74,33 @@ class StepWork:
     # at run_fraction; source=mixture: the realised share of the planner's step).
     image_ratio: float | None = None
     run_fraction: float | None = None  # where in the run the step sits (None: no schedule / run_steps)
+    samples: int = 0  # the step's samples, and how many of them carry media (for the report)
+    media_samples: int = 0
 
     def tokens(self) -> int:
         return sum(mb.tokens for g in self.groups for mb in g)
 
-    def media(self) -> list[tuple[str, int]]:
+    def media(self) -> list[tuple[str, int, int]]:
         return [it for g in self.groups for mb in g for it in mb.media]
 
     def docs(self) -> list[int]:
         return [d for g in self.groups for mb in g for d in mb.docs]
 
 
-def media_llm_tokens(spec: ModelSpec, media) -> int:
-    """LLM tokens of (modality, encoder tokens) items."""
-    return int(sum(llm_tokens(spec, m, n) for m, n in media))
+def media_llm_tokens(media) -> int:
+    """LLM tokens of (modality, encoder tokens, LLM rows) items."""
+    return int(sum(rows for _, _, rows in media))
 
 
-def sample_media_share(spec: ModelSpec, work: MicroBatchWork) -> float:
+def sample_media_share(work: MicroBatchWork) -> float:
     """The share of a sample's (or micro-batch's) LLM tokens that come from media."""
-    return media_llm_tokens(spec, work.media) / work.tokens if work.tokens else 0.0
+    return media_llm_tokens(work.media) / work.tokens if work.tokens else 0.0
 
 
-def step_media_share(spec: ModelSpec, step: StepWork) -> float:
+def step_media_share(step: StepWork) -> float:
     """The share of a step's LLM tokens that come from media (what image_ratio sets in expectation)."""
     total = step.tokens()
-    return media_llm_tokens(spec, step.media()) / total if total else 0.0
+    return media_llm_tokens(step.media()) / total if total else 0.0
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -227,8 +227,10 @@ def draw_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int = 1) 
     rng = np.random.default_rng(cfg.seed)
     steps = []
     for fraction, ratio in step_ratios(cfg):
-        step = _arrange(model.draw(ratio, cfg.global_batch_size, rng), cfg, spec, dp, multiple)
+        samples = model.draw(ratio, cfg.global_batch_size, rng)
+        step = _arrange(samples, cfg, spec, dp, multiple)
         step.image_ratio, step.run_fraction = ratio, fraction
+        step.samples, step.media_samples = len(samples), sum(1 for s in samples if s.media)
         steps.append(step)
     return steps
 
@@ -274,8 +276,8 @@ class SampleModel:
         self.text_only_mean = float(self._text_only(EXPECTATION_DRAWS, rng).mean())
         self._draws = {}
         for kind in self.kinds:
-            sizes, keep = self._media(kind, EXPECTATION_DRAWS, rng)
-            self._draws[kind] = _KindDraws(self._media_llm(kind, sizes, keep), rng.standard_normal(EXPECTATION_DRAWS))
+            items = self._media(kind, EXPECTATION_DRAWS, rng)
+            self._draws[kind] = _KindDraws(items.llm(), rng.standard_normal(EXPECTATION_DRAWS))
         self.media_mean = sum(w * self._draws[k].media.mean() for k, w in self.kinds.items())
 
     # -- the solve -----------------------------------------------------------------------------
@@ -317,11 +319,12 @@ class SampleModel:
             samples[i] = MicroBatchWork([int(length)], [])
         for k, kind in enumerate(kinds):
             where = np.flatnonzero(is_media & (kind_of == k))
-            sizes, keep = self._media(kind, len(where), rng)
-            llm = self._media_llm(kind, sizes, keep)
+            items = self._media(kind, len(where), rng)
+            llm = items.llm()
             text = self._text_around(llm, rng.standard_normal(len(where)), mix.text_scale)
-            for i, row, k_row, m, t in zip(where, sizes, keep, llm, text):
-                samples[i] = MicroBatchWork([int(m + t)], [(KINDS[kind], int(x)) for x in row[k_row]])
+            for i, tok, rows, k_row, m, t in zip(where, items.tokens, items.rows, items.keep, llm, text):
+                samples[i] = MicroBatchWork([int(m + t)], [(KINDS[kind], int(x), int(r))
+                                                           for x, r in zip(tok[k_row], rows[k_row])])
         return samples
 
     def _text_only(self, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -341,43 +344,60 @@ class SampleModel:
         text = mean * np.exp(sigma * z - sigma ** 2 / 2) if mean > 0 else np.zeros_like(z)
         return np.clip(np.rint(text), 1, self.budget - media_llm)
 
-    def _media(self, kind: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """The items of ``n`` media samples of ``kind``: encoder tokens [n, items] and which of
-        them the sample holds."""
+    def _media(self, kind: str, n: int, rng: np.random.Generator) -> "_Items":
+        """The items of ``n`` media samples of ``kind``, as the tower makes them of the drawn
+        sizes (``EncoderSpec.item`` / ``clip``: its own terms), those that fit kept."""
         cfg = self.cfg
+        e = self.spec.encoders[KINDS[kind]]
         if kind == "video":  # one clip: frames of one size
-            counts = rng.integers(cfg.video_frames[0], cfg.video_frames[1] + 1, n)
-            size = _log_uniform(rng, *cfg.frame_tokens, (n, 1))
-            sizes = np.broadcast_to(size, (n, int(cfg.video_frames[1])))
+            frames = rng.integers(cfg.video_frames[0], cfg.video_frames[1] + 1, n)
+            size = _log_uniform(rng, *cfg.frame_tokens, (n, 1))[:, 0]
+            counts, tokens, rows = _per_value(e.clip, 3, frames, size)
+            slots = max(1, int(counts.max(initial=1)))
+            tokens = np.broadcast_to(tokens[:, None], (n, slots))
+            rows = np.broadcast_to(rows[:, None], (n, slots))
         else:
             lo, hi = tuple(cfg.images_per_sample) if kind == "multi_image" else (1, 1)
             span = cfg.audio_tokens if kind == "audio" else (cfg.image_tokens_min, cfg.image_tokens_max)
             counts = rng.integers(lo, hi + 1, n)
-            sizes = _log_uniform(rng, *span, (n, hi))
-        # whole merge groups (a processor's grid is a whole number of them)
-        k = self.spec.encoders[KINDS[kind]].tokens_per_row if KINDS[kind] in self.spec.encoders else 1
-        sizes = np.maximum(k, np.rint(sizes / k) * k)
-        return self._fit(KINDS[kind], sizes, counts)
+            tokens, rows = _per_value(e.item, 2, _log_uniform(rng, *span, (n, hi)))
+        return self._fit(tokens, rows, counts)
 
-    def _media_llm(self, kind: str, sizes: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """Media LLM tokens per sample."""
-        return (llm_tokens(self.spec, KINDS[kind], sizes) * keep).sum(axis=1).astype(float)
-
-    def _fit(self, modality: str, sizes: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _fit(self, tokens: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> "_Items":
         """Keep each sample's first ``count`` items that fit its micro-batch with one text token;
-        a first item too large alone is shrunk to fit (a processor would downscale it)."""
+        a first item too large alone is shrunk to fit (a processor would downscale it: its
+        encoder tokens per row kept)."""
         room = self.budget - 1
-        sizes = sizes.astype(np.int64)  # a copy: the video sizes are a broadcast view
-        big = llm_tokens(self.spec, modality, sizes[:, 0]) > room
-        sizes[big, 0] = _largest_fitting(self.spec, modality, room)
-        used = np.cumsum(llm_tokens(self.spec, modality, sizes), axis=1)
-        keep = (np.arange(sizes.shape[1])[None, :] < counts[:, None]) & (used <= room)
-        return sizes, keep
+        tokens, rows = tokens.astype(np.int64), rows.astype(np.int64)  # copies: the video's are broadcast views
+        big = rows[:, 0] > room
+        tokens[big, 0] = np.maximum(1, tokens[big, 0] * room // rows[big, 0])
+        rows[big, 0] = room
+        used = np.cumsum(rows, axis=1)
+        keep = (np.arange(rows.shape[1])[None, :] < counts[:, None]) & (used <= room)
+        return _Items(tokens, rows, keep)
 
 
-def _largest_fitting(spec: ModelSpec, modality: str, room: int) -> int:
-    """The most encoder tokens whose LLM tokens fit ``room``: whole merge groups."""
-    return int(encoder_tokens(spec, modality, max(1, room)))
+@dataclass
+class _Items:
+    """Media items of drawn samples, [sample, slot]: encoder tokens, LLM rows, and which the sample holds."""
+
+    tokens: np.ndarray
+    rows: np.ndarray
+    keep: np.ndarray
+
+    def llm(self) -> np.ndarray:
+        """Media LLM tokens per sample."""
+        return (self.rows * self.keep).sum(axis=1).astype(float)
+
+
+def _per_value(fn, outputs: int, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``fn`` (a tower's answer, ``outputs`` numbers) of every element of ``arrays`` (same
+    shape), asked once per distinct value: the draws repeat few sizes, and a tower answers in Python."""
+    keys = np.stack([np.asarray(a, dtype=np.int64).ravel() for a in arrays], axis=1)
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    answers = np.asarray([fn(*(int(v) for v in key)) for key in unique], dtype=np.int64).reshape(len(unique), outputs)
+    shape = np.shape(arrays[0])
+    return tuple(answers[inverse.ravel(), j].reshape(shape) for j in range(outputs))
 
 
 def _log_uniform(rng: np.random.Generator, lo: int, hi: int, shape) -> np.ndarray:
@@ -390,7 +410,7 @@ def _lognormal_mu(mean: float, sigma: float) -> float:
 
 
 def _arrange(samples: list[MicroBatchWork], cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) -> StepWork:
-    costs = np.asarray([spec.cost.sample_cost(s.docs, media_rows(spec, s.media)) for s in samples])
+    costs = np.asarray([spec.cost.sample_cost(s.docs, media_rows(s.media)) for s in samples])
     tokens = np.asarray([s.tokens for s in samples], dtype=np.int64)
     arr = arrange(costs, tokens, dp, cfg.micro_batch_tokens, cfg.balance, multiple=multiple)
     groups = [[MicroBatchWork([d for i in mb for d in samples[i].docs], [it for i in mb for it in samples[i].media])
@@ -422,10 +442,13 @@ def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) 
         plan = planner.plan(step)
         # the index counts an item by its placeholders; a simulated step by its encoder tokens
         groups = [[MicroBatchWork([plan.unit_tokens[u] for u in mb],
-                                  [(m, int(encoder_tokens(spec, m, n))) for u in mb for m, n in planner.unit_media(u)])
+                                  [(m, int(encoder_tokens(spec, m, n)), int(n)) for u in mb
+                                   for m, n in planner.unit_media(u)])
                    for mb in rank] for rank in plan.ranks]
         work = StepWork(groups, float(plan.stats["max_over_mean"]))
-        work.image_ratio = step_media_share(spec, work)
+        work.image_ratio = step_media_share(work)
+        units = [u for rank in plan.ranks for mb in rank for u in mb]
+        work.samples, work.media_samples = len(units), sum(1 for u in units if planner.unit_media(u))
         work.run_fraction = (i + 0.5) / cfg.steps if cfg.run_steps else None
         steps.append(work)
     return steps

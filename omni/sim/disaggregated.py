@@ -25,7 +25,12 @@ def pool_candidates(cfg: SimConfig) -> list[int]:
     mp = p.tp * p.pp * p.cp * p.dp_replicate
     world = cfg.cluster.num_gpus
     if not cfg.sim.encoder_gpus:
-        return [k * mp for k in range(1, max(1, world // (2 * mp)) + 1) if k * mp < world] or [mp]
+        sizes = [k * mp for k in range(1, max(1, world // (2 * mp)) + 1) if k * mp < world]
+        if not sizes:  # a pool of one group would leave the LLM no GPU
+            raise ConfigError(f"disaggregated: tp x pp x cp x dp_replicate = {mp} of cluster.num_gpus={world} leaves "
+                              f"no whole model-parallel group for an encoder pool; drop disaggregated from "
+                              f"sim.placements or simulate more GPUs")
+        return sizes
     e = cfg.sim.encoder_gpus
     if e % mp or not 0 < e < world:
         raise ConfigError(f"sim.encoder_gpus={e} must be a positive multiple of tp x pp x cp x dp_replicate = {mp} "

@@ -23,7 +23,7 @@ from omni.multiplex.bubbles import BubbleCall, select_bubble_items
 from omni.multiplex.planning import ItemMeta, assign_items
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.rules import chunks_per_call
-from omni.sim.data import MicroBatchWork, llm_tokens
+from omni.sim.data import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, CommGroup, EncoderWork, Machine, encoder_work
@@ -74,10 +74,10 @@ def chunk_items(mb: MicroBatchWork, group: int, spec: ModelSpec) -> list[ItemMet
     placeholders), ``units`` its encoder tokens (what the encoder runs)."""
     counters: dict[str, int] = {}
     out = []
-    for modality, tokens in mb.media:
+    for modality, tokens, rows in mb.media:
         k = counters.get(modality, 0)
         counters[modality] = k + 1
-        out.append(ItemMeta(group, modality, k, int(llm_tokens(spec, modality, tokens)), int(tokens)))
+        out.append(ItemMeta(group, modality, k, int(rows), int(tokens)))
     return out
 
 
@@ -151,26 +151,26 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
                          sp_modalities=sp_modalities, eligible=allowed, item_bytes=item_bytes,
                          memory_limit=memory_limit, base_loads=carried)
         carried = a.loads
-        # (modality, encoder tokens, sp, group)
-        per_gpu: list[list[tuple[str, int, int, int]]] = [[] for _ in range(world)]
+        # (modality, encoder tokens, sp, group, LLM rows)
+        per_gpu: list[list[tuple[str, int, int, int, int]]] = [[] for _ in range(world)]
         for it in items:
             if it.key in a.placed:
-                per_gpu[a.placed[it.key]].append((it.modality, it.units, 1, it.group))
+                per_gpu[a.placed[it.key]].append((it.modality, it.units, 1, it.group, it.tokens))
             else:
                 for r in a.block(a.block_of[it.key]):
-                    per_gpu[r].append((it.modality, it.units, sp, it.group))
+                    per_gpu[r].append((it.modality, it.units, sp, it.group, it.tokens))
         called = sorted({it.modality for it in items})
         fwd, bwd, act, sent, trades = [], [], [], [], []
         for r, work in enumerate(per_gpu):
-            trades.append(sorted({g for _, _, _, g in work}))
-            w = encoder_work(m, spec, [(mod, t, s_) for mod, t, s_, _ in work], gpus_per_node)
+            trades.append(sorted({g for _, _, _, g, _ in work}))
+            w = encoder_work(m, spec, [(mod, t, s_) for mod, t, s_, _, _ in work], gpus_per_node)
             idle = [empty_call(m, spec, mod) for mod in called if mod not in {x[0] for x in work}]
             fwd.append(w.forward_s + sum(x.forward_s for x in idle))
             bwd.append(w.backward_s + sum(x.backward_s for x in idle))
-            act.append(sum(encoder_activation_bytes(spec, mod, t, sp=s_) for mod, t, s_, _ in work))
+            act.append(sum(encoder_activation_bytes(spec, mod, t, sp=s_) for mod, t, s_, _, _ in work))
             # Features come from the item's own group unless this GPU holds them already.
-            feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g in work if g != group_of[r])
-            rows = sum(t / s_ / spec.encoders[mod].tokens_per_row for mod, t, s_, _ in work)
+            feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g, _ in work if g != group_of[r])
+            rows = sum(n / s_ for _, _, s_, _, n in work)
             sent.append((feat, rows * spec.hidden * BF16))
         if p2p:
             feat_s, out_s = _p2p_exchange(m, spec, per_gpu, node, group_node, receivers)
@@ -187,7 +187,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
     return out
 
 
-def _p2p_exchange(m: Machine, spec: ModelSpec, per_gpu: list[list[tuple[str, int, int, int]]], node: list[int],
+def _p2p_exchange(m: Machine, spec: ModelSpec, per_gpu: list[list[tuple[str, int, int, int, int]]], node: list[int],
                   group_node: dict[int, int], receivers: int) -> tuple[float, float]:
     """(feature, output) exchange times of one call with ``multiplex.exchange=p2p``: each GPU
     receives its items' features from their group's first-stage GPUs and sends their rows
@@ -202,10 +202,10 @@ def _p2p_exchange(m: Machine, spec: ModelSpec, per_gpu: list[list[tuple[str, int
     recv: dict[int, list[float]] = {}  # group -> [local, remote] row bytes its receivers take in
     for r, work in enumerate(per_gpu):
         f_loc = f_rem = o_loc = o_rem = 0.0
-        for mod, t, s_, g in work:
+        for mod, t, s_, g, n in work:
             local = group_node[g] == node[r]
             fb = t / s_ * spec.encoders[mod].feature_bytes_per_token
-            ob = t / s_ / spec.encoders[mod].tokens_per_row * spec.hidden * BF16
+            ob = n / s_ * spec.hidden * BF16
             if local:
                 f_loc, o_loc = f_loc + fb, o_loc + ob
             else:
@@ -285,22 +285,23 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
     out = []
     for call in calls:
         times = BubbleTimes(call, modalities=sorted({m_ for (_, m_, _, _) in call.placed}))
-        per_gpu: dict[int, list[tuple[str, int, int]]] = {i: [] for i, s in enumerate(member_stage) if s == call.stage}
+        per_gpu: dict[int, list[tuple[str, int, int, int]]] = {i: [] for i, s in enumerate(member_stage)
+                                                               if s == call.stage}
         rows_of = {(j, it.modality, it.group, it.index): it.tokens for j, its in enumerate(items) for it in its}
         tokens_of = {(j, it.modality, it.group, it.index): it.units for j, its in enumerate(items) for it in its}
         for key, i in call.placed.items():
-            per_gpu[i].append((key[1], tokens_of[key], key[2]))
+            per_gpu[i].append((key[1], tokens_of[key], key[2], rows_of[key]))
         cells: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
         sent: dict[int, list[float]] = {}
         crosses: dict[int, bool] = {}
         for i, work in per_gpu.items():
-            w = encoder_work(m, spec, [(mod, t, 1) for mod, t, _ in work], gpus_per_node)
+            w = encoder_work(m, spec, [(mod, t, 1) for mod, t, _, _ in work], gpus_per_node)
             idle = [empty_call(m, spec, mod) for mod in times.modalities if mod not in {x[0] for x in work}]
             fwd = w.forward_s + sum(x.forward_s for x in idle)
             bwd = w.backward_s + sum(x.backward_s for x in idle)
-            act = sum(encoder_activation_bytes(spec, mod, t) for mod, t, _ in work)
+            act = sum(encoder_activation_bytes(spec, mod, t) for mod, t, _, _ in work)
             cells.setdefault((group_of[i], call.stage), []).append((fwd, bwd, act))
-            rows = sum(t / spec.encoders[mod].tokens_per_row for mod, t, _ in work) * spec.hidden * BF16
+            rows = sum(n for _, _, _, n in work) * spec.hidden * BF16
             if rows:
                 far = node[i] != group_node[group_of[i]]
                 sent.setdefault(group_of[i], []).append(m.p2p(rows, far))

@@ -74,7 +74,7 @@ class EncoderPass:
         return self.compute_s + self.comm_s
 
 
-def tp_rank_encoder_compute(m: Machine, spec: ModelSpec, media: list[tuple[str, int]], tp: int,
+def tp_rank_encoder_compute(m: Machine, spec: ModelSpec, media: list[tuple[str, int, int]], tp: int,
                             gpus_per_node: int) -> tuple[float, float]:
     """(forward, backward) compute of one TP rank encoding ``media`` (whole items) with the
     encoder TP-split over ``tp`` GPUs.
@@ -84,7 +84,7 @@ def tp_rank_encoder_compute(m: Machine, spec: ModelSpec, media: list[tuple[str, 
     so it is ``encoder_work`` on a machine whose per-op overhead is tp times larger, divided by
     tp. (A ``tp`` argument of ``encoder_work`` would say this directly.)"""
     launch_tp = Machine(dataclasses.replace(m.cluster, op_overhead_us=m.cluster.op_overhead_us * tp))
-    w = encoder_work(launch_tp, spec, [(mod, n, 1) for mod, n in media], gpus_per_node)
+    w = encoder_work(launch_tp, spec, [(mod, n, 1) for mod, n, _ in media], gpus_per_node)
     return w.forward_s / tp, w.backward_s / tp
 
 
@@ -101,9 +101,9 @@ def micro_batch_passes(m: Machine, spec: ModelSpec, mb: MicroBatchWork, tp: int,
     fwd_compute, bwd_compute = tp_rank_encoder_compute(m, spec, mb.media, tp, gpus_per_node)
     fwd_comm = bwd_comm = 0.0
     tp_group = CommGroup.strided(tp, 1, gpus_per_node)  # TP innermost: consecutive ranks
-    for modality in sorted({mod for mod, _ in mb.media}):
+    for modality in sorted({mod for mod, _, _ in mb.media}):
         e = spec.encoders[modality]
-        tokens = sum(n for mod, n in mb.media if mod == modality)  # one batched call per encoder
+        tokens = sum(n for mod, n, _ in mb.media if mod == modality)  # one batched call per encoder
         comm = e.num_layers * tp_layer_comm(m, BF16 * tokens * e.hidden, tp_group)
         fwd_comm += comm
         # a frozen encoder runs no backward; a recomputed one reruns the forward's collectives
@@ -187,7 +187,7 @@ def first_stage_encoder(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Size
             if not mb.media:
                 continue
             out.forward[(g, i)], out.backward[(g, i)] = micro_batch_passes(m, spec, mb, tp, gpn)
-            out.activation[(g, i)] = sum(mem.encoder_activation_bytes(spec, mod, n, sp=tp) for mod, n in mb.media)
+            out.activation[(g, i)] = sum(mem.encoder_activation_bytes(spec, mod, n, sp=tp) for mod, n, _ in mb.media)
     if not spec.encoders:
         return out
     out.static = encoder_static_memory(cfg, spec, tp, dp)

@@ -150,8 +150,8 @@ def encoder_static_memory(spec: ModelSpec, modality: str, *, shard: int = 1, mas
     out.optimizer = trained / shard * optimizer_bytes_per_param
     if shard > 1 and gather_whole:
         out.gathered = e.params * compute_bytes
-    elif shard > 1:  # gathered one transformer layer at a time, plus the prefetched one
-        out.gathered = 2.0 * e.params / max(1, e.num_layers) * compute_bytes
+    elif shard > 1:  # gathered one FSDP unit (a layer, or the whole tower) at a time, plus the prefetched one
+        out.gathered = min(2.0 / max(1, e.fsdp_units), 1.0) * e.params * compute_bytes
     elif compute_bytes != master_bytes:
         # Autocast casts of trainable weights are saved for backward; a frozen encoder's are
         # used and dropped one op at a time.

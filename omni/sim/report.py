@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni.sim.workload import workload_lines
+
 
 def describe_layout(layout: dict[str, Any]) -> str:
     parts = [f"{k}{layout[k]}" for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -20,6 +22,7 @@ def placement_table(result: dict[str, Any]) -> str:
     lines = [f"{result.get('name', 'simulate')}: LLM {model['llm_params_b']:.1f}B + {enc} on {cluster['num_gpus']} x "
              f"{cluster['name']} ({cluster['gpus_per_node']}/node); layout {describe_layout(result['layout'])}, "
              f"{result['layout']['micro_batches']} micro-batches per DP rank",
+             *(workload_lines(result["workload"]) if "workload" in result else []),
              "(simulated: roofline op times with the cluster's efficiency factors; see docs/simulate.md)", ""]
     places = result["placements"]
     # Speed-ups over Megatron-LM's own layout when it is simulated (the baseline the paper
@@ -70,7 +73,8 @@ def placement_table(result: dict[str, Any]) -> str:
 def plan_table(result: dict[str, Any], name: str) -> str:
     cl = result["cluster"]
     lines = [f"{name}: {result['searched']} layouts searched, {result['simulated']} simulated on {cl['num_gpus']} x "
-             f"{cl['name']} ({result['placement']} placement; simulated, see docs/simulate.md)", ""]
+             f"{cl['name']} ({result['placement']} placement; simulated, see docs/simulate.md)",
+             *(workload_lines(result["workload"]) if "workload" in result else []), ""]
     head = f"{'#':<3}{'layout':<58}{'sp':>3}{'cut':>4}{'ckpt':>10}{'tokens':>8}{'step s':>9}{'tokens/s':>11}{'MFU':>7}{'mem GiB':>9}"
     lines += [head, "-" * len(head)]
     for i, r in enumerate(result["ranked"], 1):

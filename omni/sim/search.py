@@ -19,9 +19,7 @@ bubble, more exposed communication, or more compute (recomputation).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -29,9 +27,11 @@ from typing import Any
 from omni.errors import ConfigError
 from omni.sim.config import SimConfig
 from omni.sim.data import StepWork
+from omni.sim.once import Warnings
 from omni.sim.simulate import check_encoder_sp, llm_sizes, simulate_placement
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import Machine
+from omni.sim.workload import describe_workload
 from parallel.sizing import LayoutError
 
 CHECKPOINTS = ("none", "selective", "full")
@@ -93,10 +93,11 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
     top_k = top_k or cfg.sim.top_k
     rejected: list[dict[str, Any]] = []
     valid = []
+    warned = Warnings()  # the layout checks' warnings, said once after the search
     for layout in candidates(cfg, spec):
         c = with_layout(cfg, layout)
         try:
-            with contextlib.redirect_stderr(io.StringIO()):  # cross-node warnings, once per candidate: too many
+            with warned.of(_key(layout)):
                 llm_sizes(c.parallel, cfg.cluster.num_gpus, spec, layout["micro_batch_tokens"],
                           cfg.cluster.gpus_per_node)
             if layout["pp"] > 1 and layout["pp_virtual_stages"] > 1 and cfg.data.global_batch_size < layout["pp"]:
@@ -118,7 +119,8 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
         if progress:
             progress(n, len(valid))
         c1 = dataclasses.replace(c, data=one_step, sim=fixed_groups)
-        res = simulate_placement(c1, spec, machine, placement, caches.setdefault(layout["micro_batch_tokens"], {}))
+        with warned.of(_key(layout)):
+            res = simulate_placement(c1, spec, machine, placement, caches.setdefault(layout["micro_batch_tokens"], {}))
         if not res["fits"]:
             m = res["memory_gib"]
             rejected.append({"layout": layout, "reason": "out of memory",
@@ -137,20 +139,20 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
         for sp in _sp_sizes(spec, cfg.cluster.gpus_per_node):
             lay = {**layout, "encoder_sp": sp}
             try:
-                check_encoder_sp(with_layout(cfg, lay), llm_sizes(c.parallel, cfg.cluster.num_gpus, spec,
-                                                                  lay["micro_batch_tokens"], cfg.cluster.gpus_per_node),
-                                 placement)
+                with warned.of(_key(layout)):
+                    check_encoder_sp(with_layout(cfg, lay), llm_sizes(c.parallel, cfg.cluster.num_gpus, spec,
+                                                                      lay["micro_batch_tokens"],
+                                                                      cfg.cluster.gpus_per_node), placement)
             except ConfigError:
                 continue
-            res = simulate_placement(dataclasses.replace(with_layout(cfg, lay), sim=searched_groups), spec, machine,
-                                     placement, full_caches.setdefault(lay["micro_batch_tokens"], {}))
+            with warned.of(_key(layout)):
+                res = simulate_placement(dataclasses.replace(with_layout(cfg, lay), sim=searched_groups), spec,
+                                         machine, placement, full_caches.setdefault(lay["micro_batch_tokens"], {}))
             lay["chunks_per_cut"] = res["layout"]["chunks_per_cut"]
             lay["fill_bubbles"] = res["layout"].get("fill_bubbles", lay["fill_bubbles"])
             if sp > 1 and res["long_items"] == 0:
                 continue  # nothing to split: the same layout as sp=1
-            key = (tuple(sorted((k, str(v)) for k, v in layout.items()
-                                if k not in ("encoder_sp", "chunks_per_cut", "fill_bubbles"))),
-                   round(res["step_time_s"], 9))
+            key = (_key(layout), round(res["step_time_s"], 9))
             if key in seen:
                 continue  # no different from a variant already kept (e.g. no media to group)
             seen.add(key)
@@ -166,10 +168,18 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
     counts: dict[str, int] = {}
     for r in rejected:
         counts[r["reason"]] = counts.get(r["reason"], 0) + 1
-    return {"placement": placement, "searched": len(valid) + sum(1 for r in rejected if r["reason"] == "invalid"),
+    searched = len(valid) + sum(1 for r in rejected if r["reason"] == "invalid")
+    return {"placement": placement, "searched": searched,
             "simulated": len(scored) + sum(1 for r in rejected if r["reason"] == "out of memory"),
             "ranked": ranked, "rejected_counts": counts, "rejected": rejected,
-            "cluster": dataclasses.asdict(cfg.cluster)}
+            "cluster": dataclasses.asdict(cfg.cluster), "warnings": warned.lines(f"of the {searched} layouts searched"),
+            "workload": describe_workload(cfg, next(iter(full_caches[finalists[0][1]["micro_batch_tokens"]].values())))}
+
+
+def _key(layout: dict[str, Any]) -> tuple:
+    """A candidate layout's identity, whatever encoder SP size and chunk grouping it is tried with."""
+    return tuple(sorted((k, str(v)) for k, v in layout.items() if k not in ("encoder_sp", "chunks_per_cut",
+                                                                            "fill_bubbles")))
 
 
 def _sp_sizes(spec: ModelSpec, node: int) -> list[int]:
@@ -181,7 +191,7 @@ def _sp_sizes(spec: ModelSpec, node: int) -> list[int]:
 
 
 def _brief(res: dict[str, Any]) -> dict[str, Any]:
-    return {k: res[k] for k in ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "fits")} | \
+    return {k: res[k] for k in ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "fits", "decomposition_s")} | \
         {"memory_gib": res["memory_gib"]["total"], "comm_share": _share(res, "comm_s")}
 
 

@@ -37,8 +37,10 @@ from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
 from omni.sim.encoders import (BubbleTimes, ChunkTimes, call_actions, call_of_chunks, chunk_items,
                                item_activation_bytes, plan_bubble_calls, plan_chunks)
 from omni.sim.engine import DECOMPOSITION, StepTimeline, programs, simulate_step
+from omni.sim.once import Warnings
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
+from omni.sim.workload import describe_workload
 from parallel.config import ParallelConfig
 from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
 from parallel.pipeline import microbatch_count, microbatch_multiple, split_layers
@@ -55,11 +57,13 @@ def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> d
         if p not in PLACEMENTS:
             raise ConfigError(f"sim.placements: {p!r} is not one of {', '.join(PLACEMENTS)}")
     check_data(cfg.data, spec)
+    warned = Warnings()  # the layout checks run for every placement and chunk count: their warnings once
     for placement in cfg.sim.placements:  # every mistake is reported before anything runs
         pool = disaggregated_split(cfg) if placement == "disaggregated" else 0
         parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if pool else cfg.parallel
-        sizes = llm_sizes(parallel, cfg.cluster.num_gpus - pool, spec, cfg.data.micro_batch_tokens,
-                          cfg.cluster.gpus_per_node)
+        with warned.of(placement):
+            sizes = llm_sizes(parallel, cfg.cluster.num_gpus - pool, spec, cfg.data.micro_batch_tokens,
+                              cfg.cluster.gpus_per_node)
         if not megatron.is_megatron(placement):  # Megatron runs no encoder SP
             check_encoder_sp(cfg, sizes, placement, pool)
     out: dict[str, Any] = {"model": describe_model(spec), "cluster": dataclasses.asdict(cfg.cluster),
@@ -68,8 +72,12 @@ def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> d
     for placement in cfg.sim.placements:
         if progress:
             progress(placement)
-        out["placements"][placement] = simulate_placement(cfg, spec, machine, placement, cache)
+        with warned.of(placement):
+            out["placements"][placement] = simulate_placement(cfg, spec, machine, placement, cache)
+    out["warnings"] = warned.lines("placements")
     out["layout"] = next(iter(out["placements"].values()))["layout"] if out["placements"] else {}
+    # Every placement draws the same samples (one seed), arranged its own way: any set describes them.
+    out["workload"] = describe_workload(cfg, next(iter(cache.values()), []))
     return out
 
 
@@ -346,7 +354,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         # FSDP2 reduces each encoder layer from its post-backward hook in the step's last
         # encoder backward (replicated weights are all-reduced after it, by ParallelModel).
         last = next((max(c.gpu_backward_s, default=0.0) for c in reversed(chunks) if c.items), 0.0)
-        layers = max((e.num_layers for e in spec.encoders.values()), default=1)
+        layers = max((e.fsdp_units for e in spec.encoders.values()), default=1)
         enc_sync = sync.exposed_behind_backward(enc_sync, last, layers)
     for gi in range(sizes.dp):
         for s in range(pp):

@@ -4,11 +4,13 @@ so a 175B backbone costs nothing to describe and every count is the training cod
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from dataloading.cost import CostModel
+from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.models.llm.config import DecoderConfig
 
@@ -32,6 +34,13 @@ class EncoderSpec:
     # parallel.encoder_activation_checkpoint: none | selective | full (activation_bytes_per_token
     # is what is kept under it; the backward recomputes the rest).
     recompute: str = "none"
+    # Units FSDP gathers one at a time when the weights are sharded (the tower's layers if it
+    # runs sequence-parallel, else the whole tower: omni.multiplex.media_tower.shard's rule).
+    fsdp_units: int = 1
+    # The tower's answers for drawn workloads (EncoderAnchor.simulated_item / simulated_clip):
+    # units -> (encoder tokens, LLM rows); (frames, units) -> (items, tokens, rows) per item.
+    item: Callable[[int], tuple[int, int]] | None = field(default=None, compare=False, repr=False)
+    clip: Callable[[int, int], tuple[int, int, int]] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -65,14 +74,14 @@ class ModelSpec:
     def mfu_flops(self, doc_lengths, media) -> float:
         """Training FLOPs counted for MFU (PaLM / Megatron convention: 6 x active parameters per
         token plus 12 x layers x heads x head_dim per token pair, not halved for causality, no
-        recomputation), LLM and encoders. ``media``: (modality, tokens) items."""
+        recomputation), LLM and encoders. ``media``: (modality, encoder tokens, LLM rows) items."""
         c = self.llm
         active = sum(self.layer_active) + (self.head_params or self.embed_params)  # a tied head is the embedding
         attn = 12.0 * c.num_layers * c.num_heads * c.resolved_head_dim()
         total = 0.0
         for L in doc_lengths:
             total += 6.0 * active * L + attn * L * L
-        for modality, n in media:
+        for modality, n, *_ in media:  # (modality, encoder tokens, LLM rows)
             e = self.encoders[modality]
             # The shared cost model's encoder alpha is the attention term (not halved: encoders
             # attend both ways), beta the linear one: training = 3 x forward.
@@ -97,6 +106,8 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot], encoder_re
     embed = llm.embed_tokens.weight.numel()
     head = 0 if c.tie_word_embeddings else sum(p.numel() for p in llm.lm_head.parameters())
     norm = sum(p.numel() for p in llm.norm.parameters())
+    for modality, enc in model.encoders.items():
+        _ask(enc, modality, "cost_coefficients")  # one line, not a traceback, for a tower without a cost
     cost = default_cost_model(model)
     encoders = {}
     for modality, enc in model.encoders.items():
@@ -108,22 +119,25 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot], encoder_re
         a, b = a / (k * k), b / k
         params = sum(p.numel() for p in enc.parameters()) + sum(p.numel() for p in model.projectors[modality].parameters())
         per_token = enc.activation_bytes(1024, element_bytes=2)
-        heads = enc.attention_heads() if hasattr(enc, "attention_heads") else 1
+        heads, layers, width = (_ask(enc, modality, name) for name in ("attention_heads", "layer_modules",
+                                                                       "feature_width"))
+        if not layers:
+            raise ConfigError(f"encoders: {type(enc).__name__} ({modality}) lists no layers (layer_modules()); the "
+                              f"simulator counts a call's kernels and its weights' FSDP units by them: implement it")
+        sp = bool(getattr(enc, "supports_sequence_parallel", False))
         encoders[modality] = EncoderSpec(
-            modality=modality, num_layers=len(enc.layer_modules()) or 1, hidden=int(enc.output_dim), heads=int(heads),
+            modality=modality, num_layers=len(layers), hidden=int(enc.output_dim), heads=int(heads),
             params=int(params), trainable=any(p.requires_grad for p in enc.parameters()), alpha=float(a), beta=float(b),
-            activation_bytes_per_token=(per_token or 0.0) / 1024.0,
-            feature_bytes_per_token=2.0 * _feature_width(enc),
-            supports_sp=bool(getattr(enc, "supports_sequence_parallel", False)), tokens_per_row=int(k),
-            recompute=encoder_recompute)
+            activation_bytes_per_token=(per_token or 0.0) / 1024.0, feature_bytes_per_token=2.0 * int(width),
+            supports_sp=sp, tokens_per_row=int(k), recompute=encoder_recompute, fsdp_units=len(layers) if sp else 1,
+            item=enc.simulated_item, clip=enc.simulated_clip)
     return ModelSpec(c, cost, layer_params, active, expert, embed, head, norm, encoders, media_processors(model))
 
 
-def _feature_width(enc) -> int:
-    """Values per input unit (a patch's pixels, a frame's mel bins), from the encoder config."""
-    cfg = getattr(enc, "config", None)
-    if cfg is None:
-        return 1
-    if hasattr(cfg, "patch_size"):
-        return int(getattr(cfg, "num_channels", 3)) * int(cfg.patch_size) ** 2
-    return int(getattr(cfg, "num_mel_bins", 1)) * 2
+def _ask(enc, modality: str, name: str):
+    """``enc.name()``, or one line naming the tower and the method it lacks."""
+    try:
+        return getattr(enc, name)()
+    except NotImplementedError:
+        raise ConfigError(f"encoders: {type(enc).__name__} ({modality}) does not implement {name}(), which the "
+                          f"simulator needs (docs/simulate.md, \"What the simulator asks of an encoder\")") from None

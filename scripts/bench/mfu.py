@@ -128,15 +128,15 @@ def synthetic_step(work, processors: dict, vocab: int, step: int, seed: int = 0)
         samples = []
         for d, n in enumerate(mb.docs):
             mine, used = [], 0
-            while items and used + items[0][1] <= n - 1:
+            while items and used + items[0][2] <= n - 1:  # (modality, encoder tokens, LLM rows)
                 mine.append(items.pop(0))
-                used += mine[-1][1]
+                used += mine[-1][2]
             ids = rng.integers(0, vocab, n, dtype=np.int64)
             labels = np.concatenate([ids[1:], [IGNORE_INDEX]]).astype(np.int64)
             media, at = [], 0
-            for modality, k in mine:
+            for modality, tokens, k in mine:
                 proc = processors[modality]
-                gh, gw = _grid(k)
+                gh, gw = _grid(tokens)
                 p = proc.patch_size
                 item = proc(rng.integers(0, 256, (gh * p, gw * p, 3), dtype=np.uint8))
                 assert item.num_tokens == k, (item.num_tokens, k)

@@ -56,8 +56,8 @@ def _video_pixels(frames):
     return ((x - 0.5) / 0.5)[None]
 
 
-@pytest.mark.parametrize("config", [dict(), dict(vision_feature_layer=-2, vision_aspect_ratio="anyres_max_1")],
-                         ids=["ov", "layer-2-shrunk"])
+@pytest.mark.parametrize("config", [dict(), dict(vision_feature_layer=-2, vision_aspect_ratio="anyres_max_1"),
+                                    dict(tile=18)], ids=["ov", "layer-2-shrunk", "tiles-not-whole-patches"])
 def test_a_packed_row_of_images_and_a_video_equals_transformers_each_alone(tmp_path, config):
     hf, tok = save_tiny_llava_onevision(tmp_path, **config)
     ours = _load(tmp_path)
@@ -66,10 +66,12 @@ def test_a_packed_row_of_images_and_a_video_equals_transformers_each_alone(tmp_p
     # 2 x 2 tiles (unpadded to 4 x 8 features), 1 x 2 tiles (an odd padding: 3 rows of image in
     # 4, one row more kept), and a video of 4 frames
     images = [rng.integers(0, 256, size=s, dtype=np.uint8) for s in [(20, 37, 3), (15, 37, 3)]]
-    frames = [rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8) for _ in range(4)]
+    tile = config.get("tile", 16)
+    frames = [rng.integers(0, 256, size=(tile, tile, 3), dtype=np.uint8) for _ in range(4)]
     items = [proc(images[0]), proc(images[1]), proc.video(_Clip(frames))]
     # 16 base tokens, then the tiles' rows with a newline each (shrunk to 2 x 5 by anyres_max_1)
-    assert [it.num_tokens for it in items] == ([16 + 4 * 9, 16 + 4 * 9] if not config else [16 + 2 * 6] * 2) + [17]
+    if tile == 16:
+        assert [it.num_tokens for it in items] == ([16 + 4 * 9, 16 + 4 * 9] if not config else [16 + 2 * 6] * 2) + [17]
     assert [it.num_tokens for it in items[:2]] == [proc.num_tokens_from_meta({"height": i.shape[0], "width": i.shape[1]})
                                                    for i in images]
     assert items[2].num_tokens == proc.num_tokens_from_meta(_Clip(frames).meta)

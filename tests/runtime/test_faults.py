@@ -8,15 +8,23 @@ outside (tests/runtime/fault_launch.py), ends as docs/fault-tolerance.md says:
   (same global batches) and DCP reshards the state; losses equal to the float-sum tolerance;
 - a rank that hangs: its watchdog names rank, step and phase, and the job exits non-zero;
   with the watchdog off, the peer's collective times out and says where it was;
-- a data worker that hangs: the job exits non-zero naming the sample.
+- a data worker that hangs: the job exits non-zero naming the sample;
+- Ctrl-C (SIGINT to torchrun's process group, as a terminal sends it) mid-interval: every rank
+  stops after the same step with a checkpoint there, rank 0 alone says so, and the same command
+  resumes there with the uninterrupted run's losses and samples;
+- a user error under torchrun (an impossible layout, before or after the process group starts):
+  rank 0 prints its `omni: error:` line once, and torchrun's failure report ends with it.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,16 +46,25 @@ pytestmark = pytest.mark.slow
 LIVENESS_S = 600
 
 
-def _launch(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0,
-            timeout: float = LIVENESS_S, **extra) -> subprocess.CompletedProcess:
+def _command(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0,
+             shutdown_s: int | None = None, **extra) -> tuple[list[str], dict]:
+    """``shutdown_s``: torchrun's --shutdown-timeout (how long it waits for the other ranks to
+    stop after one has failed before it kills them; default 30 s)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     env.pop("OMNI_FAULT", None)
     if fault:
         env["OMNI_FAULT"] = fault
+    shutdown = [] if shutdown_s is None else ["--shutdown-timeout", str(shutdown_s)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(restarts), str(LAUNCH), "train",
+           "--max-restarts", str(restarts), *shutdown, str(LAUNCH), "train",
            *tiny_overrides(demo_root, run_dir, **{**RUN, **extra})]
+    return cmd, env
+
+
+def _launch(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0,
+            timeout: float = LIVENESS_S, shutdown_s: int | None = None, **extra) -> subprocess.CompletedProcess:
+    cmd, env = _command(run_dir, demo_root, fault, restarts, shutdown_s, **extra)
     return subprocess.run(cmd, env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout)
 
 
@@ -145,7 +162,9 @@ def test_hung_rank_is_reported_and_the_job_exits(demo_root, tmp_path):
 
 def _error_line(run_dir: Path, demo_root: Path, fault: str, **extra) -> str:
     """Run a job that must fail on its own (not by the test's timeout): its one-line error."""
-    out = _launch(run_dir, demo_root, fault=fault, **{"trainer.max_steps": 3, "checkpoint.every": 0, **extra})
+    # A hung rank holds on to its stop handler until torchrun kills it: 5 s, not 30, after the other failed.
+    out = _launch(run_dir, demo_root, fault=fault, shutdown_s=5,
+                  **{"trainer.max_steps": 3, "checkpoint.every": 0, **extra})
     assert out.returncode != 0, out.returncode
     return next(ln for ln in out.stderr.splitlines() if "omni: error:" in ln)
 
@@ -160,3 +179,71 @@ def test_hung_data_worker_ends_the_job_naming_the_sample(demo_root, tmp_path):
     line = _error_line(tmp_path / "run", demo_root, "worker_hang:0:1",
                        **{"data.num_workers": 1, "data.worker_timeout_s": 4, "trainer.max_steps": 2})
     assert "no step from the data workers in 4 s" in line and "is on sample " in line, line
+
+
+def _worker_tracebacks(output: str) -> list[str]:
+    """Traceback lines from Omni's own code (a worker's), as opposed to torchrun's own."""
+    return [ln for ln in output.splitlines() if ln.strip().startswith('File "') and
+            any(f"{os.sep}{pkg}{os.sep}" in ln for pkg in ("omni", "recipes", "parallel", "dataloading"))]
+
+
+def test_ctrl_c_under_torchrun_stops_every_rank_after_one_step_with_a_checkpoint(reference, demo_root, tmp_path):
+    _, ref_losses, ref_samples = reference
+    run_dir = tmp_path / "run"
+    # A data worker too: it must outlive the signal torchrun forwards to the rank's process group.
+    extra = {"checkpoint.every": 100, "data.num_workers": 1}
+    cmd, env = _command(run_dir, demo_root, **extra)
+    # torchrun in a process group of its own, as a shell runs it; its workers are in sessions of
+    # their own (torchrun starts them so), so the terminal's SIGINT reaches torchrun only, which
+    # forwards it to every worker.
+    proc = subprocess.Popen(cmd, env=env, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + LIVENESS_S
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = proc.communicate(timeout=LIVENESS_S)[0]
+    assert proc.returncode != 0  # torchrun's own status after a signal: 1
+    # rank 0's line; rank 1 stopped at the same step, quietly
+    assert out.count("omni: stopped at step ") == 1, out[-3000:]
+    stopped = [ln for ln in out.splitlines() if ln.startswith("omni: stopped at step ")]
+    step = int(stopped[0].split()[4])
+    assert 1 <= step < STEPS, stopped
+    assert stopped[0].endswith(f"checkpoints/step_{step:08d}; run the same command again to resume from step {step}")
+    assert "omni: interrupted" not in out and "KeyboardInterrupt" not in out and not _worker_tracebacks(out), out
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == [f"step_{step:08d}"], names
+    again = _launch(run_dir, demo_root, **extra)  # the same command
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _resumed_from(again) == [step], again.stdout
+    losses = _losses(run_dir)
+    assert sorted(losses) == sorted(ref_losses)
+    for s in losses:
+        assert losses[s] == pytest.approx(ref_losses[s], rel=1e-5), s
+    assert _samples(run_dir) == ref_samples  # none lost, none repeated
+
+
+@pytest.mark.parametrize("mistake,says", [
+    ({"parallel.tp": 3}, "= 6, but 2 ranks were launched"),  # refused before the process group starts
+    ({"model.init_from": "no/such/run"}, "model.init_from=no/such/run: no such run")],  # after it started
+    ids=["tp3_on_2_ranks", "after_the_group_starts"])
+def test_a_user_error_under_torchrun_is_one_line_that_ends_torchruns_report(demo_root, tmp_path, mistake, says):
+    out = _launch(tmp_path / "run", demo_root, **{"trainer.max_steps": 2, **mistake})
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    # torchrun prints its failure report after the workers are gone, and a worker cannot keep
+    # it from printing; each rank's error file makes the report's root cause end with the line.
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert set(lines[-1]) == {"="}, lines[-3:]
+    line = lines[-2].strip().removeprefix("traceback : ")
+    assert line.startswith("omni: error: ") and says in line, lines[-3:]
+    # Rank 0 prints it; rank 1 exits quietly with the same code (or, should it come second,
+    # torchrun's SIGTERM ends it first): never twice, and no worker traceback.
+    own = [ln for ln in text.splitlines() if ln.startswith("omni: error: ")]
+    printed = sum(ln.count(line) for ln in text.splitlines() if not ln.strip().startswith("traceback : "))
+    assert own in ([line], []) and printed == len(own), text[-3000:]
+    assert not _worker_tracebacks(text), text[-3000:]
+    codes = re.findall(r"exitcode\s+: (-?\d+)", out.stderr)
+    assert codes[-1] == "2" and set(codes) <= {"2", "-15"}, out.stderr[-3000:]  # the root cause comes last

@@ -80,8 +80,8 @@ def test_encoder_compute_per_gpu_scales_as_one_over_tp():
     cfg = load_sim_config([*SMALL, "cluster.op_overhead_us=0"])
     spec = model_spec(cfg.model, cfg.encoders)
     m = Machine(cfg.cluster)
-    media = [("image", 48), ("image", 64), ("image", 20)]
-    whole = encoder_work(m, spec, [(mod, n, 1) for mod, n in media], cfg.cluster.gpus_per_node)
+    media = [("image", 48, 48), ("image", 64, 64), ("image", 20, 20)]  # (modality, tokens, rows): no merge
+    whole = encoder_work(m, spec, [(mod, n, 1) for mod, n, _ in media], cfg.cluster.gpus_per_node)
     assert megatron.tp_rank_encoder_compute(m, spec, media, 1, 8) == pytest.approx((whole.forward_s, whole.backward_s))
     for tp in (2, 4):
         f, b = megatron.tp_rank_encoder_compute(m, spec, media, tp, 8)

@@ -49,7 +49,7 @@ def test_the_batch_media_share_follows_image_ratio(setup, ratio):
         assert expected == pytest.approx(model.media_mean / (model.media_mean + 1), abs=1e-6)
     (step,) = draw_steps(_with(data, image_ratio=ratio), spec, dp=8)
     assert step.image_ratio == ratio
-    realised = step_media_share(spec, step)
+    realised = step_media_share(step)
     assert abs(realised - ratio) < SHARE_TOLERANCE, (ratio, realised)
     if ratio == 0:
         assert step.media() == []
@@ -60,7 +60,7 @@ def test_every_sample_keeps_a_text_token_and_fits_a_micro_batch(setup):
     model = SampleModel(data, spec)
     for ratio in (0.5, 1.0):
         for s in model.draw(ratio, 1024, np.random.default_rng(0)):
-            assert s.tokens - media_llm_tokens(spec, s.media) >= 1
+            assert s.tokens - media_llm_tokens(s.media) >= 1
             assert s.tokens <= data.micro_batch_tokens
 
 
@@ -69,7 +69,7 @@ def test_samples_differ_text_only_and_media_heavy_ones_at_half(setup):
     samples that are mostly media both exist (the old uniform draw gave every sample 0.5)."""
     data, spec = setup
     samples = SampleModel(data, spec).draw(0.5, 2048, np.random.default_rng(0))
-    shares = np.asarray([sample_media_share(spec, s) for s in samples])
+    shares = np.asarray([sample_media_share(s) for s in samples])
     assert (shares == 0).mean() > 0.2
     assert (shares > 0.8).mean() > 0.1
     assert shares.std() > 0.3
@@ -88,10 +88,10 @@ def test_media_kinds_follow_their_ranges_and_the_encoders(setup):
 
     multi = draw("multi_image", images_per_sample=[3, 5])
     assert {len(s.media) for s in multi} == {3, 4, 5}
-    assert all(m == "image" and 16 <= n <= 128 for s in multi for m, n in s.media)
+    assert all(m == "image" and 16 <= n <= 128 for s in multi for m, n, _ in s.media)
     video = draw("video", video_frames=[10, 12], frame_tokens=[100, 200])
     assert {len(s.media) for s in video} == {10, 11, 12}
-    assert all(len({n for _, n in s.media}) == 1 and 100 <= s.media[0][1] <= 200 for s in video)  # one size a clip
+    assert all(len({n for _, n, _ in s.media}) == 1 and 100 <= s.media[0][1] <= 200 for s in video)  # one size a clip
     audio = draw("audio", audio_tokens=[300, 400])
     assert all(len(s.media) == 1 and s.media[0][0] == "audio" and 300 <= s.media[0][1] <= 400 for s in audio)
     # Frames that would overflow the micro-batch are dropped, the sample still fits.
@@ -103,7 +103,7 @@ def test_audio_only_with_an_audio_encoder():
     cfg = load_sim_config([*BASE, "encoders=vision_only", "encoders/vision=siglip_demo"])
     spec = model_spec(cfg.model, cfg.encoders)
     samples = SampleModel(cfg.data, spec).draw(0.9, 1024, np.random.default_rng(0))
-    assert {m for s in samples for m, _ in s.media} == {"image"}
+    assert {m for s in samples for m, _, _ in s.media} == {"image"}
 
 
 def test_schedule_is_interpolated_and_each_step_draws_at_its_ratio(setup):
@@ -117,7 +117,7 @@ def test_schedule_is_interpolated_and_each_step_draws_at_its_ratio(setup):
                        spec, dp=4)
     assert [s.run_fraction for s in steps] == [0.125, 0.375, 0.625, 0.875]
     assert [s.image_ratio for s in steps] == pytest.approx([0.2, 0.4, 0.6, 0.8])
-    realised = [step_media_share(spec, s) for s in steps]
+    realised = [step_media_share(s) for s in steps]
     tolerance = SHARE_TOLERANCE * math.sqrt(2048 / 1024)
     assert all(abs(r - s.image_ratio) < tolerance for r, s in zip(realised, steps)), realised
     assert realised == sorted(realised)
@@ -193,7 +193,7 @@ def test_mixture_source_spreads_its_steps_over_the_run(demo_root, tmp_path):
     spread = draw_steps(_with(cfg.data, run_steps=100), spec, dp=2)  # steps 16, 50, 83
     assert [s.run_fraction for s in spread] == pytest.approx([1 / 6, 0.5, 5 / 6])
     shares = [s.image_ratio for s in spread]
-    assert shares == [step_media_share(spec, s) for s in spread]
+    assert shares == [step_media_share(s) for s in spread]
     assert shares[0] > shares[1] > shares[2]
     assert shares[2] < 0.5 * min(start)  # mostly text by step 83
     assert sum(len(g) for s in spread for g in s.groups) > 0

@@ -248,7 +248,7 @@ def test_sharded_gathers_go_to_the_first_chunk_with_items():
     """Chunk 0 without items anywhere is skipped by the runtime (no call, no gather): kept
     gathered, a modality's one gather of the step is in its first chunk with items."""
     text = MicroBatchWork([600])
-    media = MicroBatchWork([600], [("image", 64), ("image", 48)])
+    media = MicroBatchWork([600], [("image", 64, 64), ("image", 48, 48)])
     runs = {}
     for weights in ("sharded", "replicated"):
         cfg = load_sim_config([*SMALL, f"multiplex.encoder_weights={weights}"])
@@ -341,7 +341,7 @@ def test_gpus_without_items_pay_the_calls_fixed_cost():
     cfg = load_sim_config([*SHARDED, "encoders=vision_only"])
     spec, m = model_spec(cfg.model, cfg.encoders), Machine(cfg.cluster)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, 8)
-    one_image = [MicroBatchWork([600], [("image", 64)])] + [MicroBatchWork([600])] * 3
+    one_image = [MicroBatchWork([600], [("image", 64, 64)])] + [MicroBatchWork([600])] * 3
     run = _one_step(cfg, spec, m, sizes, "colocated", StepWork([one_image] * sizes.dp, 1.0), 0)
     ch = run.chunks[0]
     busy = [f for f in ch.gpu_forward_s if f > empty_call(m, spec, "image").forward_s]

@@ -1,13 +1,13 @@
 """A vision tower with a spatial merge (``encoders.vision.params.spatial_merge``) in the
-simulator: an image of n encoder tokens fills n / merge^2 LLM placeholders (the one rule,
-``omni.sim.data.llm_tokens``), drawn items are whole merge groups, the image ratio still sets
+simulator: an image of n encoder tokens fills n / merge^2 LLM placeholders (the tower's own
+answer, ``EncoderAnchor.simulated_item``), drawn items are whole merge groups, the image ratio still sets
 the media share of the LLM's tokens, the planners count items by their placeholders, and the
 encoder does merge^2 times the work per LLM token."""
 from __future__ import annotations
 
 import pytest
 
-from omni.sim.data import draw_steps, llm_tokens, media_rows, step_media_share
+from omni.sim.data import draw_steps, media_rows, step_media_share
 from omni.sim.simulate import one_step_for_calibration
 from omni.sim.spec import model_spec
 from recipes.simulate_cmd import load_sim_config
@@ -28,14 +28,14 @@ def test_items_fill_a_placeholder_per_merge_group():
     cfg, spec, steps = _spec_and_steps(MERGED)
     assert spec.encoders["image"].tokens_per_row == 4
     items = [it for s in steps for it in s.media()]
-    assert items and all(n % 4 == 0 for _, n in items)
-    assert media_rows(spec, items[:3]) == [(m, n // 4) for m, n in items[:3]]
-    assert llm_tokens(spec, "image", 1024) == 256
+    assert items and all(n % 4 == 0 and rows == n // 4 for _, n, rows in items)
+    assert media_rows(items[:3]) == [(m, n // 4) for m, n, _ in items[:3]]
+    assert spec.encoders["image"].item(1024) == (1024, 256) and spec.encoders["image"].item(1023) == (1024, 256)
     for s in steps:  # the documents hold the placeholders, not the encoder tokens
         for g in s.groups:
             for mb in g:
                 assert mb.tokens <= cfg.data.micro_batch_tokens
-    share = sum(step_media_share(spec, s) for s in steps) / len(steps)
+    share = sum(step_media_share(s) for s in steps) / len(steps)
     assert share == pytest.approx(0.6, abs=0.1)
 
 

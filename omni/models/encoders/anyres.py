@@ -190,7 +190,8 @@ class AnyresImageProcessor:
 
     def _patches(self, squares: List[np.ndarray]) -> torch.Tensor:
         side, p, c = self.layout.side, self.layout.patch_size, self.channels
-        x = np.stack([normalised(sq, self.mean, self.std) for sq in squares])  # [n, S, S, C]
+        # the patch convolution's stride covers side * p pixels of an S-pixel square: the rest is dropped
+        x = np.stack([normalised(sq[:side * p, :side * p], self.mean, self.std) for sq in squares])  # [n, S', S', C]
         x = x.reshape(len(squares), side, p, side, p, c).transpose(0, 1, 3, 5, 2, 4)
         return torch.from_numpy(np.ascontiguousarray(x.reshape(len(squares) * side * side, c * p * p)))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
@@ -191,6 +192,34 @@ class EncoderAnchor(nn.Module):
         None: unknown (the budget then never splits this encoder's items)."""
         return None
 
+    # --- what `omni simulate` asks of a tower (omni.sim.spec), besides the above ----------------
+    def feature_width(self) -> int:
+        """Values per encoder token in ``features`` (what the multiplexing runtime sends to the
+        GPU that encodes an item). Default: one patch's pixels (num_channels x patch_size^2)
+        when the config has a patch size, else two mel frames (num_mel_bins x 2: Whisper's
+        stride-2 stem)."""
+        c = self.config
+        if hasattr(c, "patch_size"):
+            return int(getattr(c, "num_channels", 3)) * int(c.patch_size) ** 2
+        return int(getattr(c, "num_mel_bins", 1)) * 2
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """(encoder tokens, LLM rows) of one item of about ``units`` input units (an image of
+        that many of this tower's patches, an audio clip of that many frames): what this
+        tower's processor makes of it, for the simulator's drawn workloads. Encoder tokens are
+        what ``cost_coefficients`` (per LLM row) and ``activation_bytes`` count, times
+        ``tokens_per_row``. Default: a native-resolution tower, ``units`` rounded to whole
+        merge groups."""
+        k = self.tokens_per_row
+        tokens = max(k, round(units / k) * k)
+        return tokens, tokens // k
+
+    def simulated_clip(self, frames: int, units: int) -> Tuple[int, int, int]:
+        """(items, encoder tokens per item, LLM rows per item) of a video clip of ``frames``
+        frames of about ``units`` patches each, for the simulator. Default: every frame an
+        image item (a tower whose processor takes no video; MegaScale-Omni's workloads)."""
+        return (frames, *self.simulated_item(units))
+
     def _missing_step(self, name: str) -> str:
         return (
             f"encoder {type(self).__name__} ({self.modality}) does not implement {name}(); "
@@ -264,10 +293,24 @@ class EncoderAnchor(nn.Module):
                 f"{' / '.join(cls.hf_model_types)} checkpoints; pick the matching encoder"
             )
         params = cls.params_from_hf_config(hf_config)
-        pp_file = os.path.join(os.fspath(path), "preprocessor_config.json")
-        if os.path.isfile(pp_file):
-            with open(pp_file) as f:
-                params.update(cls.params_from_preprocessor_config(json.load(f)))
+        # The preprocessing settings where transformers 5 looks first: nested in the processor's
+        # processor_config.json (what its save_pretrained writes), then preprocessor_config.json.
+        # A line says which file, or that there is none: wrong pixels are otherwise silent.
+        part = "feature_extractor" if cls.modality == "audio" else "image_processor"
+        source = None
+        for name, pick in (("processor_config.json", lambda d: d.get(part)), ("preprocessor_config.json", lambda d: d)):
+            file = os.path.join(os.fspath(path), name)
+            if os.path.isfile(file):
+                with open(file) as f:
+                    settings = pick(json.load(f))
+                if isinstance(settings, dict):
+                    source = file
+                    params.update(cls.params_from_preprocessor_config(settings))
+                    break
+        if os.environ.get("RANK", "0") == "0":  # once per job, not once per rank
+            print(f"omni: {cls.__name__} preprocessing from {source}" if source is not None else
+                  f"omni: {path} has no processor_config.json ({part}) or preprocessor_config.json; "
+                  f"{cls.__name__} preprocesses with its defaults", file=sys.stderr, flush=True)
         params.update(_plain(dict(overrides)))
         config = cls.build_config(params)
         with torch.device("meta"):

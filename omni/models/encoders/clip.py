@@ -244,6 +244,14 @@ class ClipTower(EncoderAnchor):
         x = x.view(n, s * s + 1, d)
         return (x if c.keeps_class_token else x[:, 1:]).reshape(-1, d)
 
+    # --- what the simulator asks (omni.sim.spec) ------------------------------------------------
+    def attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def layer_modules(self) -> List[nn.Module]:
+        """The layers that run (up to ``vision_feature_layer``); the rest never do."""
+        return list(self.encoder.layers[:self.config.layers_run])
+
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod
     def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
@@ -330,6 +338,12 @@ class ClipEncoder(ClipTower):
         run = tokens + (0 if c.keeps_class_token else 1)
         return transformer_activation_bytes(c.layers_run, c.hidden_size, c.intermediate_size, run, element_bytes,
                                             self.activation_checkpoint)
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """Every image becomes the one square of image_size pixels, whatever its size: its
+        placeholders (the class token's cost is in ``cost_coefficients``)."""
+        n = self.config.tokens_per_image
+        return n, n
 
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod

@@ -33,7 +33,7 @@ import torch
 from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
 from omni.models.encoders.base import check_sizes, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.clip import ClipEncoder, ClipEncoderConfig, ClipTower, llava_pretrained_projector
-from omni.models.encoders.llava_ov import LlavaOvProjector
+from omni.models.encoders.llava_ov import LlavaOvProjector, simulated_anyres_image
 from omni.models.projector import PretrainedProjector
 
 
@@ -117,6 +117,11 @@ class LlavaNextEncoder(ClipTower):
         run = tokens + math.ceil(tokens / c.side ** 2)  # each square's class token runs too
         return transformer_activation_bytes(c.layers_run, c.hidden_size, c.intermediate_size, run, element_bytes,
                                             self.activation_checkpoint)
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """Base image and anyres tiles (``llava_ov.simulated_anyres_image``), ``side``^2 patch
+        tokens a square (its class token's cost is in ``cost_coefficients``)."""
+        return simulated_anyres_image(self.config.layout, units)
 
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod

@@ -21,6 +21,7 @@ as described there (not copied); the parity tests hold it to them.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
@@ -98,8 +99,11 @@ class LlavaOvEncoderConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
                              f"{self.num_attention_heads}")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.image_size < self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is smaller than patch_size {self.patch_size}")
+        # An image_size that is no whole number of patches (the real 384-pixel tiles of 14-pixel
+        # patches) is what the checkpoints have: the patch convolution covers image_size //
+        # patch_size patches a side and drops the last pixels (AnyresProcessor._patches too).
         if self.image_grid_pinpoints is None:
             self.image_grid_pinpoints = default_pinpoints(self.image_size)
         self.image_grid_pinpoints = checked_pinpoints(self.image_grid_pinpoints, self.image_size)
@@ -171,6 +175,15 @@ class LlavaOvProcessor(AnyresImageProcessor):
         frames = [resized(rgb_uint8(f, self.channels), s, s) for f in clip.frames(frame_times(meta["duration"], n))]
         return MediaItem(features=self._patches(frames), size=(n, int(meta["height"]), int(meta["width"]), 1),
                          num_tokens=self.layout.video_tokens(n))
+
+
+def simulated_anyres_image(layout: AnyresLayout, units: int) -> Tuple[int, int]:
+    """(tower tokens, LLM rows) of an image of about ``units`` patches for the simulator: a
+    square of sqrt(units) patches, cut into its base image and tiles as the layout cuts it
+    (``side``^2 tokens a square), its rows the layout's (unpadded, shrunk, newlines)."""
+    px = max(1, round(math.sqrt(units) * layout.patch_size))
+    r, c = layout.tiles(px, px)
+    return (1 + r * c) * layout.side ** 2, layout.image_tokens(px, px)
 
 
 class _Embeddings(nn.Module):
@@ -317,6 +330,25 @@ class LlavaOvEncoder(EncoderAnchor):
         c = self.config
         return transformer_activation_bytes(c.layers_run, c.hidden_size, c.intermediate_size, tokens, element_bytes,
                                             self.activation_checkpoint)
+
+    # --- what the simulator asks (omni.sim.spec) ------------------------------------------------
+    def attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def layer_modules(self) -> List[nn.Module]:
+        """The layers that run (up to ``vision_feature_layer``); the rest never do."""
+        return list(self.encoder.layers[:self.config.layers_run])
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """Base image and anyres tiles (``simulated_anyres_image``)."""
+        return simulated_anyres_image(self.config.layout, units)
+
+    def simulated_clip(self, frames: int, units: int) -> Tuple[int, int, int]:
+        """One item: the frames sampled within [min_frames, max_frames], each squashed to one
+        square whatever its size; its rows the pooled frames and a newline."""
+        c = self.config
+        n = min(max(frames, c.min_frames), c.max_frames)
+        return 1, n * c.side ** 2, c.layout.video_tokens(n)
 
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod

@@ -436,6 +436,44 @@ class QwenVisionEncoder(EncoderAnchor):
         beta = c.num_hidden_layers * per_layer + windowed * 4 * window_patches * d + 2 * c.patch_dim * d
         return float(4 * full * d), float(beta)
 
+    # --- what the simulator asks (omni.sim.spec) ------------------------------------------------
+    def attention_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    def layer_modules(self) -> List[nn.Module]:
+        """Every block runs once per call (the windowed ones too: their cost is in
+        ``cost_coefficients``)."""
+        return list(self.blocks)
+
+    def feature_width(self) -> int:
+        """One patch over its temporal patch: C x T x P x P values (a still image repeats its frame)."""
+        return self.config.patch_dim
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """An image of about ``units`` patches: whole merge groups, within the processor's
+        pixel budget [min_pixels, max_pixels] (smart_resize scales it up or down into it)."""
+        c = self.config
+        k, area = self.tokens_per_row, c.patch_size ** 2
+        least = -(-(-(-c.min_pixels // area)) // k) * k  # min_pixels' patches, rounded up to merge groups
+        most = max(k, c.max_pixels // area // k * k)
+        tokens = min(max(round(units / k) * k, least, k), most)
+        return tokens, tokens // k
+
+    def simulated_clip(self, frames: int, units: int) -> Tuple[int, int, int]:
+        """A clip of ``frames`` frames as the processor samples it (a multiple of the temporal
+        patch, within its frame limits), each frame within the clip's pixel budget
+        (max_video_pixels): one simulated item per temporal patch, as attention stays inside
+        each (the runtime keeps the clip one item; the simulator may place its temporal
+        patches apart)."""
+        proc = QwenVisionProcessor(self.config)
+        t = proc.frames
+        n = min(max(-(-frames // t) * t, proc.min_frames), proc.max_frames)
+        k = self.tokens_per_row
+        budget = max(k, proc.max_video_pixels // n // self.config.patch_size ** 2 // k * k)
+        tokens, _ = self.simulated_item(units)
+        tokens = min(tokens, budget)
+        return n // t, tokens, tokens // k
+
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod
     def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:

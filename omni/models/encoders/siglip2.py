@@ -276,3 +276,11 @@ class Siglip2Encoder(EncoderAnchor):
         alpha, beta = transformer_flops(c.num_hidden_layers, c.hidden_size, c.intermediate_size)
         beta += 2.0 * c.num_channels * c.patch_size**2 * c.hidden_size  # patch embedding
         return alpha, beta
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """An image of about ``units`` patches (a square of sqrt(units) patches), resized as the
+        processor resizes every image: scaled up or down to fill max_num_patches (naflex_grid)."""
+        c = self.config
+        px = max(1, round(math.sqrt(units) * c.patch_size))
+        gh, gw = naflex_grid(px, px, c.patch_size, c.max_num_patches)
+        return gh * gw, gh * gw
