@@ -9,6 +9,10 @@ Methods (``data.balance``):
 
 - ``none``: the plain order, equal sample counts per rank, micro-batches filled in order. The
   baseline every data-parallel loader that reads its own slice gets.
+- ``packed``: each rank reads its own consecutive run of the plain order, as many samples as
+  make its share of the step's tokens (no balancing of cost across ranks), packed largest first
+  into micro-batches: what a Megatron-LM user gets from Megatron-Energon's packing (a buffer of
+  samples packed into full rows by a ``select_samples_to_pack`` knapsack) instead of next-fit.
 - ``sorted_greedy``: longest first onto the rank with the fewest *tokens* (length balancing
   without the attention term), micro-batches first-fit decreasing.
 - ``lpt``: largest *cost* first onto the least-loaded rank (Graham's LPT, <= 4/3 of optimal).
@@ -30,7 +34,8 @@ import numpy as np
 
 from dataloading.errors import DataError
 
-METHODS = ("none", "sorted_greedy", "lpt", "kk", "balanced")
+METHODS = ("none", "packed", "sorted_greedy", "lpt", "kk", "balanced")
+IN_ORDER_RANKS = ("none", "packed")  # methods that keep the plain order's ranks
 KK_ITEMS_PER_RANK = 4  # `balanced` also tries KK when a rank gets at most this many items
 REFINE_TOLERANCE = 1e-3  # refinement stops within 0.1% of the lower bound
 REFINE_PARTNERS = 16  # bins tried per refinement round, lightest first
@@ -171,6 +176,8 @@ def _assign(method: str, costs: np.ndarray, tokens: np.ndarray, k: int) -> list[
     n = len(costs)
     if method == "none":
         return [list(range(r * n // k, (r + 1) * n // k)) for r in range(k)]
+    if method == "packed":
+        return _token_slices(tokens, k)
     if method == "sorted_greedy":
         return _lpt(tokens.astype(np.float64), k)
     if method == "lpt":
@@ -188,6 +195,20 @@ def _assign(method: str, costs: np.ndarray, tokens: np.ndarray, k: int) -> list[
     return _refine(start, costs)
 
 
+def _token_slices(tokens: np.ndarray, k: int) -> list[list[int]]:
+    """The plain order cut into ``k`` consecutive slices of about equal tokens: a loader that
+    streams its own samples into full rows takes as many as fill them, not a fixed count."""
+    n = len(tokens)
+    if n == 0:
+        return [[] for _ in range(k)]
+    ends = np.cumsum(tokens, dtype=np.float64)
+    cuts = [0] + [int(np.searchsorted(ends, ends[-1] * r / k, side="left")) + 1 for r in range(1, k)] + [n]
+    cuts = [min(max(c, 0), n) for c in cuts]
+    for r in range(1, k + 1):  # non-decreasing, so every slice is a (maybe empty) run
+        cuts[r] = max(cuts[r], cuts[r - 1])
+    return [list(range(cuts[r], cuts[r + 1])) for r in range(k)]
+
+
 def assign_ranks(costs: np.ndarray, tokens: np.ndarray, num_ranks: int, method: str = "balanced",
                  group_size: int = 0) -> list[list[int]]:
     """Item indices per rank."""
@@ -197,7 +218,7 @@ def assign_ranks(costs: np.ndarray, tokens: np.ndarray, num_ranks: int, method: 
     if num_ranks % g:
         raise DataError(f"data.balance_group={group_size} must divide the data-parallel size {num_ranks}",
                         kind="config")
-    if method == "none" or g == num_ranks:
+    if method in IN_ORDER_RANKS or g == num_ranks:
         return _assign(method, costs, tokens, num_ranks)
     groups = _lpt(costs, num_ranks // g) if method != "sorted_greedy" else _lpt(tokens.astype(np.float64),
                                                                                 num_ranks // g)
@@ -289,7 +310,7 @@ def arrange(costs, tokens, num_ranks: int, budget: int | None, method: str = "ba
     ranks = assign_ranks(costs, tokens, num_ranks, method, group_size)
     in_order = method == "none"
     tl = tokens.tolist()
-    by_cost = method not in ("none", "sorted_greedy")
+    by_cost = method not in ("none", "packed", "sorted_greedy")
     if budget is None:
         m = 1
     elif in_order:  # next-fit count in the plain order

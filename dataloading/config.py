@@ -30,7 +30,8 @@ class DataConfig:
     # Shards each constructor keeps open, over all sources (each holds 2 file descriptors).
     max_open_shards: int = 256
     # How a step's samples are arranged over DP ranks and micro-batches (dataloading/balance.py):
-    # balanced (LPT or Karmarkar-Karp + refinement on the cost model), lpt, kk, sorted_greedy, none.
+    # balanced (LPT or Karmarkar-Karp + refinement on the cost model), lpt, kk, sorted_greedy, packed
+    # (ranks in plain order, micro-batches packed largest first: Megatron-Energon style), none.
     balance: str = "balanced"
     # DP ranks balanced together (0: all). Smaller groups plan faster, balance slightly worse.
     balance_group: int = 0

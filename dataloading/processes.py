@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 from typing import Any, Callable, Iterable, Iterator
 
@@ -30,7 +31,16 @@ def one_thread() -> None:
         torch.set_num_threads(1)
 
 
+def default_signals() -> None:
+    """A pool worker ends on its pool's SIGTERM (``Pool.terminate``) whatever handler it inherited
+    from its parent: a handler that only sets a flag (a training run's stop handler, a library's)
+    leaves the worker waiting on its task queue and the pool's terminate waiting for it."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _init_worker(initializer: Callable[..., None] | None, initargs: tuple) -> None:
+    default_signals()
     one_thread()
     if initializer is not None:
         initializer(*initargs)

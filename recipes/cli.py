@@ -76,7 +76,7 @@ def _data_parsers(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--dp", type=int, default=8, help="data-parallel ranks to plan for (default 8)")
     plan.add_argument("--steps", type=int, default=10, help="steps to plan (default 10)")
     plan.add_argument("--balance", default=None,
-                      help="arrangement: balanced, lpt, kk, sorted_greedy, none (default: data.balance)")
+                      help="arrangement: balanced, lpt, kk, sorted_greedy, packed, none (default: data.balance)")
     plan.add_argument("--json", action="store_true", help="one JSON object per step (step, ranks: cost, tokens, samples)")
     plan.add_argument("--save-state", metavar="FILE", help="write the planner state after the last step")
     plan.add_argument("--load-state", metavar="FILE",

@@ -68,7 +68,7 @@ def simulate_main(overrides: list[str], as_json: bool = False, calibrate: str | 
             Path(out_file).write_text(text)
         out.write(json.dumps(fit.to_dict(), indent=1) + "\n" if as_json else fit.summary() + "\n")
         return 0
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
 
     progress = None if as_json else (lambda p: print(f"simulating {p} ...", file=sys.stderr, flush=True))
     result = simulate(cfg, progress=progress)

@@ -23,6 +23,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test starts with the handlers the session had: Ray's driver installs a SIGTERM
+    handler of its own at ``ray.init`` and keeps it after ``ray.shutdown``; left in place it
+    would reach every later test and every process forked from this one."""
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture
 def seed():
     torch.manual_seed(0)

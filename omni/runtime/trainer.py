@@ -493,6 +493,8 @@ class Trainer:
             if stopped is not None:
                 raise stopped from None
             raise
+        finally:
+            self._loop_done = True  # however fit ends, a stop's watch (exit_if_stuck) ends with it
         if stopping:
             self.metrics.close()
             raise RunStopped(self._stopped_line(step, last_saved, stats["skipped"]), self._stop.signum)

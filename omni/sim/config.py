@@ -13,9 +13,10 @@ from omni.models.config import EncoderSlot, ModelConfig
 from omni.runtime.config import MultiplexConfig
 from parallel.config import ParallelConfig
 
-# megatron: Megatron-LM's own layout (encoders inside stage 0, in-order packing);
-# megatron_balanced: the same with Omni's packing (data.balance). See omni/sim/megatron.py.
-PLACEMENTS = ("colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_balanced")
+# megatron: Megatron-LM as its users run it (encoders inside stage 0; its layout searched, packing
+# largest first, TP communication overlapped); megatron_naive: a default Megatron-LM held to the
+# workload's layout with next-fit packing. See omni/sim/megatron.py.
+PLACEMENTS = ("colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_naive")
 
 
 @dataclass
@@ -133,6 +134,13 @@ class SimOptions:
     calibration: Optional[str] = None
     # omni plan: layouts kept in the printout.
     top_k: int = 5
+    # omni simulate: placements whose layout is searched (as omni plan searches, the fastest that
+    # fits) before they are compared, instead of run on the configured one. The tuned Megatron
+    # baseline is searched as its users tune it (omni.sim.search.megatron_candidates).
+    search_layouts: List[str] = field(default_factory=lambda: ["megatron"])
+    # Megatron placements: LLM layers on the first pipeline stage, the rest split evenly over the
+    # others (Megatron-LM's --decoder-first-pipeline-num-layers); 0: an even split. Set by the search.
+    first_stage_layers: int = 0
 
 
 @dataclass

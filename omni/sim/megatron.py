@@ -1,4 +1,5 @@
-"""The Megatron-LM baseline of ``omni simulate`` (placements ``megatron`` and ``megatron_balanced``).
+"""The Megatron-LM baselines of ``omni simulate``: ``megatron`` (tuned, as its users run it) and
+``megatron_naive`` (a default configuration held to the workload's layout).
 
 Megatron-LM trains a vision-language model (its LLaVA model, ``examples/multimodal``) with the
 vision encoder and projector built only on the first pipeline stage ("when we use pipelining,
@@ -15,16 +16,25 @@ that stage's embedding:
   the ViT without tp_comm_overlap) — two all-reduces per layer each way, which the ring model
   prices as the two all-gathers and two reduce-scatters of sequence parallelism. CP ranks each
   encode the whole micro-batch (the ViT is built with context_parallel_size=1);
-- its weights are replicated over data parallelism under Megatron's distributed optimizer: a
-  full fp32 gradient buffer, the gradients reduce-scattered over the DP group (overlapping the
-  last backward, as for the LLM), the fp32 master weights and moments sharded over DP, the
-  updated bf16 weights all-gathered after the step (behind the next step's first forward);
-- the data are packed in order (``data.balance=none``: every DP rank reads its own slice, as
-  Megatron's loaders do); ``megatron_balanced`` is the same system fed by Omni's planner
-  (``data.balance``, balanced by default) — the two differ only in the packing.
+- weights under Megatron's distributed optimizer (``--use-distributed-optimizer``,
+  ``--overlap-grad-reduce``, ``--overlap-param-gather``): bf16 weights whole for the step, a full
+  fp32 gradient buffer reduce-scattered once per step behind the last backward, fp32 master
+  weights and moments sharded over DP, the updated weights all-gathered behind the next step's
+  first forward. For the LLM this is ``parallel.reshard_after_forward=false`` with
+  ``fsdp_reduce_every_microbatch=false`` (``run_config``); for the encoder,
+  ``first_stage_encoder``.
 
-The LLM side is the simulator's own (the same ``stage_work``, schedule and gradient sync as the
-other placements), so with no images ``megatron`` takes the LLM-only step of ``stage0``.
+What the two differ in:
+
+| | ``megatron`` (tuned) | ``megatron_naive`` |
+|---|---|---|
+| layout | searched (``omni.sim.search.megatron_candidates``): pp including 1 (``--pipeline-model-parallel-size``), tp (``--tensor-model-parallel-size``), virtual stages (``--num-layers-per-virtual-pipeline-stage``), fewer LLM layers on the first stage (``--decoder-first-pipeline-num-layers``), recompute (``--recompute-granularity``) | the workload's own (colocated's) |
+| packing | each DP rank packs its own share largest first (``data.balance=packed``: Megatron-Energon's packing, a knapsack over a buffer) | next-fit in order (``data.balance=none``) |
+| LLM TP communication | overlapped with the GEMMs (``--tp-comm-overlap``; ``timing.stage_work``) | exposed |
+
+The LLM side is otherwise the simulator's own (the same ``stage_work``, schedule and gradient
+sync as the other placements), so with no images ``megatron_naive`` takes the LLM-only step of
+``stage0`` (with the distributed optimizer's weight handling).
 
 Two simplifications, both in Megatron's favour: Megatron's ViT runs without sequence
 parallelism, so its norms and residual adds (and the activations they keep) are replicated over
@@ -46,20 +56,64 @@ from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, CommGroup, Machine, StageWork, encoder_work
 from parallel.sizing import Sizes
 
-PLACEMENTS = ("megatron", "megatron_balanced")
-IN_ORDER = "none"  # dataloading.balance: the plain order, micro-batches filled in order
+PLACEMENTS = ("megatron", "megatron_naive")
+TUNED = "megatron"
+# How each packs a step (a dataloading.balance method).
+PACKING = {"megatron": "packed", "megatron_naive": "none"}
 
 
 def is_megatron(placement: str) -> bool:
     return placement in PLACEMENTS
 
 
+def overlaps_tp_comm(placement: str) -> bool:
+    """The LLM's TP collectives under its GEMMs (``--tp-comm-overlap``): the tuned baseline."""
+    return placement == TUNED
+
+
 def data_config(cfg: SimConfig, placement: str) -> SimDataConfig:
-    """The data a placement draws: ``megatron`` packs in order, ``megatron_balanced`` (and every
-    other placement) as ``data.balance`` says."""
-    if placement == "megatron":
-        return dataclasses.replace(cfg.data, balance=IN_ORDER)
+    """The data a placement draws: each Megatron baseline packs its own way (``PACKING``), every
+    other placement as ``data.balance`` says."""
+    if is_megatron(placement):
+        return dataclasses.replace(cfg.data, balance=PACKING[placement])
     return cfg.data
+
+
+def run_config(cfg: SimConfig, placement: str) -> SimConfig:
+    """``cfg`` as a Megatron placement runs it: the distributed optimizer's weights (whole for the
+    step, gradients reduced once per step) and its packing. Other placements: unchanged."""
+    if not is_megatron(placement):
+        return cfg
+    par = dataclasses.replace(cfg.parallel, reshard_after_forward=False, fsdp_reduce_every_microbatch=False)
+    return dataclasses.replace(cfg, parallel=par, data=data_config(cfg, placement))
+
+
+def first_stage_options(num_layers: int, pp: int, count: int = 4) -> list[int]:
+    """LLM layers the first stage may take below an even share, as Megatron users give it
+    (``--decoder-first-pipeline-num-layers``, the rest split evenly over the other stages):
+    ``count`` of the valid values spread from just below even down to one layer."""
+    if pp < 2 or num_layers % pp:
+        return []
+    even = num_layers // pp
+    valid = [f for f in range(even - 1, 0, -1) if (num_layers - f) % (pp - 1) == 0]
+    if len(valid) <= count:
+        return valid
+    return sorted({valid[round(i * (len(valid) - 1) / (count - 1))] for i in range(count)}, reverse=True)
+
+
+def stage_layers(num_layers: int, stages: int, first_stage_layers: int = 0) -> list[list[int]]:
+    """Consecutive blocks of layers per (virtual) stage: even, or ``first_stage_layers`` on the
+    first and the rest split evenly over the others."""
+    if first_stage_layers <= 0 or stages < 2:
+        per = num_layers // stages
+        return [list(range(s * per, (s + 1) * per)) for s in range(stages)]
+    rest, others = num_layers - first_stage_layers, stages - 1
+    if first_stage_layers >= num_layers or rest % others:
+        raise ValueError(f"sim.first_stage_layers={first_stage_layers} leaves {rest} layers, which do not split "
+                         f"evenly over {others} stages")
+    per = rest // others
+    return [list(range(first_stage_layers))] + [
+        list(range(first_stage_layers + s * per, first_stage_layers + (s + 1) * per)) for s in range(others)]
 
 
 @dataclass(frozen=True)

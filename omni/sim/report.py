@@ -46,10 +46,10 @@ def placement_table(result: dict[str, Any]) -> str:
                      f"{m['gathered']:.1f}, activations {m['activations']:.1f}, transient {m['transient']:.1f}) on "
                      f"{p['ranks_over_memory']} GPU group(s)")
     mbs = result["layout"].get("micro_batches")
-    for name in ("megatron", "megatron_balanced"):
+    for name in ("megatron", "megatron_naive"):
         if name in places and places[name]["layout"]["micro_batches"] != mbs:
             lines.append(f"  {name}: {places[name]['layout']['micro_batches']} micro-batches per DP rank "
-                         f"({'in-order packing' if name == 'megatron' else 'data.balance'})")
+                         f"({places[name]['layout']['packing']} packing)")
     for name, p in places.items():
         if "chunks_per_cut_search" in p:
             tried = ", ".join(f"{g} {r['step_time_s']:.3f} s{'' if r['fits'] else ' (OOM)'}"

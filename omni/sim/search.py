@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni.errors import ConfigError
+from omni.sim import megatron
 from omni.sim.config import SimConfig
 from omni.sim.data import StepWork
 from omni.sim.once import Warnings
@@ -65,6 +66,34 @@ def candidates(cfg: SimConfig, spec: ModelSpec) -> list[dict[str, Any]]:
     return out
 
 
+def megatron_candidates(cfg: SimConfig, spec: ModelSpec) -> list[dict[str, Any]]:
+    """The layouts a Megatron-LM user tries for the ``megatron`` baseline: TP inside a node
+    (``--tensor-model-parallel-size``), every pipeline depth that divides the layers, 1 included
+    (``--pipeline-model-parallel-size``), two virtual stages per rank (``--num-layers-per-virtual-
+    pipeline-stage``), fewer LLM layers on the first stage, which also runs the encoders
+    (``--decoder-first-pipeline-num-layers``), selective or full recomputation
+    (``--recompute-granularity``); data parallel over the rest under the distributed optimizer.
+    The sequence length (``micro_batch_tokens``), context and expert parallelism stay the
+    workload's: they are the data's and the model's, not a tuning knob of the baseline."""
+    world, node = cfg.cluster.num_gpus, cfg.cluster.gpus_per_node
+    par = cfg.parallel
+    out = []
+    for tp, pp in itertools.product(_divisors(node, node), _divisors(spec.num_layers, 16)):
+        mp = tp * pp * par.cp
+        if world % mp:
+            continue
+        stage_splits = [(1, 0)] + ([(1, f) for f in megatron.first_stage_options(spec.num_layers, pp)] + [(2, 0)]
+                                   if pp > 1 else [])
+        for (v, first), ckpt in itertools.product(stage_splits, ("selective", "full")):
+            out.append({"dp_replicate": 1, "dp_shard": world // mp, "tp": tp, "pp": pp, "pp_virtual_stages": v,
+                        "pp_schedule": "interleaved_1f1b" if v > 1 else ("1f1b" if pp > 1 else par.pp_schedule),
+                        "cp": par.cp, "ep": par.ep, "activation_checkpoint": ckpt,
+                        "micro_batch_tokens": cfg.data.micro_batch_tokens, "encoder_sp": 1,
+                        "long_threshold": "auto", "chunks_per_cut": cfg.multiplex.chunks_per_cut,
+                        "fill_bubbles": cfg.multiplex.fill_bubbles, "first_stage_layers": first})
+    return out
+
+
 def with_layout(cfg: SimConfig, layout: dict[str, Any]) -> SimConfig:
     par = dataclasses.replace(cfg.parallel, **{k: layout[k] for k in ("dp_replicate", "dp_shard", "tp", "pp",
                                                                        "pp_virtual_stages", "pp_schedule", "cp", "ep",
@@ -73,7 +102,8 @@ def with_layout(cfg: SimConfig, layout: dict[str, Any]) -> SimConfig:
                               chunks_per_cut=layout["chunks_per_cut"],
                               fill_bubbles=layout.get("fill_bubbles", cfg.multiplex.fill_bubbles))
     data = dataclasses.replace(cfg.data, micro_batch_tokens=layout["micro_batch_tokens"])
-    return dataclasses.replace(cfg, parallel=par, multiplex=mux, data=data)
+    sim = dataclasses.replace(cfg.sim, first_stage_layers=layout.get("first_stage_layers", 0))
+    return dataclasses.replace(cfg, parallel=par, multiplex=mux, data=data, sim=sim)
 
 
 def train_overrides(layout: dict[str, Any]) -> list[str]:
@@ -88,13 +118,16 @@ def train_overrides(layout: dict[str, Any]) -> list[str]:
 
 def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None = None,
                  progress: Callable[[int, int], None] | None = None, first_round: int = 12) -> dict[str, Any]:
+    """The layouts of ``placement`` ranked by simulated tokens/s (the module's three rounds);
+    the Megatron baselines search the knobs their users tune (``megatron_candidates``)."""
     spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
     machine = Machine(cfg.cluster)
     top_k = top_k or cfg.sim.top_k
     rejected: list[dict[str, Any]] = []
     valid = []
     warned = Warnings()  # the layout checks' warnings, said once after the search
-    for layout in candidates(cfg, spec):
+    searched_layouts = megatron_candidates(cfg, spec) if megatron.is_megatron(placement) else candidates(cfg, spec)
+    for layout in searched_layouts:
         c = with_layout(cfg, layout)
         try:
             with warned.of(_key(layout)):
@@ -111,14 +144,12 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
                           f"first reason: {rejected[0]['detail'] if rejected else 'none searched'}")
     one_step = dataclasses.replace(cfg.data, steps=1)
     # Round 2 simulates the configured multiplex.chunks_per_cut; round 3 chooses it per layout.
-    fixed_groups = dataclasses.replace(cfg.sim, chunks_per_cut_search=False)
-    searched_groups = dataclasses.replace(cfg.sim, chunks_per_cut_search=True)
     caches: dict[int, dict[int, list[StepWork]]] = {}  # micro_batch_tokens -> dp -> steps
     scored = []
     for n, (layout, c) in enumerate(valid):
         if progress:
             progress(n, len(valid))
-        c1 = dataclasses.replace(c, data=one_step, sim=fixed_groups)
+        c1 = dataclasses.replace(c, data=one_step, sim=dataclasses.replace(c.sim, chunks_per_cut_search=False))
         with warned.of(_key(layout)):
             res = simulate_placement(c1, spec, machine, placement, caches.setdefault(layout["micro_batch_tokens"], {}))
         if not res["fits"]:
@@ -136,17 +167,19 @@ def plan_layouts(cfg: SimConfig, placement: str = "colocated", top_k: int | None
     seen: set = set()
     full_caches: dict[int, dict[int, list[StepWork]]] = {}
     for _, layout, c, _ in scored[:first_round]:
-        for sp in _sp_sizes(spec, cfg.cluster.gpus_per_node):
+        for sp in [1] if megatron.is_megatron(placement) else _sp_sizes(spec, cfg.cluster.gpus_per_node):
             lay = {**layout, "encoder_sp": sp}
-            try:
-                with warned.of(_key(layout)):
-                    check_encoder_sp(with_layout(cfg, lay), llm_sizes(c.parallel, cfg.cluster.num_gpus, spec,
-                                                                      lay["micro_batch_tokens"],
-                                                                      cfg.cluster.gpus_per_node), placement)
-            except ConfigError:
-                continue
+            if not megatron.is_megatron(placement):  # Megatron runs no encoder SP
+                try:
+                    with warned.of(_key(layout)):
+                        check_encoder_sp(with_layout(cfg, lay), llm_sizes(c.parallel, cfg.cluster.num_gpus, spec,
+                                                                          lay["micro_batch_tokens"],
+                                                                          cfg.cluster.gpus_per_node), placement)
+                except ConfigError:
+                    continue
             with warned.of(_key(layout)):
-                res = simulate_placement(dataclasses.replace(with_layout(cfg, lay), sim=searched_groups), spec,
+                c3 = with_layout(cfg, lay)
+                res = simulate_placement(dataclasses.replace(c3, sim=dataclasses.replace(c3.sim, chunks_per_cut_search=True)), spec,
                                          machine, placement, full_caches.setdefault(lay["micro_batch_tokens"], {}))
             lay["chunks_per_cut"] = res["layout"]["chunks_per_cut"]
             lay["fill_bubbles"] = res["layout"].get("fill_bubbles", lay["fill_bubbles"])

@@ -13,7 +13,8 @@ DP ranks. Trained synchronously, the pool is one more stage in front of the LLM'
 stage's forward of a micro-batch waits for the pool's call that encodes it, and each pool
 backward for that stage's backwards of its micro-batches; the step waits for the pool's last
 backward and gradient sync (``omni.sim.disaggregated``; a frozen encoder may run a step ahead). The Megatron-LM baselines (``megatron``,
-``megatron_balanced``) are described in ``omni.sim.megatron``.
+``megatron_naive``) are described in ``omni.sim.megatron``. Comparing every placement (each on
+its own searched layout where ``sim.search_layouts`` says) is ``omni.sim.compare``.
 """
 from __future__ import annotations
 
@@ -47,38 +48,6 @@ from parallel.pipeline import microbatch_count, microbatch_multiple, split_layer
 from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
 
 GIB = 2.0**30
-
-
-def simulate(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every placement of ``cfg.sim.placements``, as one JSON-able object."""
-    spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
-    machine = Machine(cfg.cluster)
-    for p in cfg.sim.placements:
-        if p not in PLACEMENTS:
-            raise ConfigError(f"sim.placements: {p!r} is not one of {', '.join(PLACEMENTS)}")
-    check_data(cfg.data, spec)
-    warned = Warnings()  # the layout checks run for every placement and chunk count: their warnings once
-    for placement in cfg.sim.placements:  # every mistake is reported before anything runs
-        pool = disaggregated_split(cfg) if placement == "disaggregated" else 0
-        parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if pool else cfg.parallel
-        with warned.of(placement):
-            sizes = llm_sizes(parallel, cfg.cluster.num_gpus - pool, spec, cfg.data.micro_batch_tokens,
-                              cfg.cluster.gpus_per_node)
-        if not megatron.is_megatron(placement):  # Megatron runs no encoder SP
-            check_encoder_sp(cfg, sizes, placement, pool)
-    out: dict[str, Any] = {"model": describe_model(spec), "cluster": dataclasses.asdict(cfg.cluster),
-                           "placements": {}}
-    cache: dict[tuple[int, str, int], list[StepWork]] = {}
-    for placement in cfg.sim.placements:
-        if progress:
-            progress(placement)
-        with warned.of(placement):
-            out["placements"][placement] = simulate_placement(cfg, spec, machine, placement, cache)
-    out["warnings"] = warned.lines("placements")
-    out["layout"] = next(iter(out["placements"].values()))["layout"] if out["placements"] else {}
-    # Every placement draws the same samples (one seed), arranged its own way: any set describes them.
-    out["workload"] = describe_workload(cfg, next(iter(cache.values()), []))
-    return out
 
 
 def describe_model(spec: ModelSpec) -> dict[str, Any]:
@@ -211,7 +180,8 @@ def _simulate_placement(cfg: SimConfig, spec: ModelSpec, m: Machine, placement: 
     parallel = dataclasses.replace(cfg.parallel, dp_shard=-1) if encoder_pool else cfg.parallel
     sizes = llm_sizes(parallel, world - encoder_pool, spec, cfg.data.micro_batch_tokens, cluster.gpus_per_node)
     cache = {} if cache is None else cache
-    data = megatron.data_config(cfg, placement)
+    cfg = megatron.run_config(cfg, placement)
+    data = cfg.data
     key = (sizes.dp, data.balance, microbatch_multiple(sizes.pp))
     if key not in cache:
         cache[key] = draw_steps(data, spec, sizes.dp, microbatch_multiple(sizes.pp))
@@ -240,6 +210,7 @@ class _Run:
     pool: dict | None = None  # the disaggregated encoder pool (disaggregated.encoder_pool)
     bubbles: list[BubbleTimes] = dataclasses.field(default_factory=list)
     chunks_per_cut: int = 1  # the step's chunks per encoder call (cut_group_size)
+    row_tokens: int = 0  # the LLM's rows over all DP groups and micro-batches, padding included
 
 
 def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str, step: StepWork,
@@ -251,7 +222,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     for g in groups:
         g += [MicroBatchWork() for _ in range(n - len(g))]
     first_encoder = megatron.first_stage_encoder(cfg, spec, m, sizes, placement, groups)  # None unless megatron
-    stage_layers = split_layers(spec.num_layers, pp * v)
+    first_layers = cfg.sim.first_stage_layers if megatron.is_megatron(placement) and v == 1 else 0
+    stage_layers = megatron.stage_layers(spec.num_layers, pp * v, first_layers)
     last_stage = pp * v - 1
     # Under PP each DP group pads its rows to its own longest (the trainer's _rows: a pipeline
     # needs one shape, DP groups need not share it).
@@ -271,6 +243,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
 
     cache: dict[tuple, StageWork] = {}
     work, act = {}, {}
+    row_tokens = 0  # every micro-batch's row as the LLM runs it, padding included
     llm_costs: dict[int, list[float]] = {}  # per DP group, each micro-batch's LLM cost (the runtime's manifests)
     for gi, mbs in enumerate(groups):
         for i, mb in enumerate(mbs):
@@ -278,6 +251,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             # The runtime pads a row with one more document (an empty micro-batch is one
             # document of padding): it attends like any other.
             docs = mb.docs + ([length - mb.tokens] if length > mb.tokens else [])
+            row_tokens += length
             llm_costs.setdefault(gi, []).append(float(np.sum(spec.cost.llm_cost(docs))))
             for st in range(pp * v):
                 fsdp = (("f", st, i) in gathers, ("b", st, i) in gathers, reduce_per_mb)
@@ -285,7 +259,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 if key not in cache:
                     w = stage_work(m, spec, range(stage_layers[st][0], stage_layers[st][-1] + 1), st == 0,
                                    st == last_stage, length, docs, tp, cp, ep, cluster.gpus_per_node,
-                                   par.activation_checkpoint)
+                                   par.activation_checkpoint, tp_overlap=megatron.overlaps_tp_comm(placement))
                     if any(fsdp):
                         w = sync.with_fsdp(m, w, stage_local[st], dp_shard_group[st % pp], dp_replicate_group[st % pp],
                                            len(stage_layers[st]), *fsdp)
@@ -415,7 +389,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             b.activations, b.transient = tl.peak_activations, transient
         memory.append(b)
     return _Run(timeline, memory, chunks, work, members, tail_comm, tail, pool=pool, bubbles=bubbles,
-                chunks_per_cut=group)
+                chunks_per_cut=group, row_tokens=row_tokens)
 
 
 def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placement: str,
@@ -489,7 +463,11 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
               "pp_schedule": cfg.parallel.pp_schedule, "micro_batches": max(len(g) for g in steps[-1].groups),
               "max_micro_batches": max(len(g) for s in steps for g in s.groups),
               "encoder_gpus": encoder_pool, "chunks_per_cut": max(r.chunks_per_cut for r in runs),
-              "fill_bubbles": str(cfg.multiplex.fill_bubbles).lower()}
+              "fill_bubbles": str(cfg.multiplex.fill_bubbles).lower(),
+              "activation_checkpoint": cfg.parallel.activation_checkpoint,
+              "first_stage_layers": cfg.sim.first_stage_layers if megatron.is_megatron(placement) else 0,
+              "packing": cfg.data.balance, "tp_comm_overlap": megatron.overlaps_tp_comm(placement)}
+    rows = float(np.mean([r.row_tokens for r in runs]))
     return {
         "step_time_s": mean_step,
         "tokens_per_s": tokens / mean_step if mean_step > 0 else 0.0,
@@ -505,6 +483,8 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
         "fits": worst.total <= limit,
         "ranks_over_memory": over,
         "data_balance": float(np.mean([s.balance for s in steps])),
+        # Of the LLM's row tokens (every DP group's micro-batches as run), the share that is padding.
+        "padded_fraction": 1.0 - tokens / rows if rows > 0 else 0.0,
         "encoder_balance": float(np.mean([c.balance for c in chunks if c.items])) if any(c.items for c in chunks)
         else 1.0,
         "long_items": int(sum(c.long_items for c in chunks)),

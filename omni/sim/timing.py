@@ -268,7 +268,8 @@ class StageWork:
 
 
 def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bool, length: int,
-               doc_lengths: list[int], tp: int, cp: int, ep: int, gpus_per_node: int, recompute: str) -> StageWork:
+               doc_lengths: list[int], tp: int, cp: int, ep: int, gpus_per_node: int, recompute: str,
+               tp_overlap: bool = False) -> StageWork:
     """Forward and backward time of ``layers`` on one micro-batch padded to ``length`` tokens
     with documents ``doc_lengths`` (real tokens), on one GPU of a TP x CP group.
 
@@ -278,6 +279,10 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
     memory-bound. TP with sequence parallelism runs two all-gathers and two reduce-scatters of
     the activations per layer each way; CP's ring passes K/V behind the attention; EP's
     all-to-alls carry every routed token out and back.
+
+    ``tp_overlap``: the TP collectives run under the GEMMs they feed, in ``tp`` chunks, as
+    Megatron-LM's ``--tp-comm-overlap`` (Transformer Engine's userbuffers ring exchange) does:
+    what shows is the part the layer's GEMMs cannot cover, plus one chunk to fill the pipeline.
     """
     c = spec.llm
     h = c.hidden_size
@@ -301,6 +306,8 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
         attn_fwd += attn
         act = BF16 * t_local * h
         tp_comm = 2 * m.all_gather(act, tp_group) + 2 * m.reduce_scatter(act, tp_group)
+        if tp_overlap and tp > 1:
+            tp_comm = max(0.0, tp_comm - gemm) + min(tp_comm, gemm) / tp
         cp_comm = max(0.0, (cp - 1) * m.p2p(2 * BF16 * t_local * kv_width / tp, cp_cross) - attn)
         ep_comm = 0.0
         if c.is_moe_layer(i) and ep > 1:

@@ -60,7 +60,7 @@ def sim_cluster(world: int) -> dict:
 def measure(root: Path, steps: int, worlds: list[int]) -> dict:
     from dataloading.demo import write_demo_dataset
     from omni.sim.calibrate import calibrate_from_trace
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
     from recipes.simulate_cmd import load_sim_config
 
     demo = write_demo_dataset(root / "demo", seed=0, scale=0.05, progress=False)

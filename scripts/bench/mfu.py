@@ -338,7 +338,7 @@ def main() -> None:
                          f"(torch {torch.__version__}); use --device cpu --tiny to check the script")
 
     from omni.sim.data import draw_steps
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
     from omni.sim.spec import model_spec
     from recipes.simulate_cmd import load_sim_config
 

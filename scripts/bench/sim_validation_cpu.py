@@ -48,7 +48,7 @@ CALIBRATE_ON = "colocated"  # the only placement whose trace has a gradient sync
 def measure(root: Path, steps: int) -> dict:
     from dataloading.demo import write_demo_dataset
     from omni.sim.calibrate import calibrate_from_trace
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
     from recipes.simulate_cmd import load_sim_config
 
     measured_steps = list(range(2, steps))

@@ -37,7 +37,7 @@ LABELS = {"llm_compute": "LLM compute", "llm_comm": "LLM comm (TP/CP/EP, FSDP)",
 
 
 def run(overrides: list[str]) -> dict:
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
 
     return simulate(load_sim_config(["workload=C", "data.image_ratio=0.9", *overrides]))["placements"]
 

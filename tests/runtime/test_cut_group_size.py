@@ -59,7 +59,7 @@ def test_auto_takes_the_largest_group_that_fits(budget, members, expected):
 def test_simulator_chooses_by_the_runtime_rule():
     """``omni simulate`` with auto: per step the rule's group, reported in the layout; a budget
     too small for any group gives the explicit one-chunk run exactly."""
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
     from recipes.simulate_cmd import load_sim_config
 
     base = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",

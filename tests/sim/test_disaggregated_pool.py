@@ -8,7 +8,7 @@ import pytest
 
 from omni.sim.disaggregated import first_stage_ready, pool_candidates, pool_end, step_with_pool
 from omni.sim.engine import simulate_step
-from omni.sim.simulate import simulate
+from omni.sim.compare import simulate
 from omni.sim.timing import StageWork
 from recipes.simulate_cmd import load_sim_config
 

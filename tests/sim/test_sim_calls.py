@@ -124,7 +124,7 @@ def test_simulate_checks_the_multiplex_group_as_training_does():
 
 
 def _placements(*over):
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
 
     return simulate(load_sim_config([*SMALL, "sim.placements=[colocated]", *over]))["placements"]["colocated"]
 

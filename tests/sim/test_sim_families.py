@@ -49,7 +49,7 @@ def test_the_issue_command_runs_as_written(capsys):
     """`omni simulate model=qwen2_5_vl_7b encoders=vision_only encoders/vision=qwen_vl`, every placement."""
     assert main(["simulate", *FAMILIES["qwen2_5_vl"]]) == 0
     text = capsys.readouterr().out
-    assert "colocated" in text and "megatron_balanced" in text
+    assert "colocated" in text and "megatron_naive" in text
     assert "note: workload_A's encoders.vision.params.max_patches=4096 skipped: QwenVisionEncoder has no max_patches" \
         in text
 

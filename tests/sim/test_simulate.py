@@ -58,11 +58,11 @@ def test_uniform_pipeline_takes_the_textbook_time(schedule, pp, virtual, m):
 
 def test_simulate_prints_every_placement_and_json(capsys):
     text = _run(simulate_main, SMALL)
-    for placement in ("colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_balanced"):
+    for placement in ("colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_naive"):
         assert placement in text
     result = json.loads(_run(simulate_main, SMALL, as_json=True))
     figures = result["placements"]
-    assert set(figures) == {"colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_balanced"}
+    assert set(figures) == {"colocated", "stage0", "encoder_first", "disaggregated", "megatron", "megatron_naive"}
     for p in figures.values():
         assert p["step_time_s"] > 0 and 0 < p["mfu"] < 1 and 0 <= p["bubble_fraction"] < 1
         assert p["tokens_per_s"] > 0 and p["fits"] is True

@@ -113,7 +113,7 @@ def test_placements_follow_the_encoder_cost(traced):
     """Encoders 4x costlier (encoder_efficiency / 4): every rank's encoder time grows exactly 4x;
     stage0 keeps all of it on the first stage (rank 0), the other placements spread it over both
     ranks; so stage0's step time grows more than theirs, and it ends the slowest."""
-    from omni.sim.simulate import simulate
+    from omni.sim.compare import simulate
 
     cfg = traced["cfg"]
     cheap, costly = (simulate(dataclasses.replace(cfg, cluster=dataclasses.replace(
