@@ -72,14 +72,15 @@ def megatron_candidates(cfg: SimConfig, spec: ModelSpec) -> list[dict[str, Any]]
     (``--pipeline-model-parallel-size``), two virtual stages per rank (``--num-layers-per-virtual-
     pipeline-stage``), fewer LLM layers on the first stage, which also runs the encoders
     (``--decoder-first-pipeline-num-layers``), selective or full recomputation
-    (``--recompute-granularity``); data parallel over the rest under the distributed optimizer.
-    The sequence length (``micro_batch_tokens``), context and expert parallelism stay the
-    workload's: they are the data's and the model's, not a tuning knob of the baseline."""
+    (``--recompute-granularity``), context parallelism 1, 2 or 4 (``--context-parallel-size``;
+    the ViT is not split by it: each CP rank encodes the whole micro-batch); data parallel over
+    the rest under the distributed optimizer. The sequence length (``micro_batch_tokens``) and
+    expert parallelism stay the workload's: they are the data's and the model's."""
     world, node = cfg.cluster.num_gpus, cfg.cluster.gpus_per_node
     par = cfg.parallel
     out = []
-    for tp, pp in itertools.product(_divisors(node, node), _divisors(spec.num_layers, 16)):
-        mp = tp * pp * par.cp
+    for tp, pp, cp in itertools.product(_divisors(node, node), _divisors(spec.num_layers, 16), (1, 2, 4)):
+        mp = tp * pp * cp
         if world % mp:
             continue
         stage_splits = [(1, 0)] + ([(1, f) for f in megatron.first_stage_options(spec.num_layers, pp)] + [(2, 0)]
@@ -87,7 +88,7 @@ def megatron_candidates(cfg: SimConfig, spec: ModelSpec) -> list[dict[str, Any]]
         for (v, first), ckpt in itertools.product(stage_splits, ("selective", "full")):
             out.append({"dp_replicate": 1, "dp_shard": world // mp, "tp": tp, "pp": pp, "pp_virtual_stages": v,
                         "pp_schedule": "interleaved_1f1b" if v > 1 else ("1f1b" if pp > 1 else par.pp_schedule),
-                        "cp": par.cp, "ep": par.ep, "activation_checkpoint": ckpt,
+                        "cp": cp, "ep": par.ep, "activation_checkpoint": ckpt,
                         "micro_batch_tokens": cfg.data.micro_batch_tokens, "encoder_sp": 1,
                         "long_threshold": "auto", "chunks_per_cut": cfg.multiplex.chunks_per_cut,
                         "fill_bubbles": cfg.multiplex.fill_bubbles, "first_stage_layers": first})

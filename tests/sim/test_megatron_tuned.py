@@ -47,7 +47,7 @@ def test_the_search_space_is_a_megatron_users():
     cfg = load_sim_config(SMALL)
     spec = model_spec(cfg.model, cfg.encoders)
     layouts = megatron_candidates(cfg, spec)
-    assert {lay["pp"] for lay in layouts} >= {1, 2}
+    assert {lay["pp"] for lay in layouts} >= {1, 2} and {lay["cp"] for lay in layouts} >= {1, 2}
     assert {lay["activation_checkpoint"] for lay in layouts} == {"selective", "full"}
     assert any(lay["first_stage_layers"] > 0 for lay in layouts)
     assert any(lay["pp_virtual_stages"] == 2 for lay in layouts)
