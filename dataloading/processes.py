@@ -39,8 +39,13 @@ def default_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _init_worker(initializer: Callable[..., None] | None, initargs: tuple) -> None:
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _init_worker(initializer: Callable[..., None] | None, initargs: tuple, mask: set | None) -> None:
     default_signals()
+    if mask is not None:  # the parent's mask, now that a terminate can only end this worker
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     one_thread()
     if initializer is not None:
         initializer(*initargs)
@@ -48,8 +53,21 @@ def _init_worker(initializer: Callable[..., None] | None, initargs: tuple) -> No
 
 def worker_pool(workers: int, initializer: Callable[..., None] | None = None, initargs: tuple = ()):
     """A pool of ``workers`` processes, each at one compute thread, then set up by
-    ``initializer(*initargs)``."""
-    return worker_context().Pool(workers, initializer=_init_worker, initargs=(initializer, initargs))
+    ``initializer(*initargs)``.
+
+    SIGINT and SIGTERM are blocked while the workers are forked (a child inherits the mask) and
+    unblocked in each worker once it has the default handlers: a ``terminate`` that reaches a
+    worker still starting waits for that, instead of running the parent's handler in the child
+    (which, if it only sets a flag, left the worker waiting on its task queue and the pool's
+    terminate waiting for the worker: a hung test suite, twice). The parent's own signals
+    arriving meanwhile are delivered when the pool exists."""
+    can_mask = hasattr(signal, "pthread_sigmask")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS) if can_mask else None
+    try:
+        return worker_context().Pool(workers, initializer=_init_worker, initargs=(initializer, initargs, mask))
+    finally:
+        if can_mask:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def imap_in_workers(fn: Callable[[Any], Any], jobs: Iterable, workers: int,
