@@ -54,6 +54,7 @@ from omni.sim.data import MicroBatchWork
 from omni.sim.engine import StepTimeline
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, CommGroup, Machine, StageWork, encoder_work
+from parallel.pipeline import split_layers
 from parallel.sizing import Sizes
 
 PLACEMENTS = ("megatron", "megatron_naive")
@@ -105,8 +106,7 @@ def stage_layers(num_layers: int, stages: int, first_stage_layers: int = 0) -> l
     """Consecutive blocks of layers per (virtual) stage: even, or ``first_stage_layers`` on the
     first and the rest split evenly over the others."""
     if first_stage_layers <= 0 or stages < 2:
-        per = num_layers // stages
-        return [list(range(s * per, (s + 1) * per)) for s in range(stages)]
+        return split_layers(num_layers, stages)
     rest, others = num_layers - first_stage_layers, stages - 1
     if first_stage_layers >= num_layers or rest % others:
         raise ValueError(f"sim.first_stage_layers={first_stage_layers} leaves {rest} layers, which do not split "

@@ -19,7 +19,6 @@ its own searched layout where ``sim.search_layouts`` says) is ``omni.sim.compare
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,15 +32,13 @@ from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline
 from omni.sim import disaggregated, megatron
 from omni.sim import memory as mem
 from omni.sim import sync
-from omni.sim.config import PLACEMENTS, SimConfig
-from omni.sim.data import MicroBatchWork, StepWork, check_data, draw_steps
+from omni.sim.config import SimConfig
+from omni.sim.data import MicroBatchWork, StepWork, draw_steps
 from omni.sim.encoders import (BubbleTimes, ChunkTimes, call_actions, call_of_chunks, chunk_items,
                                item_activation_bytes, plan_bubble_calls, plan_chunks)
 from omni.sim.engine import DECOMPOSITION, StepTimeline, programs, simulate_step
-from omni.sim.once import Warnings
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
-from omni.sim.workload import describe_workload
 from parallel.config import ParallelConfig
 from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
 from parallel.pipeline import microbatch_count, microbatch_multiple, split_layers
