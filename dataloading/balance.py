@@ -298,7 +298,7 @@ def _pack(items: list[int], costs: list[float], tokens: list[int], m: int, budge
 def arrange(costs, tokens, num_ranks: int, budget: int | None, method: str = "balanced",
             group_size: int = 0, multiple: int = 1) -> Arrangement:
     """Assign items to ranks, then to the same number of micro-batches on every rank, a
-    multiple of ``multiple`` (the pipeline's: ``parallel.pipeline.microbatch_multiple``). A
+    multiple of ``multiple`` (the pipeline's: ``parallel.rows.microbatch_multiple``). A
     pipeline runs a multiple of its stages' micro-batches whatever the data holds, each as long
     as the longest (one shape); spreading the items over them all, instead of padding with empty
     ones of full length, shortens the longest and so every row."""

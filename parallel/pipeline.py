@@ -5,8 +5,10 @@ stages r, r + pp, r + 2*pp, ... This is what the interleaved and zero-bubble sch
 (and the plain ones with v = 1).
 
 Shapes: torch's stages allocate receive buffers from fixed activation shapes. Packed rows
-vary in length from step to step, so the caller pads a step's micro-batches to one length and
-schedules are built per (length, micro-batch count) and cached.
+vary in length from step to step, so the caller pads a step's micro-batches to one length
+(``parallel.rows.row_lengths(one_shape=True)``) and schedules are built per (length,
+micro-batch count) and cached. Omni's executor (``parallel.pipeline_executor``) takes a length
+per micro-batch instead.
 
 Point-to-point traffic is torch's: its runtime issues unbatched isend / irecv on the one
 pipeline group, each receive placed by its planner where the matching send goes, so every
@@ -45,20 +47,6 @@ def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     """Consecutive, equal blocks of layers per stage (the layout checks divisibility)."""
     per = num_layers // num_stages
     return [list(range(s * per, (s + 1) * per)) for s in range(num_stages)]
-
-
-def microbatch_multiple(pp: int) -> int:
-    """What a step's micro-batch count per rank must be a multiple of (``microbatch_count``):
-    the data planner packs that many (``data.balance``'s ``arrange``), so the pipeline gets
-    rows of data instead of empty ones of full length."""
-    return max(1, pp)
-
-
-def microbatch_count(n: int, pp: int) -> int:
-    """How many micro-batches a step must run: at least one per stage, and a multiple of pp
-    (the interleaved schedules run them in rounds of pp). The caller pads with empty ones."""
-    multiple = microbatch_multiple(pp)
-    return max(multiple, -(-n // multiple) * multiple)
 
 
 class PipelineRunner:

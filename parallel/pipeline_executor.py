@@ -125,11 +125,13 @@ def _receiver(channel: str, stage: int) -> int:
     return stage + 1 if channel == "act" else stage - 1
 
 
-def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, shape: tuple[int, ...],
+def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, shapes: Sequence[tuple[int, ...]],
                  dtype: torch.dtype) -> list[list[Item]]:
     """Every rank's program with cuts (``place_cuts``) turned into what the executor issues:
-    its actions and cuts with the ``Batch``es and ``DRAIN``s between them, every message a
-    [shape] tensor of ``dtype`` (see "Why the sends cannot deadlock" in the module docstring).
+    its actions and cuts with the ``Batch``es and ``DRAIN``s between them, every message of
+    micro-batch i a [shapes[i]] tensor of ``dtype`` (see "Why the sends cannot deadlock" in the
+    module docstring). Every rank of the pipeline derives the same shapes from the rows it
+    holds, so no message carries a size.
 
     A message's key is the start of the action that receives it in the as-soon-as-possible
     execution (``_start_times``); a rank issues its operations in key order. Before action a:
@@ -164,11 +166,12 @@ def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, sh
             due.sort(key=lambda m: key[m])  # a receiver takes its messages in key order (stable: ties as produced)
             batches = []
             for channel in CHANNELS:
-                ops = [P2P(True, ch, _receiver(ch, st) % pp, st, _receiver(ch, st), i, shape, dtype)
+                ops = [P2P(True, ch, _receiver(ch, st) % pp, st, _receiver(ch, st), i, shapes[i], dtype)
                        for ch, st, i in due if ch == channel]
                 waited = recv is not None and recv[0] == channel
                 if waited:
-                    ops.append(P2P(False, channel, recv[1] % pp, recv[1], _receiver(*recv[:2]), recv[2], shape, dtype))
+                    ops.append(P2P(False, channel, recv[1] % pp, recv[1], _receiver(*recv[:2]), recv[2], shapes[recv[2]],
+                                   dtype))
                 if ops:
                     batches.append(Batch(channel, tuple(ops), waited))
             batches.sort(key=lambda b: b.wait)  # the waited one last: this rank's other sends are out first
@@ -251,23 +254,25 @@ class PipelineExecutor:
     def encoder_backward_cuts(self, n_micro: int) -> list[Optional[int]]:
         return encoder_backward_cuts(self.programs(n_micro)[0], n_micro)
 
-    def p2p_programs(self, length: int, n_micro: int) -> list[list[Item]]:
-        """Every rank's actions, cuts and point-to-point batches for ``n_micro`` micro-batches
-        of [1, length, hidden] activations: what ``run`` issues, op for op (the few most
-        recent (length, n_micro) are cached: the row length changes from step to step)."""
-        key = (length, n_micro)
+    def p2p_programs(self, lengths: Sequence[int]) -> list[list[Item]]:
+        """Every rank's actions, cuts and point-to-point batches for micro-batches whose
+        activations are [1, lengths[i], hidden]: what ``run`` issues, op for op (the few most
+        recent are cached: row lengths change from step to step)."""
+        key = tuple(lengths)
         if key in self._p2p:
             self._p2p.move_to_end(key)
         else:
             while len(self._p2p) >= CACHED_P2P_PROGRAMS:
                 self._p2p.popitem(last=False)
-            self._p2p[key] = p2p_programs(self.programs(n_micro), self.pp, self.virtual,
-                                          (1, length, self.hidden_size), self.dtype)
+            self._p2p[key] = p2p_programs(self.programs(len(key)), self.pp, self.virtual,
+                                          [(1, n, self.hidden_size) for n in key], self.dtype)
         return self._p2p[key]
 
-    def run(self, length: int, n_micro: int) -> None:
-        """Forward and backward of ``n_micro`` micro-batches whose stage activations are
-        [1, length, hidden]."""
+    def run(self, lengths: Sequence[int]) -> None:
+        """Forward and backward of ``len(lengths)`` micro-batches; micro-batch i's stage
+        activations are [1, lengths[i], hidden] (each row keeps its own length:
+        ``parallel.rows.row_lengths``)."""
+        n_micro = len(lengths)
         if not self._connected:
             self._connect()
         inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -276,7 +281,7 @@ class PipelineExecutor:
         received: dict[tuple[str, int, int], torch.Tensor] = {}
         in_flight: list = []  # (works, tensors) of unwaited batches: the tensors live until DRAIN
         last = self.num_stages - 1
-        for item in self.p2p_programs(length, n_micro)[self.rank]:
+        for item in self.p2p_programs(lengths)[self.rank]:
             if isinstance(item, Batch):
                 works, tensors = self._issue(item, to_send, received)
                 if item.wait:

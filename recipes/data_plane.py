@@ -32,7 +32,7 @@ def cost_model(cfg: OmniConfig, model):
 
 
 def planner_kwargs(cfg: OmniConfig, model) -> dict:
-    from parallel.pipeline import microbatch_multiple
+    from parallel.rows import microbatch_multiple
 
     d = cfg.data
     return dict(seed=cfg.trainer.seed, global_batch_size=d.global_batch_size, micro_batch_tokens=d.micro_batch_tokens,

@@ -81,15 +81,16 @@ def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = N
                                **kwargs)
     if load_state:
         planner.load_state_dict(_state_from_file(load_state))
-    rows = []
+    rows, padded = [], []
     for _ in range(steps):
         plan = planner.plan()
         planner.advance()
+        padded.append(_padded_fraction(plan, cfg.parallel))
         if as_json:
-            out.write(json.dumps(plan.to_json(), separators=(",", ":")) + "\n")
+            out.write(json.dumps({**plan.to_json(), "padded_fraction": padded[-1]}, separators=(",", ":")) + "\n")
         rows.append(plan)
     if not as_json:
-        _print_table(rows, planner, kwargs["balance"], dp, mixture, out)
+        _print_table(rows, padded, planner, kwargs["balance"], dp, mixture, out, cfg.parallel)
     if save_state:
         Path(save_state).write_text(json.dumps(planner.state_dict(), indent=1))
         if not as_json:
@@ -98,16 +99,26 @@ def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = N
     return 0
 
 
-def _print_table(plans, planner, balance: str, dp: int, mixture: str, out) -> None:
+def _padded_fraction(plan, par) -> float:
+    """Of the LLM rows this step would run, the share that is padding (``parallel.rows``: under
+    PP every rank runs the same multiple of pp, each row its own length): as the trainer pads
+    (``padded_fraction`` in metrics.jsonl) and the simulator costs."""
+    from parallel.rows import step_padded_fraction
+
+    rows = [[sum(plan.unit_tokens.get(u, 0) for u in mb) for mb in mbs] for mbs in plan.ranks]
+    return step_padded_fraction(rows, par.tp, par.pp, one_shape=par.pp > 1 and par.pp_schedule == "zero_bubble")
+
+
+def _print_table(plans, padded, planner, balance: str, dp: int, mixture: str, out, par) -> None:
     names = planner.names
     weights = {n: [] for n in names}
     out.write(f"omni data plan: {mixture}, dp={dp}, balance={balance}, budget={planner.budget} tokens, "
-              f"global batch {planner.global_batch_size}\n\n")
+              f"global batch {planner.global_batch_size}; padded rows as tp={par.tp} x pp={par.pp} runs them\n\n")
     share_cols = " | ".join(f"{n} %" for n in names)
-    out.write(f"| step | max/mean | lower bound | utilisation | micro-batches | skipped | {share_cols} |\n")
-    out.write("|" + "---|" * (6 + len(names)) + "\n")
+    out.write(f"| step | max/mean | lower bound | utilisation | micro-batches | padded % | skipped | {share_cols} |\n")
+    out.write("|" + "---|" * (7 + len(names)) + "\n")
     totals = {n: 0 for n in names}
-    for p in plans:
+    for p, pad in zip(plans, padded):
         total = sum(p.sources.values())
         probs = dict(zip(names, planner.probabilities(p.step)))
         for n in names:
@@ -116,13 +127,15 @@ def _print_table(plans, planner, balance: str, dp: int, mixture: str, out) -> No
         shares = " | ".join(f"{100 * p.sources.get(n, 0) / total:.1f}" for n in names)
         skipped = sum(p.skipped.values())
         out.write(f"| {p.step} | {p.stats['max_over_mean']:.3f} | {p.stats['lower_bound']:.3f} | "
-                  f"{p.stats.get('utilisation', 1.0):.3f} | {p.stats['micro_batches']} | {skipped} | {shares} |\n")
+                  f"{p.stats.get('utilisation', 1.0):.3f} | {p.stats['micro_batches']} | {100 * pad:.1f} | {skipped} | "
+                  f"{shares} |\n")
     ratios = [p.stats["max_over_mean"] for p in plans]
     bounds = [p.stats["lower_bound"] for p in plans]
     drawn = sum(totals.values())
     out.write(f"\nsummary over {len(plans)} steps: max/mean mean {sum(ratios) / len(ratios):.3f}, worst "
               f"{max(ratios):.3f} (lower bound mean {sum(bounds) / len(bounds):.3f}); utilisation mean "
-              f"{sum(p.stats.get('utilisation', 1.0) for p in plans) / len(plans):.3f}\n")
+              f"{sum(p.stats.get('utilisation', 1.0) for p in plans) / len(plans):.3f}; padded rows "
+              f"{100 * sum(padded) / len(padded):.1f}%\n")
     out.write("mixture: " + ", ".join(
         f"{n} {100 * totals[n] / drawn:.1f}% (target {100 * sum(weights[n]) / len(weights[n]):.1f}%)"
         for n in names) + "\n")

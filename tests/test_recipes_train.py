@@ -89,5 +89,7 @@ def test_a_pipeline_run_under_the_gpus_rules(demo_root, tmp_path):
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert [r["host_syncs"] for r in steps] == [1, 1, 1] and all(r["host_to_device_copies"] > 0 for r in steps)
+    # Each row padded to its own length (parallel.rows; the equality layouts check the value)
+    assert all(0 <= r["padded_fraction"] < 0.5 for r in steps), [r["padded_fraction"] for r in steps]
     evals = [r for r in records if r.get("event") == "eval"]
     assert len(evals) == 1 and evals[0]["num_samples"] == 4

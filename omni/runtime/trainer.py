@@ -44,12 +44,9 @@ from omni.runtime.stop import (STOP_GRACE_MIN_S, RunStopped, StopNow, StopOnSign
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
 from parallel.strict_device import StrictDevice, host_read
-from parallel.pipeline import microbatch_count
+from parallel.pipeline_executor import PipelineExecutor
+from parallel.rows import microbatch_count, row_lengths
 from parallel.sizing import reduces_every_microbatch
-
-
-def _round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
 
 
 def _device_sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -74,11 +71,11 @@ def _is_timeout(exc: BaseException) -> bool:
 
 @dataclass
 class HostInputs:
-    """A step's host work (``Trainer._host_inputs``): its micro-batches ready on the device, the
-    common row length, and the global batch's target and token counts."""
+    """A step's host work (``Trainer._host_inputs``): its micro-batches ready on the device, each
+    one's row length, and the global batch's target and token counts."""
 
     prepared: list[Prepared]
-    length: int
+    lengths: list[int]
     global_targets: float
     global_tokens: float
 
@@ -199,22 +196,28 @@ class Trainer:
         tokens = batch.num_tokens if holder else 0
         return tuple(all_reduce_sums([targets, real, tokens], torch.device("cpu"), self._host))
 
-    def _rows(self, batch: StepBatch) -> tuple[list[tuple[MicroBatch, int]], int]:
-        """Every micro-batch padded as the layout needs (and, under PP, to one length and a
-        schedulable count), still on the host, with its real token count; and the common length
-        (0 when lengths may differ)."""
+    def _rows(self, batch: StepBatch) -> list[tuple[MicroBatch, int]]:
+        """Every micro-batch padded as the layout needs (``parallel.rows``: a schedulable count
+        under PP, each row its own length unless torch's schedules need one shape), still on the
+        host, with its real token count."""
         tp, pp = self.layout.sizes.tp, self.layout.sizes.pp
         mbs = list(batch.micro_batches)
-        length = 0
         if pp > 1:
             mbs += [MicroBatch.empty(mbs[0].cp if mbs else None)] * (microbatch_count(len(mbs), pp) - len(mbs))
-            unit = 8 * tp  # coarse lengths: few distinct activation shapes, so few cached schedules
-            length = _round_up(max(max(mb.num_tokens for mb in mbs), 1), unit)
-        return [self._pad(mb, length) for mb in mbs], length
+        lengths = row_lengths([mb.num_tokens for mb in mbs], tp, pp, one_shape=self._one_shape)
+        return [(mb.padded(n, self.pad_id), mb.num_tokens) for mb, n in zip(mbs, lengths)]
 
-    def _pad(self, mb: MicroBatch, length: int) -> tuple[MicroBatch, int]:
-        target = length or _round_up(max(mb.num_tokens, 1), self.layout.sizes.tp)
-        return mb.padded(target, self.pad_id), mb.num_tokens
+    @property
+    def _one_shape(self) -> bool:
+        """torch's pipeline schedules (``PipelineRunner``) take one activation shape per step."""
+        return self.pm.runner is not None and not isinstance(self.pm.runner, PipelineExecutor)
+
+    def _placeholder_row(self, rows: list[tuple[MicroBatch, int]]) -> tuple[MicroBatch, int]:
+        """An empty micro-batch as this step pads it (the multiplexer's extra ones)."""
+        cp = rows[0][0].cp if rows else None
+        n = rows[0][0].num_tokens if self._one_shape and rows else \
+            row_lengths([0], self.layout.sizes.tp, self.layout.sizes.pp)[0]
+        return MicroBatch.empty(cp).padded(n, self.pad_id), 0
 
     def _prepare(self, row: tuple[MicroBatch, int], global_targets: float) -> Prepared:
         mb, real = row
@@ -246,7 +249,11 @@ class Trainer:
                 inputs = self._host_inputs(batch)
             window = contextlib.nullcontext() if self.strict is None else self.strict.device_window()
             with window:
-                out = self._device_step(inputs.prepared, inputs.length, inputs.global_targets, before_read)
+                out = self._device_step(inputs.prepared, inputs.lengths, inputs.global_targets, before_read)
+        # Of the rows the LLM ran (every rank's, empty micro-batches included), the share that is
+        # padding: what parallel.rows' per-row lengths keep small (the simulator's padded_fraction).
+        rows = out.pop("row_tokens")
+        out["padded_fraction"] = max(0.0, 1.0 - inputs.global_tokens / rows) if rows > 0 else 0.0
         if self.strict is not None:
             # what the strict check counted since the step's data arrived: the host syncs
             # (declared reads) and the batched host-to-device copies
@@ -286,7 +293,7 @@ class Trainer:
         # losses are averaged over the global batch's micro-batches the same way.
         for chunk in self.pm.chunks:
             chunk.runtime.aux_weight = 1.0 / max(global_real, 1.0)
-        rows, length = self._rows(batch)
+        rows = self._rows(batch)
         prepared = [self._prepare(row, global_targets) for row in rows]
         mux = self.pm.multiplexer
         if mux is not None:
@@ -294,14 +301,14 @@ class Trainer:
             # manifests (nothing is read back from the device); groups with fewer micro-batches
             # run empty ones, so the encoder chunks line up.
             n = mux.begin_step(prepared, [mux.describe(mb) for mb, _ in rows])
-            cp = rows[0][0].cp if rows else None
-            prepared += [self._prepare(self._pad(MicroBatch.empty(cp), length), global_targets)
-                         for _ in range(n - len(prepared))]
+            extra = self._placeholder_row(rows)
+            rows += [extra] * (n - len(rows))
+            prepared += [self._prepare(extra, global_targets) for _ in range(n - len(prepared))]
         for i, p in enumerate(prepared):
             p.index = i
-        return HostInputs(prepared, length, global_targets, global_tokens)
+        return HostInputs(prepared, [mb.num_tokens for mb, _ in rows], global_targets, global_tokens)
 
-    def _forward_backward(self, prepared: list[Prepared], length: int,
+    def _forward_backward(self, prepared: list[Prepared], lengths: list[int],
                           global_targets: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Forward and backward of the step's micro-batches: their CE sums and router losses
         (detached, on the device), in micro-batch order."""
@@ -315,7 +322,11 @@ class Trainer:
                 if mux is not None:
                     mux.before_pipeline()
                 # Between stages a TP rank holds its sequence shard of each row.
-                self.pm.runner.run(length // self.layout.sizes.tp, len(prepared))
+                shards = [n // self.layout.sizes.tp for n in lengths]
+                if self._one_shape:
+                    self.pm.runner.run(shards[0], len(shards))
+                else:
+                    self.pm.runner.run(shards)
                 if mux is not None:
                     mux.finish()
             for chunk in self.pm.chunks:
@@ -351,7 +362,7 @@ class Trainer:
         """The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum: one counts it."""
         return self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
 
-    def _device_step(self, prepared: list[Prepared], length: int, global_targets: float,
+    def _device_step(self, prepared: list[Prepared], lengths: list[int], global_targets: float,
                      before_read: Callable[[], None] | None = None) -> dict[str, float]:
         """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
         step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
@@ -359,7 +370,7 @@ class Trainer:
         test_no_host_sync.py holds it to that). ``before_read`` runs just before that read, while
         a GPU still works through the step. A fourth number rides along: whether this rank was
         asked to stop (a signal); summed over ranks, every rank stops after the same step."""
-        ce_parts, aux_parts = self._forward_backward(prepared, length, global_targets)
+        ce_parts, aux_parts = self._forward_backward(prepared, lengths, global_targets)
         mux = self.pm.multiplexer
         self._mux_metrics = mux.step_metrics() if mux is not None else {}  # before the next step's plan
         self._phase("gradient sync")
@@ -372,19 +383,22 @@ class Trainer:
             params = list(self.pm.parameters())
             # torch.full, not torch.tensor: a host number becomes a device value without a copy
             stop = torch.full((), float(self._stop.requested), dtype=torch.float64, device=self.device)
+            # The rows' padded lengths ride along, counted once per group holding the same rows.
+            rows = torch.full((), float(sum(lengths) if self.layout.counts_data else 0), dtype=torch.float64,
+                              device=self.device)
             sums = torch.stack([_device_sum(ce_parts if self._counts_loss() else [], self.device),
                                 _device_sum(aux_parts, self.device),
                                 local_grad_square_sum(params, self.layout.stage_world, self.pm.norm_skip,
-                                                      self.device), stop])
+                                                      self.device), stop, rows])
             if self.layout.world_size > 1:
-                dist.all_reduce(sums)  # one collective for the loss, the router loss, the norm and the stop
+                dist.all_reduce(sums)  # one collective for the loss, the router loss, the norm, the stop, the rows
             max_norm = self.clip if self.clip > 0 else math.inf
             scale_to_max_norm_(params, sums[2].sqrt(), max_norm)
             if before_read is not None:
                 with self._host_work():
                     before_read()
             with host_read("the step's losses and gradient norm"):
-                ce_sum, aux_sum, square, stops = sums.tolist()  # the step's one device read
+                ce_sum, aux_sum, square, stops, row_tokens = sums.tolist()  # the step's one device read
             self._stopping = stops > 0
             loss_value, grad_norm = ce_sum / global_targets, math.sqrt(square)
             lr, group_lrs = self.optim.lr, self.optim.group_lrs()
@@ -396,7 +410,7 @@ class Trainer:
                 self.optim.step()
             self.optim.zero_grad()
         out = {"loss": loss_value, "lr": lr, **group_lrs, "grad_norm": grad_norm,
-               "target_tokens": int(global_targets), "skipped": bad}
+               "target_tokens": int(global_targets), "skipped": bad, "row_tokens": row_tokens}
         if self._stage is not None:
             out["stage"] = self._stage.number
         if aux_sum:
@@ -411,7 +425,7 @@ class Trainer:
         forwards and backwards); its gradients are dropped here, and nothing else moves: no
         gradient sync, optimizer, lr schedule, guard or spike detector."""
         inputs = self._host_inputs(batch)
-        ce_parts, _ = self._forward_backward(inputs.prepared, inputs.length, inputs.global_targets)
+        ce_parts, _ = self._forward_backward(inputs.prepared, inputs.lengths, inputs.global_targets)
         for p in self.pm.parameters():
             p.grad = None
         return ce_parts if self._counts_loss() else []

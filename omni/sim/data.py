@@ -219,7 +219,7 @@ def step_ratios(cfg: SimDataConfig) -> list[tuple[float | None, float]]:
 
 def draw_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int = 1) -> list[StepWork]:
     """``cfg.steps`` steps over ``dp`` DP groups, packed as the runtime's planner packs them
-    (micro-batches per group a multiple of ``multiple``: ``parallel.pipeline.microbatch_multiple``)."""
+    (micro-batches per group a multiple of ``multiple``: ``parallel.rows.microbatch_multiple``)."""
     check_data(cfg, spec)
     if cfg.source == "mixture":
         return _mixture_steps(cfg, spec, dp, multiple)

@@ -82,7 +82,8 @@ def programs(schedule: str, pp: int, virtual: int, n: int,
 
 
 def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro: int,
-                  work: dict[tuple[int, int, int], StageWork], p2p_s: float | dict[int, float], placement: str,
+                  work: dict[tuple[int, int, int], StageWork], p2p_s: float | dict[tuple[int, int], float],
+                  placement: str,
                   chunks: list[ChunkTimes], encoder_cells: dict[tuple[int, int], list[int]],
                   llm_activation: dict[tuple[int, int, int], float], tail_s: dict[tuple[int, int], float],
                   tail_comm_s: dict[tuple[int, int], float], record: bool = False,
@@ -91,8 +92,8 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                   first_stage_ready: Optional[Sequence[float]] = None) -> StepTimeline:
     """``work[(g, stage, i)]``: group g's micro-batch i through global stage ``stage``;
     ``encoder_cells[(g, s)]``: indices into each chunk's member GPUs that the cell holds (empty
-    or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per DP
-    group when a dict: each pads its rows to its own length); ``llm_activation[(g, stage, i)]``: bytes that
+    or missing: the cell runs no encoder work); ``p2p_s``: one stage-to-stage transfer (per
+    (group, micro-batch) when a dict: each row has its own length); ``llm_activation[(g, stage, i)]``: bytes that
     forward keeps until backward; ``tail_s``/``tail_comm_s``: what each cell runs after its
     program (optimizer; exposed gradient sync). ``record``: keep every cell's events.
     ``chunks_per_cut``, ``lookahead``: multiplex.chunks_per_cut, multiplex.lookahead.
@@ -316,7 +317,7 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
                     dep = ("b", g, stage + 1, i) if stage < last_stage else ("f", g, stage, i)
                 if dep is not None and dep not in done:
                     break
-                send = p2p_s[g] if isinstance(p2p_s, dict) else p2p_s
+                send = p2p_s[(g, i)] if isinstance(p2p_s, dict) else p2p_s
                 ready = done[dep] + (send if dep[2] != stage else 0.0) if dep is not None else 0.0
                 if kind == "f" and stage == 0 and first_stage_ready is not None:
                     ready = max(ready, first_stage_ready[i])

@@ -32,6 +32,10 @@ What the two differ in:
 | packing | each DP rank packs its own share largest first (``data.balance=packed``: Megatron-Energon's packing, a knapsack over a buffer) | next-fit in order (``data.balance=none``) |
 | LLM TP communication | overlapped with the GEMMs (``--tp-comm-overlap``; ``timing.stage_work``) | exposed |
 
+Both pad pipeline rows as Omni's trainer does (``parallel.rows``: each micro-batch its own
+length, empty ones short), which Megatron-LM does with ``--variable-seq-lengths`` (each
+micro-batch's shape sent ahead of it): the baseline is not charged padding its users avoid.
+
 The LLM side is otherwise the simulator's own (the same ``stage_work``, schedule and gradient
 sync as the other placements), so with no images ``megatron_naive`` takes the LLM-only step of
 ``stage0`` (with the distributed optimizer's weight handling).

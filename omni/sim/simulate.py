@@ -41,7 +41,8 @@ from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
 from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
-from parallel.pipeline import microbatch_count, microbatch_multiple, split_layers
+from parallel.pipeline import split_layers
+from parallel.rows import microbatch_count, microbatch_multiple, row_lengths
 from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
 
 GIB = 2.0**30
@@ -222,9 +223,9 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     first_layers = cfg.sim.first_stage_layers if megatron.is_megatron(placement) and v == 1 else 0
     stage_layers = megatron.stage_layers(spec.num_layers, pp * v, first_layers)
     last_stage = pp * v - 1
-    # Under PP each DP group pads its rows to its own longest (the trainer's _rows: a pipeline
-    # needs one shape, DP groups need not share it).
-    common = [_round_up(max(max(mb.tokens for mb in g), 1), 8 * tp) if pp > 1 else 0 for g in groups]
+    # Each row's padded length as the trainer pads it (parallel.rows: its own length, rounded
+    # up; Omni's executor sizes each micro-batch's buffers from the rows every stage holds).
+    lengths = [row_lengths([mb.tokens for mb in g], tp, pp) for g in groups]
     shard = sizes.dp_shard * cp
     dp_shard_group = {s: sync.llm_shard_group(sizes, cluster.gpus_per_node, s) for s in range(pp)}
     dp_replicate_group = {s: sync.llm_replicate_group(sizes, cluster.gpus_per_node, s) for s in range(pp)}
@@ -244,7 +245,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     llm_costs: dict[int, list[float]] = {}  # per DP group, each micro-batch's LLM cost (the runtime's manifests)
     for gi, mbs in enumerate(groups):
         for i, mb in enumerate(mbs):
-            length = common[gi] or _round_up(max(mb.tokens, 1), tp)
+            length = lengths[gi][i]
             # The runtime pads a row with one more document (an empty micro-batch is one
             # document of padding): it attends like any other.
             docs = mb.docs + ([length - mb.tokens] if length > mb.tokens else [])
@@ -268,7 +269,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
     if first_encoder:
         first_encoder.add_to_first_stage(work, act)
     crosses = sync.stage_sends_cross_nodes(sizes, cluster.gpus_per_node, v)
-    p2p = {gi: m.p2p(c / (tp * cp) * spec.hidden * BF16, crosses) if pp > 1 else 0.0 for gi, c in enumerate(common)}
+    p2p = {(gi, i): m.p2p(n / (tp * cp) * spec.hidden * BF16, crosses) if pp > 1 else 0.0
+           for gi, ns in enumerate(lengths) for i, n in enumerate(ns)}
 
     # Encoder chunks: who encodes, planned by the runtime's planner.
     chunks: list[ChunkTimes] = []
@@ -373,7 +375,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
             b += first_encoder.static
         # The worst moment: a block's backward on top of the live activations (on the last
         # stage the loss's logits instead, whichever is larger), or the optimizer step.
-        tokens = (common[tl.group] or cfg.data.micro_batch_tokens) / cp
+        tokens = max(lengths[tl.group]) / cp if pp > 1 else cfg.data.micro_batch_tokens / cp
         transient = max(mem.layer_transient_bytes(spec, stage_layers[st], tokens, tp=tp, ep=ep,
                                                   recompute=par.activation_checkpoint, element_bytes=BF16)
                         for st in stages)
@@ -494,9 +496,6 @@ def _summarise(cfg: SimConfig, spec: ModelSpec, sizes: Sizes, placement: str, st
 
 
 # -- pieces -------------------------------------------------------------------------------------
-
-def _round_up(x: int, k: int) -> int:
-    return -(-x // k) * k
 
 
 def _group(sizes: Sizes, rank: int) -> int:

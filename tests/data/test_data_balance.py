@@ -84,11 +84,11 @@ def test_errors():
 
 def test_micro_batches_come_in_multiples_of_the_pipeline_stages():
     """With pipeline parallelism a step runs a multiple of pp micro-batches per rank, each as
-    long as the rank's longest (parallel.pipeline.microbatch_count); the planner packs that many
+    long as the rank's longest (parallel.rows.microbatch_count); the planner packs that many
     (``multiple``), so no rank gets an empty, full-length one and the longest row is no longer
     than with the fewest micro-batches. The items, their ranks and the budget are unchanged."""
     from dataloading.balance import arrange
-    from parallel.pipeline import microbatch_count, microbatch_multiple
+    from parallel.rows import microbatch_count, microbatch_multiple
 
     rng = np.random.default_rng(3)
     tokens = rng.integers(300, 3000, size=90)

@@ -134,3 +134,19 @@ def test_plan_without_a_mixture_says_it_plans_the_demo(tmp_path, monkeypatch, ca
     assert len(notes) == 1, captured.err
     assert "demo mixture" in notes[0] and str(tmp_path / "cache") in notes[0] and "data.mixture=" in notes[0]
     assert json.loads(captured.out.splitlines()[0])["step"] == 0  # stdout stays JSON
+
+
+def test_the_padded_fraction_of_each_step_as_the_layout_runs_it(skewed_mixture, capsys):
+    """`omni data plan` reports the share of the LLM rows that would be padding (parallel.rows:
+    the trainer's padded_fraction in metrics.jsonl, the simulator's per placement)."""
+    base = [f"data.mixture={skewed_mixture}", "data.micro_batch_tokens=4096", "data.global_batch_size=256"]
+    out = io.StringIO()
+    plan_main(base, dp=16, steps=2, as_json=True, out=out)
+    assert [json.loads(line)["padded_fraction"] for line in out.getvalue().splitlines()] == [0.0, 0.0]  # rows as they are
+    out = io.StringIO()
+    plan_main([*base, "parallel.pp=2", "parallel.tp=2"], dp=16, steps=2, as_json=True, out=out)
+    piped = [json.loads(line)["padded_fraction"] for line in out.getvalue().splitlines()]
+    assert all(0 < p < 0.05 for p in piped), piped  # rows rounded up to 16 tokens, empty ones 16
+    assert main(["data", "plan", *base, "parallel.pp=2", "parallel.tp=2", "--dp", "16", "--steps", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "| padded % |" in table and "tp=2 x pp=2" in table and "padded rows" in table

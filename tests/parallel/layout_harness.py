@@ -338,17 +338,33 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
         steps = [replace(b, micro_batches=[slice_for_cp(mb, cp, layout.cp_rank, pad_id=0) for mb in b.micro_batches])
                  for b in steps]
     feed = iter(steps)
+    padded = []
     for _ in range(n):
         with trainer.strict_scope():  # as fit() fetches a step
             out = trainer.train_step(next(feed))
         losses.append(out["loss"])
         norms.append(out["grad_norm"])
         syncs.append(out.get("host_syncs"))
+        padded.append(out["padded_fraction"])
         if probe is not None:
             probe(pm, result)
     tmp.cleanup()
+    if cp == 1:  # (CP ranks pad their own shards)
+        result["padded"] = padded
+        result["padded_expected"] = [expected_padded_fraction(mbs, dp, layout.sizes.tp, layout.sizes.pp,
+                                                              one_shape=layout.config.pp_schedule == "zero_bubble")
+                                     for mbs in global_batches(96, media, **(data or {}))]
     return {"losses": losses, "norms": norms, "grads": first_grads, "missing": missing, "sizes": dict(sizes),
             "host_syncs": syncs, **result}
+
+
+def expected_padded_fraction(mbs: list[MicroBatch], dp: int, tp: int, pp: int, one_shape: bool) -> float:
+    """A global batch's padded fraction as ``parallel.rows`` pads it (what the simulator costs):
+    every DP group's rows (``mbs[g::dp]``) aligned to the same schedulable count, each row its own
+    length (one length per group under torch's schedules)."""
+    from parallel.rows import step_padded_fraction
+
+    return step_padded_fraction([[mb.num_tokens for mb in mbs[g::dp]] for g in range(dp)], tp, pp, one_shape)
 
 
 class _Steps:
@@ -420,6 +436,11 @@ def compare(result: dict, ref: dict, tol: float = 1e-5) -> list[str]:
         bad.append("no gradients captured")
     if not all(math.isfinite(x) for x in result["losses"]):
         bad.append("non-finite loss")
+    # The rows ran as parallel.rows pads them (and as the simulator costs them), and the
+    # metric reports it.
+    for i, (got, want) in enumerate(zip(result.get("padded", ()), result.get("padded_expected", ()))):
+        if not abs(got - want) <= 1e-9:
+            bad.append(f"padded fraction at step {i}: {got!r} vs {want!r} from parallel.rows")
     return bad
 
 

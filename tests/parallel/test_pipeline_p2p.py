@@ -37,7 +37,7 @@ def _programs(schedule, pp, virtual, n):
     """With the tail cuts of every bubble window too: they are barriers like the cuts."""
     tails = [w.tail for w in bubble_windows(schedule, pp, virtual, n) if w is not None]
     return p2p_programs(place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n, tails), pp, virtual,
-                        SHAPE, DTYPE)
+                        [SHAPE] * n, DTYPE)
 
 
 def _ops(items):
@@ -212,24 +212,30 @@ def _stage_modules(num_stages, length, hidden):
 
 
 class _Stage(torch.nn.Module):
-    """Stage s of a toy pipeline: the first makes micro-batch i's input, the last returns a loss."""
+    """Stage s of a toy pipeline: the first makes micro-batch i's input (``lengths[i]`` rows
+    long: each micro-batch keeps its own length), the last returns a loss."""
 
-    def __init__(self, sid, num_stages, seed, lin):
+    def __init__(self, sid, num_stages, seed, lin, lengths):
         super().__init__()
-        self.sid, self.last, self.seed, self.lin = sid, sid == num_stages - 1, seed, lin
+        self.sid, self.last, self.seed, self.lin, self.lengths = sid, sid == num_stages - 1, seed, lin, lengths
         self.micro = 0
 
     def forward(self, x):
         if self.sid == 0:
-            x = (self.seed * (1 + self.micro)).unsqueeze(0)
+            x = _input(self.seed, self.lengths, self.micro).unsqueeze(0)
             self.micro += 1
         y = torch.tanh(self.lin(x))
         return (y ** 2).sum() if self.last else y
 
 
+def _input(seed, lengths, i):
+    return seed[:lengths[i]] * (1 + i)
+
+
 EXECUTOR_CASES = [("gpipe", 1, 3), ("1f1b", 1, 4), ("interleaved_1f1b", 2, 4)]  # (schedule, chunks, micro-batches)
 TORCH_CASES = [(2, 2), (2, 4), (2, 8), (3, 4)]  # zero-bubble (chunks, micro-batches) at pp = 2, the both-ways case
 LENGTH, HIDDEN = 3, 4
+MICRO_LENGTHS = (3, 1, 2, 3)  # rows of different lengths in one step, as parallel.rows gives them
 
 
 def _gloo_worker(rank, world, out_dir):
@@ -259,17 +265,19 @@ def _gloo_worker(rank, world, out_dir):
         num_stages = world * virtual
         seed, mods = _stage_modules(num_stages, LENGTH, HIDDEN)
         ids = [rank + c * world for c in range(virtual)]
-        chunks = [_Stage(s, num_stages, seed, mods[s]) for s in ids]
+        lengths = [MICRO_LENGTHS[i % len(MICRO_LENGTHS)] for i in range(n)]
+        chunks = [_Stage(s, num_stages, seed, mods[s], lengths) for s in ids]
         ex = PipelineExecutor(chunks, ids, num_stages, schedule, groups, torch.device("cpu"), HIDDEN, torch.float32)
         issued.clear()
-        ex.run(LENGTH, n)
+        ex.run(lengths)
         name = {id(g): ch for ch, g in ex.groups.items()}
         got = [[(send, name[id(g)], peer, shape, dtype) for send, g, peer, shape, dtype in batch] for batch in issued]
         want = [[(op.send, b.channel, op.peer, op.shape, op.dtype) for op in b.ops]
-                for b in ex.p2p_programs(LENGTH, n)[rank] if isinstance(b, Batch)]
+                for b in ex.p2p_programs(lengths)[rank] if isinstance(b, Batch)]
+        assert {op[3][1] for b in want for op in b} == set(lengths)  # every micro-batch's own shape
         ref_seed, ref = _stage_modules(num_stages, LENGTH, HIDDEN)
         for i in range(n):
-            x = (ref_seed * (1 + i)).unsqueeze(0)
+            x = _input(ref_seed, lengths, i).unsqueeze(0)
             for m in ref:
                 x = torch.tanh(m(x))
             (x ** 2).sum().backward()

@@ -356,10 +356,10 @@ def test_gpus_without_items_pay_the_calls_fixed_cost():
 
 # -- 6. padding ------------------------------------------------------------------------------------
 
-def test_each_dp_group_pads_to_its_own_length_and_throughput_counts_real_tokens():
-    """Under PP the trainer pads a group's rows to that group's longest (rounded to 8 x tp),
-    and groups short of micro-batches run empty rows of that length (full work); tokens/s and
-    MFU count only real tokens."""
+def test_each_row_pads_to_its_own_length_and_throughput_counts_real_tokens():
+    """Under PP the trainer pads each row to its own length (rounded to 8 x tp: parallel.rows),
+    and groups short of micro-batches run empty rows of 8 x tp tokens; tokens/s and MFU count
+    only real tokens."""
     cfg = load_sim_config([*SMALL, "encoders=none", "data.image_ratio=0"])
     spec, m = model_spec(cfg.model, cfg.encoders), Machine(cfg.cluster)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, 8)
@@ -368,7 +368,8 @@ def test_each_dp_group_pads_to_its_own_length_and_throughput_counts_real_tokens(
     run = _one_step(cfg, spec, m, sizes, "colocated", StepWork([long_group, short_group], 1.0), 0)
     unit = 8 * sizes.tp
     assert run.work[(0, 0, 0)].tokens == -(-1000 // unit) * unit
-    assert {run.work[(1, 0, i)].tokens for i in range(4)} == {-(-200 // unit) * unit}  # the 4th: pp's padding
+    assert [run.work[(1, 0, i)].tokens for i in range(4)] == [-(-200 // unit) * unit, -(-100 // unit) * unit,
+                                                             unit, unit]  # the 4th: pp's padding
     from omni.sim.simulate import _summarise
 
     step = StepWork([long_group, short_group], 1.0)
