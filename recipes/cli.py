@@ -136,7 +136,7 @@ def _convert_parser(dsub: argparse._SubParsersAction) -> None:
 SIM_EPILOG = """\
 overrides: as for `omni train` (model=, encoders/vision=, parallel.*, multiplex.*), plus
   workload=A|B|C|D     MegaScale-Omni's workloads (model, cluster, layout, batch)
-  cluster=h100|h200|a100|l20   cluster.num_gpus=N   cluster.gemm_efficiency=...
+  cluster=h100|h200|h800|a100|l20   cluster.num_gpus=N   cluster.gemm_efficiency=...
   data.image_ratio=0.9 data.global_batch_size=... data.source=mixture data.mixture=mix.yaml
   sim.placements=[colocated,stage0]   sim.calibration=fit.yaml   sim.encoder_gpus=N
 

@@ -22,7 +22,8 @@ PLACEMENTS = ("colocated", "stage0", "encoder_first", "disaggregated", "megatron
 @dataclass
 class ClusterConfig:
     """One kind of GPU and how the GPUs are wired. Bandwidths in GB/s (1e9 bytes), one
-    direction, per GPU."""
+    direction, per GPU. The defaults are the h100 preset's (``conf/cluster/h100.yaml``); the
+    sources of the efficiencies are tabled in docs/benchmarks.md (link calibration)."""
 
     name: str = "h100"
     num_gpus: int = 64
@@ -39,11 +40,40 @@ class ClusterConfig:
     nics_per_node: int = 8
     net_gbps: float = 50.0  # one NIC, GB/s one way
     net_latency_us: float = 15.0  # per ring step that crosses nodes
-    # Fractions of the peaks real kernels reach; `omni simulate --calibrate TRACE` fits them.
+    # Fractions of the line rates NCCL's own traffic reaches, one per link, since published
+    # figures put NVLink and the NICs at different fractions. NVLink: 370 of 450 GB/s, the
+    # effective rate NVIDIA gives for rings and every collective but NVLS all-reduce on H100
+    # (https://github.com/NVIDIA/nccl-tests/issues/212; 365-370 GB/s ring all-reduce busbw on 2
+    # to 8 GPUs, https://github.com/NVIDIA/nccl/issues/1455). NICs: 47.5 of 50 GB/s, the middle
+    # of NVIDIA's 46-48 and 48-49 GB/s per 400 Gb/s NDR NIC
+    # (https://github.com/NVIDIA/nccl-tests/issues/290, https://github.com/NVIDIA/nccl-tests/issues/267).
+    nvlink_efficiency: float = 0.822
+    net_efficiency: float = 0.95
+    # NVLink SHARP (NVLS): the NVSwitch reduces an all-reduce inside a node (third-generation
+    # NVSwitch, Hopper and later; not A100). Each GPU then moves (n+1)/n of the tensor each way
+    # (NVIDIA: algbw = link bandwidth x n/(n+1), https://github.com/NVIDIA/nccl-tests/pull/239)
+    # at nvls_efficiency of the NVLink line rate: 309 of 450 GB/s, from NVIDIA's ~275 GB/s
+    # algbw at 8 GPUs (275 x 9/8; nccl-tests issue 212 above); NCCL's tuner charges it one
+    # latency, 23-25 us across releases (hwLat NVLink/NVLS/Simple in NCCL's src/graph/tuning.cc).
+    nvls: bool = True
+    nvls_efficiency: float = 0.6875
+    nvls_latency_us: float = 25.0
+    # Fractions of the compute peaks real kernels reach; `omni simulate --calibrate TRACE` fits them.
+    # GEMM: 792.1 of 989 TFLOP/s, the best bf16 matmul measured on an H100 SXM (maximum achievable
+    # matmul FLOPS table, https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md),
+    # a ceiling real shapes stay under. Attention: FlashAttention-2 (the kernel omni.kernels calls)
+    # runs causal fwd+bwd at 327.9 TFLOP/s on an H100 (head dim 128, 8192 tokens; Azure ND H100
+    # v5, https://github.com/Azure/AI-benchmarking-guide/blob/main/Azure%20Results/ND_H100_v5_results.md),
+    # counting the backward as 2.5 forwards; this model's backward is 2 forwards at the same
+    # efficiency, so the same time is 3 / 3.5 x 327.9 / 989 (shorter documents run slower, so
+    # this too is a ceiling). scripts/bench/mfu.py's measured
+    # matmul peak replaces the GEMM figure once a GPU run is recorded in docs/benchmarks.md.
     gemm_efficiency: float = 0.8
-    attention_efficiency: float = 0.6
+    attention_efficiency: float = 0.284
     memory_efficiency: float = 0.75
-    comm_efficiency: float = 0.7
+    # One factor on both links' efficiencies: 1 takes the published figures above as they are;
+    # `omni simulate --calibrate` fits it from a measured run's gradient syncs.
+    comm_efficiency: float = 1.0
     # Encoder kernels relative to the backbone's (smaller, differently shaped GEMMs): a factor on
     # the encoders' compute efficiency, 1 by default; --calibrate fits it apart.
     encoder_efficiency: float = 1.0

@@ -107,12 +107,18 @@ class Machine:
     def nvlink_bw(self) -> float:
         """Bytes/s one GPU sends into the node's fabric."""
         c = self.cluster
-        return c.nvlink_gbps * 1e9 * c.comm_efficiency
+        return c.nvlink_gbps * 1e9 * c.nvlink_efficiency * c.comm_efficiency
 
     def nic_share_bw(self) -> float:
         """Bytes/s one GPU sends out of its node: its share of the node's NICs."""
         c = self.cluster
-        return c.net_gbps * 1e9 * c.nics_per_node / c.gpus_per_node * c.comm_efficiency
+        return c.net_gbps * 1e9 * c.nics_per_node / c.gpus_per_node * c.net_efficiency * c.comm_efficiency
+
+    def nvls_bw(self) -> float:
+        """Bytes/s one GPU moves each way through the NVSwitch while it reduces (NVLink SHARP):
+        below the ring's rate, as NVIDIA's NVLS figures show (see ClusterConfig.nvls)."""
+        c = self.cluster
+        return c.nvlink_gbps * 1e9 * c.nvls_efficiency * c.comm_efficiency
 
     def latency(self, crosses_nodes: bool) -> float:
         c = self.cluster
@@ -177,10 +183,27 @@ class Machine:
     def reduce_scatter(self, nbytes: float, group: CommGroup) -> float:
         return self.ring_time("reduce_scatter", nbytes, group)
 
+    def nvls_all_reduce_time(self, nbytes: float, group: CommGroup) -> float:
+        """NCCL's NVLink SHARP all-reduce inside one node: the NVSwitch sums, for each member, its
+        1/n slice of every member's tensor and hands it the sum, which the member multicasts back
+        through the switch. Each GPU so sends its whole tensor plus its summed slice and receives
+        as much: (n+1)/n x nbytes each way (NVIDIA's algbw = link bandwidth x n/(n+1)), plus one
+        NCCL NVLS latency. Infinite where there is no NVLS: a group across nodes (NCCL's NVLS
+        tree there is not modelled) or a cluster without it."""
+        n = group.size
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.cluster.nvls or group.crosses_nodes:
+            return math.inf
+        self._check(group)
+        return nbytes * (n + 1) / n / self.nvls_bw() + self.cluster.nvls_latency_us * 1e-6
+
     def all_reduce(self, nbytes: float, group: CommGroup) -> float:
-        """NCCL picks, per size, the faster of ring and tree (tree wins on many nodes at small
-        sizes, where the ring's n-1 steps of latency dominate)."""
-        return min(self.ring_time("all_reduce", nbytes, group), self.tree_all_reduce_time(nbytes, group))
+        """NCCL picks, per size, the fastest of ring, tree (it wins on many nodes at small sizes,
+        where the ring's n-1 steps of latency dominate) and, inside a node, NVLS (it wins from
+        4-5 GPUs up, where the ring's 2(n-1)/n passes outweigh NVLS's slower (n+1)/n)."""
+        return min(self.ring_time("all_reduce", nbytes, group), self.tree_all_reduce_time(nbytes, group),
+                   self.nvls_all_reduce_time(nbytes, group))
 
     def collective(self, kind: str, nbytes: float, group: CommGroup) -> float:
         """all_gather / reduce_scatter / all_reduce of a tensor of ``nbytes`` (full size) over

@@ -38,7 +38,8 @@ TARGET_SCHED = 1.3  # issue 18: colocated/megatron over the 0.1 -> 0.9 schedule
 TARGET_MFU = 0.38  # issue 18: peak simulated colocated MFU (where it fits), on at least one workload
 PAPER_SPEEDUP = {"A": 1.54, "B": 3.30, "C": 7.57, "D": 1.98}  # best over Megatron-LM, MegaScale-Omni
 PAPER_MFU = 0.382
-FACTORS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "comm_efficiency", "op_overhead_us")
+FACTORS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "nvlink_efficiency", "net_efficiency",
+           "nvls", "comm_efficiency", "op_overhead_us")
 KEEP = lambda r: {k: v for k, v in r.items() if k != "per_rank"}  # noqa: E731  (JSON without the per-cell table)
 
 

@@ -1,7 +1,9 @@
 """The simulator's collective-communication model (omni/sim/timing.py): NCCL-like rings whose
 node crossings use every NIC the group owns in a node, NCCL's tree for all-reduce across nodes,
-two-level (HSDP) reductions, all-to-all over groups that span nodes, and nccl-tests' bus
-bandwidth algebra. Times are the model's, from the cluster presets; nothing here is measured."""
+NVLink SHARP all-reduce inside a node, two-level (HSDP) reductions, all-to-all over groups that
+span nodes, and nccl-tests' bus bandwidth algebra. Times are the model's, from the cluster
+presets; nothing here is measured (tests/sim/test_link_calibration.py holds the presets to
+published figures)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 GiB = 2 ** 30
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 H100 = ClusterConfig()  # the defaults are the h100 preset's wiring: 8 GPUs, 8 NICs of 50 GB/s per node
+NIC = 50.0 * H100.net_efficiency * H100.comm_efficiency  # GB/s one NIC carries
+NVL = 450.0 * H100.nvlink_efficiency * H100.comm_efficiency  # GB/s one GPU's NVLink carries in a ring
 
 
 def machine(**changes) -> Machine:
@@ -58,11 +62,11 @@ def test_nics_per_node_must_be_positive():
 
 
 def test_presets_give_each_gpu_its_own_nic_where_the_hardware_does():
-    """DGX/HGX H100, H200 and DGX A100: one NIC per GPU (400, 400, 200 Gb/s); the L20 nodes
-    share a 200 Gb/s NIC between two GPUs, which leaves each GPU the 12.5 GB/s it had before."""
+    """DGX/HGX H100, H200, H800 and DGX A100: one NIC per GPU (400, 400, 400, 200 Gb/s); the L20
+    nodes share a 200 Gb/s NIC between two GPUs, which leaves each GPU the 12.5 GB/s it had before."""
     presets = {name: yaml.safe_load((REPO / "conf" / "cluster" / f"{name}.yaml").read_text())
-               for name in ("h100", "h200", "a100", "l20")}
-    for name, gbps in (("h100", 50.0), ("h200", 50.0), ("a100", 25.0)):
+               for name in ("h100", "h200", "h800", "a100", "l20")}
+    for name, gbps in (("h100", 50.0), ("h200", 50.0), ("h800", 50.0), ("a100", 25.0)):
         assert presets[name]["nics_per_node"] == presets[name]["gpus_per_node"] == 8
         assert presets[name]["net_gbps"] == gbps
     l20 = presets["l20"]
@@ -80,50 +84,72 @@ def test_a_ring_over_full_nodes_uses_every_nic(kind):
     size = 64 * GiB
     one_nic = m.ring(kind, size, 256, True)
     assert one_nic / m.ring_time(kind, size, CommGroup(256, 8)) == pytest.approx(8.0, rel=0.02)
-    # What leaves a node is bound by all of its NICs: 8 (or 4) x 50 GB/s x comm_efficiency.
+    # What leaves a node is bound by all of its NICs: 8 (or 4) x 50 GB/s x the NICs' efficiency.
     for nics in (8, 4):
         assert machine(nics_per_node=nics).bus_bandwidth(kind, size, CommGroup(256, 8)) == pytest.approx(
-            nics * 50.0 * H100.comm_efficiency, rel=0.01)
+            nics * NIC, rel=0.01)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_member_per_node_keeps_one_nic(kind):
     """Data-parallel peers when tp=8 fills a node: each ring member sends over its own NIC only
-    (rail-optimised), which is the old model exactly, and the bus bandwidth tends to one NIC's
-    50 GB/s x comm_efficiency."""
+    (rail-optimised), which is the old model exactly, and the bus bandwidth tends to what one
+    NIC carries."""
     m = machine()
     g = CommGroup.one_per_node(32)
     for size in (8.0, 1 << 20, GiB):
         assert m.ring_time(kind, size, g) == pytest.approx(m.ring(kind, size, 32, True), rel=1e-12)
-    assert m.bus_bandwidth(kind, 64 * GiB, g) == pytest.approx(50.0 * H100.comm_efficiency, rel=0.01)
+    assert m.bus_bandwidth(kind, 64 * GiB, g) == pytest.approx(NIC, rel=0.01)
 
 
 def test_shared_nics_halve_a_lone_member_s_share():
     """Two GPUs to a NIC (4 NICs, 8 GPUs a node): one member per node gets half a NIC, as the
     other GPU's group sends over the same NIC at the same time."""
     m = machine(nics_per_node=4)
-    assert m.bus_bandwidth("all_gather", 64 * GiB, CommGroup.one_per_node(32)) == pytest.approx(
-        25.0 * H100.comm_efficiency, rel=0.01)
+    assert m.bus_bandwidth("all_gather", 64 * GiB, CommGroup.one_per_node(32)) == pytest.approx(NIC / 2, rel=0.01)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_inside_a_node_nothing_changes(kind):
+def test_inside_a_node_the_ring_is_the_callers_old_one(kind):
     m = machine()
     for n in (2, 4, 8):
         for size in (8.0, 1 << 20, GiB):
             assert m.ring_time(kind, size, CommGroup.within_node(n)) == pytest.approx(
                 m.ring(kind, size, n, False), rel=1e-12)
-    # The NVLink bus bandwidth at large sizes: 450 GB/s x comm_efficiency.
-    assert m.bus_bandwidth(kind, 64 * GiB, CommGroup.within_node(8)) == pytest.approx(
-        450.0 * H100.comm_efficiency, rel=0.01)
+    # The ring's bus bandwidth at large sizes is NVLink's effective rate (NVLS off for all_reduce).
+    assert machine(nvls=False).bus_bandwidth(kind, 64 * GiB, CommGroup.within_node(8)) == pytest.approx(NVL, rel=0.01)
+
+
+# -- NVLink SHARP ---------------------------------------------------------------------------
+
+def test_nvls_all_reduce_moves_n_plus_1_over_n_of_the_tensor_at_its_own_rate():
+    """Inside a node NVLS moves (n+1)/n of the tensor each way per GPU, so its busbw is
+    2(n-1)/(n+1) x its link rate: below the ring's at 2-3 GPUs (NCCL keeps the ring there), above
+    it from 5 GPUs up, ~1.3x the ring's on 8."""
+    m = machine()
+    link = 450.0 * H100.nvls_efficiency * H100.comm_efficiency
+    for n in (2, 3, 4, 5, 8):
+        g = CommGroup.within_node(n)
+        nvls = 64 * GiB / m.nvls_all_reduce_time(64 * GiB, g) * 2 * (n - 1) / n / 1e9
+        assert nvls == pytest.approx(link * 2 * (n - 1) / (n + 1), rel=0.01)
+        assert m.bus_bandwidth("all_reduce", 64 * GiB, g) == pytest.approx(max(nvls, NVL), rel=0.01)
+    assert m.bus_bandwidth("all_reduce", 64 * GiB, CommGroup.within_node(8)) / NVL == pytest.approx(1.3, abs=0.02)
+
+
+def test_nvls_needs_the_flag_and_one_node():
+    m = machine()
+    assert m.nvls_all_reduce_time(GiB, CommGroup(16, 8)) == math.inf  # NCCL's NVLS tree: not modelled
+    assert machine(nvls=False).nvls_all_reduce_time(GiB, CommGroup.within_node(8)) == math.inf
+    assert m.nvls_all_reduce_time(GiB, CommGroup.within_node(1)) == 0.0
+    off = machine(nvls=False)
+    assert off.all_reduce(GiB, CommGroup.within_node(8)) == off.ring_time("all_reduce", GiB, CommGroup.within_node(8))
 
 
 def test_nvlink_is_the_bound_when_few_gpus_per_node_have_many_nics():
     """A ring's per-GPU NVLink load is (m-1)/m of its traffic: with NICs far faster than NVLink
-    (here 8 x 1000 GB/s) the crossing ring runs at NVLink's m/(m-1) x 450 GB/s."""
+    (here 8 x 1000 GB/s) the crossing ring runs at m/(m-1) x NVLink's effective rate."""
     m = machine(net_gbps=1000.0)
-    assert m.bus_bandwidth("all_gather", 64 * GiB, CommGroup(16, 8)) == pytest.approx(
-        450.0 * 8 / 7 * H100.comm_efficiency, rel=0.01)
+    assert m.bus_bandwidth("all_gather", 64 * GiB, CommGroup(16, 8)) == pytest.approx(NVL * 8 / 7, rel=0.01)
 
 
 # -- latency --------------------------------------------------------------------------------
@@ -153,8 +179,10 @@ def test_all_reduce_takes_the_tree_across_many_nodes_at_small_sizes_and_the_ring
     two_nodes = CommGroup(16, 8)
     assert m.all_reduce(GiB, two_nodes) == m.ring_time("all_reduce", GiB, two_nodes)
     assert m.ring_time("all_reduce", GiB, two_nodes) < m.tree_all_reduce_time(GiB, two_nodes)
-    # Inside a node there is no tree: the ring alone.
-    assert m.all_reduce(8.0, CommGroup.within_node(8)) == m.ring_time("all_reduce", 8.0, CommGroup.within_node(8))
+    # Inside a node there is no tree: the ring, or NVLS with its one latency against the ring's 14.
+    node = CommGroup.within_node(8)
+    assert m.tree_all_reduce_time(8.0, node) == m.ring_time("all_reduce", 8.0, node)
+    assert m.all_reduce(8.0, node) == pytest.approx(H100.nvls_latency_us * 1e-6, rel=1e-3)
 
 
 # -- bus bandwidth --------------------------------------------------------------------------
@@ -191,9 +219,8 @@ def test_all_to_all_sends_only_the_leaving_share_over_the_nics():
     on 2 nodes of 8 the bus bandwidth is 15/8 of a NIC, tending to one NIC on many nodes (the
     rule the nccl-tests maintainers give for alltoall)."""
     m = machine()
-    nic = 50.0 * H100.comm_efficiency
-    assert m.bus_bandwidth("all_to_all", 64 * GiB, CommGroup(16, 8)) == pytest.approx(nic * 15 / 8, rel=0.01)
-    assert m.bus_bandwidth("all_to_all", 64 * GiB, CommGroup(256, 8)) == pytest.approx(nic * 255 / 248, rel=0.01)
+    assert m.bus_bandwidth("all_to_all", 64 * GiB, CommGroup(16, 8)) == pytest.approx(NIC * 15 / 8, rel=0.01)
+    assert m.bus_bandwidth("all_to_all", 64 * GiB, CommGroup(256, 8)) == pytest.approx(NIC * 255 / 248, rel=0.01)
     # One per node: everything leaves, as the callers' old all_to_all(..., crosses_nodes=True).
     assert m.all_to_all_group(GiB, CommGroup.one_per_node(8)) == pytest.approx(m.all_to_all(GiB, 8, True), rel=1e-12)
     assert m.all_to_all_group(GiB, CommGroup.within_node(8)) == pytest.approx(m.all_to_all(GiB, 8, False), rel=1e-12)
@@ -202,7 +229,19 @@ def test_all_to_all_sends_only_the_leaving_share_over_the_nics():
 def test_p2p_across_nodes_uses_the_sender_s_nic_share():
     m = machine(nics_per_node=4)
     lat = H100.net_latency_us * 1e-6
-    assert m.p2p(GiB, True) == pytest.approx(GiB / (25e9 * H100.comm_efficiency) + lat, rel=1e-12)
+    assert m.p2p(GiB, True) == pytest.approx(GiB / (NIC / 2 * 1e9) + lat, rel=1e-12)
+
+
+def test_comm_efficiency_scales_both_links():
+    """The factor --calibrate fits multiplies the per-link efficiencies; the cpu preset sets those
+    to 1, so its one measured factor (gloo over loopback) is its whole link efficiency."""
+    half = machine(comm_efficiency=0.5)
+    assert half.nvlink_bw() == pytest.approx(machine().nvlink_bw() / 2, rel=1e-12)
+    assert half.nic_share_bw() == pytest.approx(machine().nic_share_bw() / 2, rel=1e-12)
+    assert half.nvls_bw() == pytest.approx(machine().nvls_bw() / 2, rel=1e-12)
+    cpu = ClusterConfig(**yaml.safe_load((REPO / "conf" / "cluster" / "cpu.yaml").read_text()))
+    assert Machine(cpu).nvlink_bw() == pytest.approx(cpu.nvlink_gbps * 1e9 * cpu.comm_efficiency, rel=1e-12)
+    assert cpu.nvls is False
 
 
 # -- two-level (HSDP) reductions ------------------------------------------------------------
