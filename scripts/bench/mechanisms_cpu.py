@@ -16,7 +16,13 @@ time) and corrected for each run's compute speed (step time over the mean per-ra
 time, as scripts/bench/sim_validation_cpu.py does: two ranks computing at once on one socket
 slow each other, which the simulator does not model).
 
-    python scripts/bench/mechanisms_cpu.py [--steps 6] [--worlds 2,4] [--doc docs/benchmarks.md]
+Noise: each world size also runs the base twice (``base (again)``, an A/A run): how far that
+ratio is from 1 is what run-to-run noise alone does here. Every measured ratio is reported with
+its spread over the timed steps (the lowest and highest of a step's time over the base run's
+median), and a mechanism whose effect is no larger than the A/A run's deviation, or whose spread
+includes 1, is marked "within noise".
+
+    python scripts/bench/mechanisms_cpu.py [--steps 10] [--worlds 2,4] [--doc docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -68,7 +74,8 @@ def measure(root: Path, steps: int, worlds: list[int]) -> dict:
     timed = list(range(2, steps))  # step 1 warms up, the last is traced
     out = {}
     for world in worlds:
-        variants = {"base": BASE[world], **{k: {**BASE[world], **v} for k, v in MECHANISMS[world].items()}}
+        variants = {"base": BASE[world], AGAIN: BASE[world],
+                    **{k: {**BASE[world], **v} for k, v in MECHANISMS[world].items()}}
         runs = {}
         for name, over in variants.items():
             runs[name] = R.train("colocated", mixture, demo, root / f"w{world}" / re.sub(r"[^a-z0-9]+", "_", name), steps, steps,
@@ -98,14 +105,28 @@ def measure(root: Path, steps: int, worlds: list[int]) -> dict:
     return {"steps": steps, "timed_steps": timed, "worlds": out}
 
 
+AGAIN = "base (again)"  # the A/A run: the base's knobs, run a second time
+
+
 def ratios(run: dict, base: dict) -> dict[str, float]:
     med = statistics.median
     raw_m = med(run["measured"]) / med(base["measured"])
+    steps = [t / med(base["measured"]) for t in run["measured"]]  # each timed step over the base's median
     raw_p = med(run["predicted"]) / med(base["predicted"])
     per = lambda r, k: med([t / c for t, c in zip(r[k], r[f"{k}_compute"])])  # noqa: E731
     cor_m = per(run, "measured") / per(base, "measured")
     cor_p = per(run, "predicted") / per(base, "predicted")
-    return {"raw_measured": raw_m, "raw_predicted": raw_p, "corrected_measured": cor_m, "corrected_predicted": cor_p}
+    return {"raw_measured": raw_m, "raw_predicted": raw_p, "corrected_measured": cor_m, "corrected_predicted": cor_p,
+            "low": min(steps), "high": max(steps)}
+
+
+def verdict(r: dict, noise: float) -> str:
+    """Whether a measured effect stands out of the noise: larger than the A/A run's deviation
+    from 1 and with a spread that does not include 1."""
+    effect = abs(1.0 - r["raw_measured"])
+    if effect <= noise or r["low"] <= 1.0 <= r["high"]:
+        return f"within noise ({100 * effect:.1f}% vs A/A {100 * noise:.1f}%)"
+    return f"{'faster' if r['raw_measured'] < 1 else 'slower'} by {100 * effect:.1f}% (A/A {100 * noise:.1f}%)"
 
 
 def report(res: dict) -> str:
@@ -113,29 +134,36 @@ def report(res: dict) -> str:
              f"calibrated on each world size's base run; `scripts/bench/mechanisms_cpu.py` (commit "
              f"{res['git']['commit']}, {res['time']}, {res['seconds']:.0f} s). Ratios are a mechanism's step time "
              f"over the base run's (below 1: the mechanism is faster), medians over steps "
-             f"{res['timed_steps'][0]}-{res['timed_steps'][-1]}; error = |predicted - measured| / measured.", ""]
+             f"{res['timed_steps'][0]}-{res['timed_steps'][-1]}, with the spread of the steps (lowest-highest step "
+             f"time over the base's median); error = |predicted - measured| / measured. `{AGAIN}` is the base run "
+             f"repeated (an A/A run): its distance from 1 is the run-to-run noise, and an effect no larger than it "
+             f"(or whose spread includes 1) is marked within noise.", ""]
     for world, w in res["worlds"].items():
         base = w["runs"]["base"]
+        again = w["runs"].get(AGAIN)
+        noise = abs(1.0 - ratios(again, base)["raw_measured"]) if again else 0.0
         rows = []
         for name, run in w["runs"].items():
             if name == "base":
                 continue
             r = ratios(run, base)
             err = lambda a, b: f"{100 * abs(r[b] - r[a]) / r[a]:.1f}%"  # noqa: E731
-            rows.append([name, f"{r['raw_measured']:.3f}", f"{r['raw_predicted']:.3f}", err("raw_measured", "raw_predicted"),
+            rows.append([name, f"{r['raw_measured']:.3f} ({r['low']:.3f}-{r['high']:.3f})", f"{r['raw_predicted']:.3f}",
+                         err("raw_measured", "raw_predicted"),
                          f"{r['corrected_measured']:.3f}", f"{r['corrected_predicted']:.3f}",
                          err("corrected_measured", "corrected_predicted"),
+                         "(the noise itself)" if name == AGAIN else verdict(r, noise),
                          f"{100 * run['foreign_cpu_share']:.0f}%"])
         desc = ", ".join(f"`{k}={v}`" for k, v in BASE[int(world)].items())
         lines += [f"### {world} ranks (base: colocated, pp=2, {desc})", "",
-                  table(["mechanism", "measured", "predicted", "error", "corrected measured", "corrected predicted",
-                         "error", "CPU taken by others"], rows), ""]
+                  table(["mechanism", "measured (spread)", "predicted", "error", "corrected measured",
+                         "corrected predicted", "error", "effect", "CPU taken by others"], rows), ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=6, help="trainer steps per run: 1 warm-up, the last traced")
+    p.add_argument("--steps", type=int, default=10, help="trainer steps per run: 1 warm-up, the last traced")
     p.add_argument("--worlds", default="2,4", help="rank counts, comma-separated (2 and/or 4)")
     p.add_argument("--work", default=None, help="folder for the demo data and the runs (default: a temp folder)")
     p.add_argument("--doc", default=None, help="markdown file whose section is (re)written")

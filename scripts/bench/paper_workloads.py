@@ -3,8 +3,9 @@
 One ``omni.sim.simulate.simulate(cfg)`` call per workload preset (conf/workload/A..D.yaml) and
 image:text mix 1:9 ... 9:1 (``data.image_ratio`` 0.1 ... 0.9), plus one call per workload with the
 mix ramping 0.1 -> 0.9 over the run (``data.image_ratio_schedule=[[0,0.1],[1,0.9]]``, 9 simulated
-steps; 3 in --quick), gives all placements. Speedups are over ``megatron``, the paper's Megatron-LM
-baseline (ViT on pipeline stage 0, in-order packing); colocated/stage0 is kept as a second column.
+steps; 3 in --quick), gives all placements. Speedups are over ``megatron``, Megatron-LM as its users
+tune it (ViT on pipeline stage 0, its layout searched, packing largest first, TP overlap;
+omni/sim/megatron.py); colocated/stage0 is kept as a second column.
 An acceptance table checks issue 18: colocated fits everywhere, is the fastest placement that fits
 at every point, colocated/megatron at 9:1 (C >= 1.5x, A, B, D >= 1.2x) and over the schedule
 (>= 1.3x), and peak colocated MFU >= 38% on at least one workload; every verdict is computed from
