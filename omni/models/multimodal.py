@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dataloading.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
@@ -29,8 +28,8 @@ from omni.models.llm import Decoder
 from omni.models.projector import Projector
 from parallel.cp_attention import RingHop, plan_ring_hops
 from parallel.strict_device import on_device
-from parallel.tensor_parallel import (gather_sequence_shards, local_tensor, scatter_to_sequence_shards,
-                                      vocab_parallel_cross_entropy, vocab_range)
+from parallel.linear_cross_entropy import linear_cross_entropy
+from parallel.tensor_parallel import gather_sequence_shards, local_tensor, scatter_to_sequence_shards, vocab_range
 
 
 class LossParts(NamedTuple):
@@ -310,11 +309,12 @@ class OmniModel(nn.Module):
             target_mask = p.mb.labels != IGNORE_INDEX
             hidden, labels = h[0][target_mask], p.mb.labels[target_mask]
         weight = self.llm.embed_tokens.weight if self.llm.lm_head is None else self.llm.lm_head.weight
+        # The head and the loss in chunks of targets (parallel/linear_cross_entropy.py): never
+        # [targets, vocab] logits at once, under TP each rank its vocabulary rows.
         if rt.tp_mesh is None:
-            return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
-        local_w = local_tensor(weight)
+            return linear_cross_entropy(hidden, weight, labels)
         start, _ = vocab_range(self.llm.config.vocab_size, rt.tp_size, rt.tp_rank)
-        return vocab_parallel_cross_entropy(F.linear(hidden, local_w), labels, start, rt.tp_group)
+        return linear_cross_entropy(hidden, local_tensor(weight), labels, start, rt.tp_group)
 
 
 def _ring_hops(info: CPInfo, doc: torch.Tensor, position_ids: torch.Tensor) -> list[RingHop] | None:
