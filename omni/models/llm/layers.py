@@ -26,6 +26,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def reset_parameters(self) -> None:
+        """Unit gains. Materialising from the meta device calls this on a host copy
+        (omni/models/materialize.py); without it, a norm inside an encoder made the whole
+        encoder be built afresh on the host for each of its norms (minutes for a 670M tower)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (bf16 mean-of-squares loses too much), scale in the input dtype, as HF does.
         dtype = x.dtype
