@@ -76,6 +76,18 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def in_fresh_process(module: str, function: str, *args) -> dict:
+    """``module.function(*args)`` (a script of this folder) in a new interpreter, its JSON result
+    back: a measurement whose process-wide peak or start-up must be its own."""
+    import subprocess
+
+    call = f"{function}({', '.join(map(repr, args))})"
+    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'scripts' / 'bench')!r}); import {module} as m; "
+            f"print(json.dumps(m.{call}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def save(out: str | Path, name: str, results: dict) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,13 +13,11 @@ asserted (tests/parallel/test_linear_cross_entropy.py holds the equality and tha
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _common import REPO, git_state, machine, parser, save, table, write_doc_section
+from _common import git_state, in_fresh_process, machine, parser, save, table, write_doc_section
 
 SECTION = "## Loss memory: the chunked LM head and cross-entropy (CPU)"
 GIB = 2 ** 30
@@ -57,10 +55,7 @@ def child(kind: str, targets: int, vocab: int, hidden: int) -> dict:
 
 
 def measure(kind: str, targets: int, vocab: int, hidden: int) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'scripts' / 'bench')!r}); import loss_memory as m; "
-            f"print(json.dumps(m.child({kind!r}, {targets}, {vocab}, {hidden})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return in_fresh_process("loss_memory", "child", kind, targets, vocab, hidden)
 
 
 def main() -> None:

@@ -8,13 +8,11 @@ Each variant runs in a fresh process; wall time of the materialisation alone.
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from _common import REPO, git_state, machine, parser, save, table, write_doc_section
+from _common import git_state, in_fresh_process, machine, parser, save, table, write_doc_section
 
 SECTION = "## Start-up: materialising a from-scratch Qwen2.5-VL tower (CPU)"
 
@@ -38,10 +36,7 @@ def child(layers: int, old: bool) -> dict:
 
 
 def measure(layers: int, old: bool) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'scripts' / 'bench')!r}); import startup_init as m; "
-            f"print(json.dumps(m.child({layers}, {old})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return in_fresh_process("startup_init", "child", layers, old)
 
 
 def main() -> None:
