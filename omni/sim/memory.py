@@ -286,16 +286,23 @@ def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1,
     r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
     c, e, n = r.c, r.e, r.n
     layers = list(layers)
+    if recompute == "none":
+        saved = _layer
+    elif recompute == "selective":
+        saved = _selective
+    elif recompute == "full":
+        def saved(r: _Run, i: int) -> float:
+            return e * c.hidden_size * n  # the block input, kept by the checkpoint
+    else:
+        raise ValueError(f"recompute {recompute!r} is not one of none, selective, full")
+    kind_of, first_of_kind = spec.layer_kinds()  # a block's bytes depend on its kind alone
+    per_kind = {}
     total = 0.0
-    for i in layers:
-        if recompute == "none":
-            total += _layer(r, i)
-        elif recompute == "selective":
-            total += _selective(r, i)
-        elif recompute == "full":
-            total += e * c.hidden_size * n  # the block input, kept by the checkpoint
-        else:
-            raise ValueError(f"recompute {recompute!r} is not one of none, selective, full")
+    for i in layers:  # summed block by block, in order
+        k = kind_of[i]
+        if k not in per_kind:
+            per_kind[k] = saved(r, first_of_kind[k])
+        total += per_kind[k]
     if layers:
         total += 2 * e * c.resolved_head_dim() * tokens  # rotary cos / sin, shared by the blocks
     if first:
@@ -316,8 +323,9 @@ def layer_transient_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1
     the first block's backward. (The sum with the activations over-counts slightly: the last
     stage's final-norm and head tensors of the running micro-batch are freed by then.)"""
     r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
+    kind_of, first_of_kind = spec.layer_kinds()  # the worst block is the worst kind's (max: order-free)
     worst = 0.0
-    for i in layers:
+    for i in (first_of_kind[k] for k in sorted({kind_of[i] for i in layers})):
         redo = 0.0
         if recompute != "none":
             # The re-run block holds everything a block without recompute saves; what recompute

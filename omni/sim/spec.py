@@ -55,10 +55,27 @@ class ModelSpec:
     norm_params: int
     encoders: dict[str, EncoderSpec] = field(default_factory=dict)
     processors: dict = field(default_factory=dict)  # modality -> MediaProcessor (data.source=mixture)
+    _kinds: tuple | None = field(default=None, init=False, repr=False, compare=False)  # layer_kinds()
 
     @property
     def num_layers(self) -> int:
         return self.llm.num_layers
+
+    def layer_kinds(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(each decoder layer's kind, one layer of each kind): layers of one kind have the same
+        parameters, active parameters, expert parameters and MoE-ness, so they cost the same
+        per token. The simulator prices each kind once per stage and micro-batch instead of
+        each layer (a 80-layer stage is one or two kinds)."""
+        if self._kinds is None:
+            c = self.llm
+            keys = [(self.layer_active[i], self.layer_params[i], self.layer_expert_params[i], c.is_moe_layer(i))
+                    for i in range(c.num_layers)]
+            first = {}
+            for i, key in enumerate(keys):
+                first.setdefault(key, i)
+            order = list(first)
+            self._kinds = (tuple(order.index(key) for key in keys), tuple(first[key] for key in order))
+        return self._kinds
 
     @property
     def hidden(self) -> int:

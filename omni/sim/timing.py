@@ -7,6 +7,7 @@ the attention pairs and beta for the linear part); this module only turns it int
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -290,6 +291,15 @@ class StageWork:
     backward_compute_s: float = 0.0  # of backward_s, the compute (recomputation included)
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of four integers, asked for every stage and micro-batch
+def _stage_groups(tp: int, cp: int, ep: int, gpus_per_node: int) -> tuple[CommGroup, bool, CommGroup]:
+    """The TP group, whether the CP ring crosses nodes (its slowest hop) and the EP group, as
+    the runtime lays them out (parallel.sizing: TP innermost, CP next; EP is the innermost part
+    of dp_shard x cp, so its ranks are tp apart too)."""
+    return (CommGroup.strided(tp, 1, gpus_per_node), CommGroup.strided(cp, tp, gpus_per_node).crosses_nodes,
+            CommGroup.strided(ep, tp, gpus_per_node))
+
+
 def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bool, length: int,
                doc_lengths: list[int], tp: int, cp: int, ep: int, gpus_per_node: int, recompute: str,
                tp_overlap: bool = False) -> StageWork:
@@ -312,21 +322,16 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
     t_local = length / cp  # tokens of this GPU's sequence share (TP shards the width, SP the norms)
     pairs = sum(L * L for L in doc_lengths)
     kv_width = c.num_kv_heads * c.resolved_head_dim()
-    # The groups as the runtime lays them out (parallel.sizing: TP innermost, CP next; EP is the
-    # innermost part of dp_shard x cp, so its ranks are tp apart too).
-    tp_group = CommGroup.strided(tp, 1, gpus_per_node)
-    cp_cross = CommGroup.strided(cp, tp, gpus_per_node).crosses_nodes  # the ring's slowest hop
-    ep_group = CommGroup.strided(ep, tp, gpus_per_node)
-    fwd_compute = fwd_comm = attn_fwd = 0.0
+    tp_group, cp_cross, ep_group = _stage_groups(tp, cp, ep, gpus_per_node)
     alpha = spec.attention_alpha_per_layer()
-    for i in layers:
+
+    def layer(i: int) -> tuple[float, float, float]:
+        """Layer ``i``'s forward (compute, attention, exposed communication)."""
         active = spec.layer_active[i]
         weights = (spec.layer_params[i] - spec.layer_expert_params[i]) / tp + spec.layer_expert_params[i] / (ep * tp)
         gemm = m.gemm(2.0 * active * t_local / tp, BF16 * (weights + 6 * t_local * h / tp))
         attn = m.attention(alpha * pairs / (tp * cp))
         elementwise = m.memory(BF16 * 24 * t_local * h / tp)
-        fwd_compute += gemm + attn + elementwise + m.overhead(14)
-        attn_fwd += attn
         act = BF16 * t_local * h
         tp_comm = 2 * m.all_gather(act, tp_group) + 2 * m.reduce_scatter(act, tp_group)
         if tp_overlap and tp > 1:
@@ -336,7 +341,19 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
         if c.is_moe_layer(i) and ep > 1:
             routed = BF16 * t_local * h / tp * c.num_experts_per_tok * (ep - 1) / ep
             ep_comm = 2 * m.all_to_all_group(routed, ep_group)
-        fwd_comm += tp_comm + cp_comm + ep_comm
+        return gemm + attn + elementwise + m.overhead(14), attn, tp_comm + cp_comm + ep_comm
+
+    kind_of, first_of_kind = spec.layer_kinds()
+    per_kind = {}
+    fwd_compute = fwd_comm = attn_fwd = 0.0
+    for i in layers:  # summed layer by layer, in order, as if each were priced on its own
+        k = kind_of[i]
+        if k not in per_kind:
+            per_kind[k] = layer(first_of_kind[k])
+        compute, attn, comm = per_kind[k]
+        fwd_compute += compute
+        attn_fwd += attn
+        fwd_comm += comm
     if last:
         head = 2.0 * c.vocab_size * h * t_local / tp
         # Logits in fp32 and the cross-entropy's softmax are memory-bound passes over T x V/tp.
