@@ -8,17 +8,45 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Two cores on the CI machine: more intra-op threads only adds contention.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+def _intra_op_threads() -> int:
+    """The cores each test process may use: all of them (at most two: the CI machine has two,
+    more only adds contention for these small tensors), shared out over pytest-xdist workers
+    (``-n``): two workers with two OpenMP threads each would spin against each other."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, (os.cpu_count() or 1) // workers))
+
+
+torch.set_num_threads(_intra_op_threads())
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # The processes the tests start (omni train, torchrun ranks) share the cores the same way.
+    os.environ.setdefault("OMP_NUM_THREADS", str(_intra_op_threads()))
+
+
+# The longest files, longest first (seconds each took under `-n 2 --dist loadfile` on the
+# 2-core CI machine, 2026-12-05: 177, 160, 129, 99, 68, 61, 43, 36, 35, 34, 31, 28, 27, 27, 23,
+# 22, 22). pytest-xdist hands whole files to its two workers in this order: started late, one of
+# them ran on alone for the last ~100 s while the other worker had nothing left (longest first
+# is how a fixed set of jobs is best shared out). A file missing here only runs later.
+LONGEST_FIRST = [
+    "runtime/test_faults.py", "test_demo_learns.py", "parallel/test_device_rules_layouts.py",
+    "parallel/test_multiplex_equal_single.py", "parallel/test_layouts_equal_single.py", "test_export_cmd.py",
+    "sim/test_simulate.py", "parallel/test_startup_scale.py", "test_recipes_train.py", "test_gpu_check.py",
+    "data/test_data_ray.py", "parallel/test_multiplex_grouped_p2p.py", "parallel/test_cli_layouts.py",
+    "runtime/test_validation.py", "runtime/test_stop.py", "runtime/test_stages.py",
+    "parallel/test_multiplex_bubbles.py",
+]
 
 
 def pytest_collection_modifyitems(config, items):
-    """The long end-to-end tests (``slow``) first, the longest of them (``slow(first=True)``)
-    before the rest: a worker that starts one late runs on alone after the others have run out
-    of work (longest first is how a fixed set of jobs is best shared out)."""
-    def rank(item) -> int:
+    """The longest files first (``LONGEST_FIRST``), then the long end-to-end tests (``slow``),
+    the longest of them (``slow(first=True)``) before the rest."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    place = {os.path.join(here, name): i for i, name in enumerate(LONGEST_FIRST)}
+
+    def rank(item) -> tuple[int, int]:
         slow = item.get_closest_marker("slow")
-        return 2 if slow is None else 0 if slow.kwargs.get("first") else 1
+        return (place.get(str(item.path), len(place)), 2 if slow is None else 0 if slow.kwargs.get("first") else 1)
 
     items.sort(key=rank)
 

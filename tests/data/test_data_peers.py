@@ -1,29 +1,18 @@
 """TP/CP/PP peers of a data-parallel rank fetch a step once and share it (gloo, 2 processes)."""
 from __future__ import annotations
 
-import os
-import socket
-
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _peer(rank, port, mixture, cp_size, out):
+def _peer(rank, store, mixture, cp_size, out):
     from dataloading.context_parallel import merge_cp_slices
     from dataloading.loader import build_loader
     from dataloading.tokenizer import ByteTokenizer
     from omni.runtime.data_feed import PeerFeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         def make():
             return build_loader(mixture, ByteTokenizer(), {}, seed=1, global_batch_size=4, dp_size=1, dp_rank=0,
@@ -59,8 +48,10 @@ def test_peers_receive_the_source_ranks_steps(demo_dir, tmp_path, cp_size=2):
     mixture.write_text(f"sources:\n  - {{name: text, path: {demo_dir / 'text'}, weight: 1}}\n")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_peer, args=(r, port, mixture, cp_size, out)) for r in range(2)]
+    from tests.parallel.dist_helpers import rendezvous_file
+
+    store = rendezvous_file()
+    procs = [ctx.Process(target=_peer, args=(r, store, mixture, cp_size, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

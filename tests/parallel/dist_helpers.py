@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import tempfile
 import time
 
 import torch
@@ -16,21 +16,28 @@ import torch.multiprocessing as mp
 _PRELOAD = ["torch", "torch.distributed", "omni.runtime.trainer", "omni.runtime.parallelize", "parallel.layout"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_file() -> str:
+    """A fresh path for a FileStore rendezvous (``init_method="file://..."``).
+
+    Not a TCP port picked ahead of time: a port found free here can be taken by another process
+    before rank 0 binds it (a gloo listener of a job running beside this one, with two pytest
+    workers), and the ranks then connect to that process instead. The file is private to this
+    call; gloo's own listeners bind the ports the kernel gives them."""
+    fd, path = tempfile.mkstemp(prefix="omni_rdzv_")
+    os.close(fd)
+    os.unlink(path)  # FileStore creates it; a leftover file from another run would hold stale keys
+    return path
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes, each inside an
     initialised gloo default group. Re-raises a rank's exception; kills all ranks after
     ``timeout_s`` (a deadlock fails instead of blocking the suite)."""
-    port = free_port()
+    store = rendezvous_file()
     mp.set_forkserver_preload(_PRELOAD)
     # The fork server keeps the environment of its own start: each rank gets this one's.
     env = dict(os.environ)
-    ctx = mp.start_processes(_entry, args=(world_size, port, timeout_s, env, fn, args), nprocs=world_size,
+    ctx = mp.start_processes(_entry, args=(world_size, store, timeout_s, env, fn, args), nprocs=world_size,
                              join=False, start_method="forkserver")
     deadline = _now() + timeout_s
     while not ctx.join(timeout=max(0.1, deadline - _now())):
@@ -45,11 +52,11 @@ def _now() -> float:
     return time.monotonic()
 
 
-def _entry(rank: int, world_size: int, port: int, timeout_s: float, env: dict, fn, args) -> None:
+def _entry(rank: int, world_size: int, store: str, timeout_s: float, env: dict, fn, args) -> None:
     os.environ.clear()
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(env, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # N ranks share two cores
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
