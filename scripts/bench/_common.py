@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run from anywhere without PYTHONPATH
-    sys.path.insert(0, str(REPO))
+if str(REPO) not in sys.path:  # run from anywhere without PYTHONPATH; last, so that a child of
+    sys.path.append(str(REPO))  # in_fresh_process(repo=...) imports that checkout's packages
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -76,16 +76,26 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def in_fresh_process(module: str, function: str, *args) -> dict:
+def in_fresh_process(module: str, function: str, *args, repo: Path | None = None) -> dict:
     """``module.function(*args)`` (a script of this folder) in a new interpreter, its JSON result
-    back: a measurement whose process-wide peak or start-up must be its own."""
+    back: a measurement whose process-wide peak or start-up must be its own. ``repo``: another
+    checkout (a worktree of an older commit) whose packages the function imports instead."""
     import subprocess
 
     call = f"{function}({', '.join(map(repr, args))})"
-    code = (f"import sys, json; sys.path.insert(0, {str(REPO / 'scripts' / 'bench')!r}); import {module} as m; "
+    code = (f"import sys, json; sys.path.insert(1, {str(REPO / 'scripts' / 'bench')!r}); import {module} as m; "
             f"print(json.dumps(m.{call}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    # python -c puts the working directory first on sys.path: the checkout's packages win.
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo or REPO, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def proc_status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def save(out: str | Path, name: str, results: dict) -> Path:

@@ -17,17 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from _common import git_state, in_fresh_process, machine, parser, save, table, write_doc_section
+from _common import git_state, in_fresh_process, machine, parser, proc_status_bytes, save, table, write_doc_section
 
 SECTION = "## Loss memory: the chunked LM head and cross-entropy (CPU)"
 GIB = 2 ** 30
-
-
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def child(kind: str, targets: int, vocab: int, hidden: int) -> dict:
@@ -43,7 +36,7 @@ def child(kind: str, targets: int, vocab: int, hidden: int) -> dict:
     w = (torch.randn(vocab, hidden) / hidden ** 0.5).requires_grad_()
     labels = torch.randint(0, vocab, (targets,))
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
-    base = _vm("VmRSS")
+    base = proc_status_bytes("VmRSS")
     t0 = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         if kind == "plain":
@@ -51,7 +44,7 @@ def child(kind: str, targets: int, vocab: int, hidden: int) -> dict:
         else:
             loss = linear_cross_entropy(h, w, labels)
     loss.backward()
-    return {"peak_above_inputs": _vm("VmHWM") - base, "seconds": time.perf_counter() - t0}
+    return {"peak_above_inputs": proc_status_bytes("VmHWM") - base, "seconds": time.perf_counter() - t0}
 
 
 def measure(kind: str, targets: int, vocab: int, hidden: int) -> dict:
