@@ -60,6 +60,9 @@ def test_a_signal_mid_interval_saves_that_step_and_the_rerun_resumes_there(refer
     over = tiny_overrides(demo_root, run_dir, **{"trainer.max_steps": STEPS, "checkpoint.every": 100})
     # SIGINT while step 3 runs, before its sums: every rank's flag rides in step 3's all-reduce.
     _signal_at(monkeypatch, {(3, "gradient sync"): signal.SIGINT})
+    # What the process had: Python's default_int_handler, or SIG_IGN when it was started in the
+    # background of a non-interactive shell (its SIGINT ignored from the start)
+    before = signal.getsignal(signal.SIGINT)
     with pytest.raises(RunStopped) as stopped:
         train(over)
     saved = run_dir / "checkpoints" / "step_00000003"
@@ -67,7 +70,7 @@ def test_a_signal_mid_interval_saves_that_step_and_the_rerun_resumes_there(refer
     assert str(stopped.value) == (f"stopped at step 3 (Ctrl-C): checkpoint saved to {saved}; run the same command "
                                   "again to resume from step 3")
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000003"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is before  # restored
     monkeypatch.undo()
     result = train(over)  # the same command
     assert result.last_step == STEPS
