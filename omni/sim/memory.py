@@ -295,14 +295,9 @@ def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1,
             return e * c.hidden_size * n  # the block input, kept by the checkpoint
     else:
         raise ValueError(f"recompute {recompute!r} is not one of none, selective, full")
-    kind_of, first_of_kind = spec.layer_kinds()  # a block's bytes depend on its kind alone
-    per_kind = {}
     total = 0.0
-    for i in layers:  # summed block by block, in order
-        k = kind_of[i]
-        if k not in per_kind:
-            per_kind[k] = saved(r, first_of_kind[k])
-        total += per_kind[k]
+    for block in spec.by_kind(layers, lambda i: saved(r, i)):  # summed block by block, in order
+        total += block
     if layers:
         total += 2 * e * c.resolved_head_dim() * tokens  # rotary cos / sin, shared by the blocks
     if first:

@@ -4,7 +4,8 @@ so a 175B backbone costs nothing to describe and every count is the training cod
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,7 @@ class ModelSpec:
         """(each decoder layer's kind, one layer of each kind): layers of one kind have the same
         parameters, active parameters, expert parameters and MoE-ness, so they cost the same
         per token. The simulator prices each kind once per stage and micro-batch instead of
-        each layer (a 80-layer stage is one or two kinds)."""
+        each layer (an 80-layer stage is one or two kinds)."""
         if self._kinds is None:
             c = self.llm
             keys = [(self.layer_active[i], self.layer_params[i], self.layer_expert_params[i], c.is_moe_layer(i))
@@ -76,6 +77,18 @@ class ModelSpec:
             order = list(first)
             self._kinds = (tuple(order.index(key) for key in keys), tuple(first[key] for key in order))
         return self._kinds
+
+    def by_kind(self, layers, price: Callable[[int], Any]) -> Iterator[Any]:
+        """``price(i)`` for each layer ``i`` of ``layers``, in order, asked once per kind
+        (``layer_kinds``): what a layer costs depends on its kind alone. Summing what this
+        yields adds the same numbers in the same order as pricing every layer would."""
+        kind_of, first_of_kind = self.layer_kinds()
+        priced = {}
+        for i in layers:
+            k = kind_of[i]
+            if k not in priced:
+                priced[k] = price(first_of_kind[k])
+            yield priced[k]
 
     @property
     def hidden(self) -> int:

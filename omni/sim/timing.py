@@ -343,14 +343,8 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
             ep_comm = 2 * m.all_to_all_group(routed, ep_group)
         return gemm + attn + elementwise + m.overhead(14), attn, tp_comm + cp_comm + ep_comm
 
-    kind_of, first_of_kind = spec.layer_kinds()
-    per_kind = {}
     fwd_compute = fwd_comm = attn_fwd = 0.0
-    for i in layers:  # summed layer by layer, in order, as if each were priced on its own
-        k = kind_of[i]
-        if k not in per_kind:
-            per_kind[k] = layer(first_of_kind[k])
-        compute, attn, comm = per_kind[k]
+    for compute, attn, comm in spec.by_kind(layers, layer):
         fwd_compute += compute
         attn_fwd += attn
         fwd_comm += comm
