@@ -5,12 +5,16 @@ document). Every local token carries ``doc`` (the document's index in the row, n
 all ranks) and ``pos`` (its position inside the document; padding continues after the real end).
 The mask is then explicit and needs no chunk bookkeeping: query i sees key j iff
 ``doc[j] == doc[i]`` and, when causal, ``pos[j] <= pos[i]``. Token order therefore never matters,
-which is what lets both mechanisms below work on any layout.
+which is what lets both mechanisms below work on any layout. Both run in memory linear in the
+tokens (no T x T mask or score matrix is kept):
 
-- ``ring``: the keys/values travel around the ring (cp-1 hops); each rank merges the blockwise
-  attention of its queries against every visiting block with an online softmax (fp32 or wider).
-- ``ulysses``: an all-to-all trades the token split for a head split, every rank attends over the
-  whole row for Hq/cp heads, and a second all-to-all trades back.
+- ``ring`` (``parallel.ring_attention``): the keys/values travel around the ring (cp-1 hops);
+  each rank merges the blockwise attention of its queries with an online softmax in fp32 and
+  keeps only the per-query log-sum-exp; the backward recomputes.
+- ``ulysses``: an all-to-all trades the token split for a head split; every rank sorts the whole
+  row's tokens into documents (``UlyssesPlan``) and attends over them as a varlen pack, through
+  the caller's local attention (the model's varlen kernels) or, without one, SDPA per document;
+  a second all-to-all trades back.
 
 Under ``causal=False`` the padding a slicer adds to a document carries that document's id, so
 real tokens would attend to it: give padding its own ``doc`` id in that case.
@@ -19,13 +23,64 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from parallel.ring_attention import RingHop, live_rows_cols, ring_attention
+from parallel.strict_device import host_read
+from parallel.transfer import to_device
+
 IMPLS = ("ring", "ulysses")
+
+# attention over a pack of whole documents: (q [1, Hq, N, D], k, v [1, Hkv, N, D], the documents'
+# lengths in order (host ints), causal, scale) -> [1, Hq, N, D]
+LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple, bool, float], torch.Tensor]
+
+
+@dataclass
+class UlyssesPlan:
+    """Where the whole row's tokens go for Ulysses' local attention: ``order`` sorts the gathered
+    tokens (the CP ranks' shares in rank order, batch rows flattened) into documents, by position
+    inside each under causal; ``inverse`` puts them back; ``lengths`` (host ints) are the
+    documents' token counts in that order."""
+
+    order: torch.Tensor  # int64 [B * cp * T_loc]
+    inverse: torch.Tensor  # int64 [B * cp * T_loc]
+    lengths: tuple[int, ...]
+
+    def to(self, device) -> UlyssesPlan:
+        order, inverse = to_device([self.order, self.inverse], device)
+        return UlyssesPlan(order, inverse, self.lengths)
+
+
+def plan_ulysses(doc: torch.Tensor, pos: torch.Tensor, causal: bool) -> UlyssesPlan:
+    """The ``UlyssesPlan`` of a whole row given on the host: ``doc``/``pos`` [B, cp * T_loc], the CP
+    ranks' local tokens concatenated in rank order. Under causal, the positions of one
+    document must differ (the mask's ``pos_k <= pos_q`` is then the sorted order's)."""
+    b, n = doc.shape
+    row = torch.arange(b, dtype=torch.int64)[:, None].expand(b, n).reshape(-1)
+    d, p = doc.reshape(-1).to(torch.int64), pos.reshape(-1).to(torch.int64)
+    # stable sorts, least significant key first: position, then document, then batch row
+    order = torch.arange(b * n)
+    for key in ((p, d, row) if causal else (d, row)):
+        order = order[torch.sort(key[order], stable=True).indices]
+    rd = torch.stack([row[order], d[order]])
+    starts = torch.ones(b * n, dtype=torch.bool)
+    starts[1:] = (rd[:, 1:] != rd[:, :-1]).any(0)
+    if causal and n:
+        same = ~starts[1:] & (p[order][1:] == p[order][:-1])
+        if same.any():
+            i = int(same.nonzero()[0, 0])
+            raise ValueError(f"cp_attention(impl='ulysses'): two tokens of document {int(d[order][i])} (row "
+                             f"{int(row[order][i])}) have position {int(p[order][i])}; causal attention needs "
+                             f"distinct positions within a document (give padding its own document id)")
+    bounds = starts.nonzero().squeeze(1).tolist() + [b * n]
+    lengths = tuple(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:]))
+    return UlyssesPlan(order, torch.empty_like(order).scatter_(0, order, torch.arange(b * n)), lengths)
 
 
 def cp_attention(
@@ -39,6 +94,8 @@ def cp_attention(
     causal: bool = True,
     scale: float | None = None,
     hops: list[RingHop] | None = None,
+    ulysses: UlyssesPlan | None = None,
+    local_attention: LocalAttention | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of the whole row, all CP ranks together.
 
@@ -50,14 +107,15 @@ def cp_attention(
     call it with the same ``impl``, ``causal`` and head counts.
 
     ``ring``: each hop computes only the query rows and key columns of the visiting block that
-    the mask leaves live (taken over all batch rows; about half of the block under zig-zag) and
-    skips a block with none. Hops are not yet overlapped with the math. Backward: the hop is an
-    autograd Function (the gradient of a visiting block travels the ring the other way) and
-    autograd differentiates the blockwise math, so memory holds every visiting k/v block and its
-    live score matrix (up to [B, Hq, T_loc, T_loc]) per hop; nothing is recomputed. ``hops``
-    (``plan_ring_hops``, one per hop after the first, causal): the live rows and columns known on
-    the host from the CP layout; without it each hop finds them on the device, which reads their
-    number back (a host sync per hop).
+    the mask leaves live (about half of the block under zig-zag) and skips a block with none.
+    ``hops`` (``plan_ring_hops``, one per hop after the first, causal): those rows and columns
+    known on the host from the CP layout; without it each hop finds them on the device, which
+    reads their number back (a host sync per hop).
+
+    ``ulysses``: ``ulysses`` (``plan_ulysses``) is the whole row's document order known on the
+    host; without it the gathered doc/pos are read back once per call to make it.
+    ``local_attention`` attends over the sorted pack (the model's varlen backend); without it,
+    PyTorch's SDPA per document.
     """
     _check_inputs(q, k, v, doc, pos, impl)
     group = dist.group.WORLD if group is None else group
@@ -65,24 +123,10 @@ def cp_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if impl == "ulysses":
-        return _ulysses_attention(q, k, v, doc, pos, group, cp, causal, scale)
+        return _ulysses_attention(q, k, v, doc, pos, group, cp, causal, scale, ulysses, local_attention)
     if hops is not None and (len(hops) != cp - 1 or not causal):
         raise ValueError(f"cp_attention: {len(hops)} planned hops for cp={cp} (causal={causal}); plan cp-1 causal hops")
-    return _ring_attention(q, k, v, doc, pos, group, cp, causal, scale, hops)
-
-
-@dataclass
-class RingHop:
-    """One ring hop's live part: the query rows that see some key of the visiting block and the
-    keys some query sees (index tensors; None: all of them). ``live``: whether anything does."""
-
-    rows: torch.Tensor | None
-    cols: torch.Tensor | None
-    live: bool
-
-    def to(self, device) -> RingHop:
-        return RingHop(None if self.rows is None else self.rows.to(device),
-                       None if self.cols is None else self.cols.to(device), self.live)
+    return ring_attention(q, k, v, doc, pos, group, causal, scale, hops)
 
 
 def plan_ring_hops(doc: torch.Tensor, pos: torch.Tensor, visiting: list[tuple[torch.Tensor, torch.Tensor]],
@@ -93,7 +137,7 @@ def plan_ring_hops(doc: torch.Tensor, pos: torch.Tensor, visiting: list[tuple[to
     t = doc.shape[1]
     out = []
     for doc_k, pos_k in visiting:
-        rows, cols = _live_rows_cols(doc, pos, doc_k, pos_k, causal)
+        rows, cols = live_rows_cols(doc, pos, doc_k, pos_k, causal)
         out.append(RingHop(None if rows.numel() == t else rows, None if cols.numel() == t else cols,
                            rows.numel() > 0))
     return out
@@ -121,146 +165,11 @@ def _check_inputs(q, k, v, doc, pos, impl: str) -> None:
             raise ValueError(f"cp_attention: {name} must be [B, T_loc] = {(b, t)}; got {tuple(x.shape)}")
 
 
-def _mask(doc_q, pos_q, doc_k, pos_k, causal: bool) -> torch.Tensor:
-    """Boolean [B, Tq, Tk]: True where the query may attend the key."""
-    mask = doc_q[:, :, None] == doc_k[:, None, :]
-    if causal:
-        mask &= pos_k[:, None, :] <= pos_q[:, :, None]
-    return mask
-
-
-# ---------------------------------------------------------------------------------------- ring
-
-
-def _ring_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: float,
-                    hops: list[RingHop] | None = None) -> torch.Tensor:
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    acc = torch.promote_types(q.dtype, torch.float32)  # softmax statistics never below fp32
-    # [B, Hkv, G, T, D]: query heads grouped under their kv head, so kv broadcasts (no repeat).
-    q5 = q.to(acc).reshape(b, hkv, hq // hkv, t, d) * scale
-    rank = dist.get_rank(group)
-    nxt = dist.get_global_rank(group, (rank + 1) % cp)
-    prv = dist.get_global_rank(group, (rank - 1) % cp)
-    out = q5.new_zeros(q5.shape)
-    lse = q5.new_full((*q5.shape[:-1], 1), float("-inf"))
-    block = (k, v, doc, pos)
-    for step in range(cp):
-        if step:
-            block = _RingHop.apply(group, nxt, prv, *block)
-        k_s, v_s, doc_s, pos_s = block
-        # Under zig-zag chunks half of every visiting block is masked: either its later chunk
-        # (a rank earlier in the ring) or the local early chunk's queries (a later rank). Compute
-        # only the rows and columns that see something; skip a block that sees nothing. The own
-        # block (step 0) is live everywhere (every token sees itself).
-        if step == 0:
-            hop = RingHop(None, None, True)
-        elif hops is not None:
-            hop = hops[step - 1]
-        else:
-            rows, cols = _live_rows_cols(doc, pos, doc_s, pos_s, causal)
-            hop = RingHop(None if rows.numel() == t else rows, cols, rows.numel() > 0)
-        if not hop.live:
-            continue
-        rows, cols = hop.rows, hop.cols
-        doc_q, pos_q, q_b = (doc, pos, q5) if rows is None else (doc[:, rows], pos[:, rows], q5[..., rows, :])
-        if cols is not None:
-            k_s, v_s, doc_s, pos_s = k_s[:, :, cols], v_s[:, :, cols], doc_s[:, cols], pos_s[:, cols]
-        mask = _mask(doc_q, pos_q, doc_s, pos_s, causal)
-        o_b, lse_b = _block_attention(q_b, k_s.to(acc)[:, :, None], v_s.to(acc)[:, :, None], mask[:, None, None])
-        if rows is None:
-            out, lse = _merge(out, lse, o_b, lse_b)
-        else:
-            o_m, lse_m = _merge(out[..., rows, :], lse[..., rows, :], o_b, lse_b)
-            out, lse = out.index_copy(-2, rows, o_m), lse.index_copy(-2, rows, lse_m)
-    if torch.is_grad_enabled() and cp > 1 and (k.requires_grad or v.requires_grad):
-        # The last hop's backward must run on every rank (its peers wait for the gradient it
-        # sends); if this rank skipped that block, keep it in the graph with a zero weight.
-        out = out + 0.0 * (block[0].sum() + block[1].sum()).to(acc)
-    return out.reshape(b, hq, t, d).to(q.dtype)
-
-
-def _live_rows_cols(doc_q, pos_q, doc_k, pos_k, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the queries that see some key and of the keys that some query sees (in any
-    batch row), from per-document ranges in O(T log T) instead of the T² mask: under causal,
-    a query sees its document's earliest key iff any, and a key is seen by the latest query."""
-    b, tq = doc_q.shape
-    ids, inv = torch.unique(torch.cat([doc_q, doc_k], dim=1), return_inverse=True)
-    n = ids.numel()
-    slot = inv + n * torch.arange(b, device=inv.device)[:, None]  # one slot per (row, document)
-    slot_q, slot_k = slot[:, :tq], slot[:, tq:]
-    if not causal:  # only presence matters
-        pos_q, pos_k = torch.zeros_like(pos_q), torch.zeros_like(pos_k)
-    big = torch.iinfo(torch.int64)
-    q_last = torch.full((b * n,), big.min, dtype=torch.int64, device=doc_q.device)
-    q_last.scatter_reduce_(0, slot_q.reshape(-1), pos_q.reshape(-1), "amax")
-    k_first = torch.full((b * n,), big.max, dtype=torch.int64, device=doc_q.device)
-    k_first.scatter_reduce_(0, slot_k.reshape(-1), pos_k.reshape(-1), "amin")
-    rows = (pos_q >= k_first[slot_q]).any(dim=0)
-    cols = (pos_k <= q_last[slot_k]).any(dim=0)
-    return rows.nonzero().squeeze(1), cols.nonzero().squeeze(1)
-
-
-def _block_attention(q5, k5, v5, mask):
-    """Masked softmax attention of one block and its log-sum-exp; -inf lse (and zero output)
-    for a query that sees no key here, without NaN in forward or backward."""
-    s = (q5 @ k5.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
-    # The shift is a constant for the math (lse = m + log Σ exp(s - m) for any m): detach it.
-    m = s.amax(dim=-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    total = e.sum(dim=-1, keepdim=True)
-    seen = total > 0
-    total = torch.where(seen, total, torch.ones_like(total))
-    lse = torch.where(seen, m + torch.log(total), torch.full_like(total, float("-inf")))
-    return (e @ v5) / total, lse
-
-
-def _merge(o_a, lse_a, o_b, lse_b):
-    """Online-softmax combine of two partial results over disjoint key sets."""
-    m = torch.maximum(lse_a, lse_b).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    seen = total > 0
-    total = torch.where(seen, total, torch.ones_like(total))
-    lse = torch.where(seen, m + torch.log(total), torch.full_like(total, float("-inf")))
-    return (w_a * o_a + w_b * o_b) / total, lse
-
-
-class _RingHop(torch.autograd.Function):
-    """Send (k, v, doc, pos) to the next rank and receive the previous rank's; the gradients of
-    k and v travel back the other way."""
-
-    @staticmethod
-    def forward(ctx, group, nxt: int, prv: int, k, v, doc, pos):
-        ctx.group, ctx.nxt, ctx.prv = group, nxt, prv
-        received = _exchange([k, v, doc, pos], send_to=nxt, recv_from=prv, group=group)
-        ctx.mark_non_differentiable(received[2], received[3])
-        return tuple(received)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_k, grad_v, _grad_doc, _grad_pos):
-        grad_k, grad_v = _exchange([grad_k, grad_v], send_to=ctx.prv, recv_from=ctx.nxt, group=ctx.group)
-        return None, None, None, grad_k, grad_v, None, None
-
-
-def _exchange(tensors: list[torch.Tensor], send_to: int, recv_from: int, group) -> list[torch.Tensor]:
-    """One ring hop of several tensors, batched (peers are global ranks)."""
-    tensors = [t.contiguous() for t in tensors]
-    received = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t, send_to, group, tag=i) for i, t in enumerate(tensors)]
-    ops += [dist.P2POp(dist.irecv, r, recv_from, group, tag=i) for i, r in enumerate(received)]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return received
-
-
 # ------------------------------------------------------------------------------------- ulysses
 
 
-def _ulysses_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: float) -> torch.Tensor:
+def _ulysses_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: float,
+                       plan: UlyssesPlan | None, local_attention: LocalAttention | None) -> torch.Tensor:
     hq, hkv = q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(f"cp_attention(impl='ulysses'): Hq={hq} query heads do not split over cp={cp} ranks; "
@@ -270,14 +179,31 @@ def _ulysses_attention(q, k, v, doc, pos, group, cp: int, causal: bool, scale: f
         v = v.repeat_interleave(hq // hkv, dim=1)
     if cp > 1:
         q, k, v = (_tokens_to_heads(x, group, cp) for x in (q, k, v))
-        doc, pos = _gather_tokens(torch.stack([doc, pos]), group, cp)
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    mask = _mask(doc, pos, doc, pos, causal)[:, None]  # every query sees itself: no empty row
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if plan is None:
+        full = _gather_tokens(torch.stack([doc, pos]), group, cp) if cp > 1 else torch.stack([doc, pos])
+        with host_read("ulysses document order"):
+            plan = plan_ulysses(full[0].cpu(), full[1].cpu(), causal)
+        plan = plan.to(q.device)
+    b, h, n, d = q.shape
+    # [B, h, N, D] -> one pack [1, h, B*N, D] in document order
+    packed = [x.transpose(0, 1).reshape(1, x.shape[1], b * n, d).index_select(2, plan.order) for x in (q, k, v)]
+    attend = _sdpa_per_document if local_attention is None else local_attention
+    out = attend(*packed, plan.lengths, causal, scale).index_select(2, plan.inverse)
+    out = out.reshape(h, b, n, d).transpose(0, 1)
     return _heads_to_tokens(out, group, cp) if cp > 1 else out
+
+
+def _sdpa_per_document(q, k, v, lengths: tuple, causal: bool, scale: float) -> torch.Tensor:
+    """The portable local attention: SDPA over each document alone (no mask, so PyTorch's fused
+    kernels apply and memory stays linear in the document)."""
+    rep = q.shape[1] // k.shape[1]
+    outs, start = [], 0
+    for n in lengths:
+        part = slice(start, start + n)
+        outs.append(F.scaled_dot_product_attention(q[:, :, part], k[:, :, part], v[:, :, part], is_causal=causal,
+                                                   scale=scale, enable_gqa=rep > 1))
+        start += n
+    return torch.cat(outs, dim=2) if outs else q.clone()
 
 
 def _tokens_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:

@@ -19,6 +19,10 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard_cp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_cp_outer", "ep", "tp")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 CP_IMPLS = ("ring", "ulysses")
+# Ring attention computes each block's scores in chunks of query rows whose fp32 score matrix
+# stays under this many bytes (parallel/ring_attention.py); its backward holds about three such
+# buffers at once (the probabilities, their gradient, a contiguous copy for the key gradient).
+RING_SCORE_BYTES = 128 * 2 ** 20
 CHECKPOINT_MODES = ("none", "selective", "full")
 PRECISIONS = ("auto", "bf16", "fp32")
 # parallel.reshard_after_forward; a YAML or command-line true/false arrives as a bool, read as "true"/"false".

@@ -34,12 +34,25 @@ class ContextParallelSegments:
     # parallel.cp_attention.RingHop per ring hop, planned on the host from the CP layout (None:
     # the ring finds each hop's live rows on the device).
     hops: list | None = None
+    # ulysses: the whole row's document order (parallel.cp_attention.UlyssesPlan) and its
+    # documents as a varlen pack, planned on the host (None: read back once per call)
+    ulysses: object = None
+    packed: PackedSegments | None = None
+    backend: str = "sdpa"  # model.attn_backend where the varlen kernels apply, else sdpa
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         from parallel.cp_attention import cp_attention
 
         return cp_attention(q, k, v, self.doc, self.pos, self.group, impl=self.impl, causal=True, scale=scale,
-                            hops=self.hops)
+                            hops=self.hops, ulysses=self.ulysses, local_attention=self._local)
+
+    def _local(self, q, k, v, lengths: tuple, causal: bool, scale: float) -> torch.Tensor:
+        """Ulysses' attention over the whole row sorted into documents: the same varlen path as
+        attention without CP."""
+        packed = self.packed
+        if packed is None:
+            packed = PackedSegments.from_lengths(list(lengths), q.device, causal, self.backend)
+        return packed.attend(q, k, v, scale)
 
 
 def uses_varlen_kernels(backend: str, device: torch.device) -> bool:

@@ -23,7 +23,11 @@ def on_the_device(p, device: torch.device):
     if isinstance(seg, ContextParallelSegments):
         seg = replace(seg, doc=take(seg.doc), pos=take(seg.pos),
                       hops=None if seg.hops is None else [replace(h, rows=take(h.rows), cols=take(h.cols))
-                                                           for h in seg.hops])
+                                                           for h in seg.hops],
+                      ulysses=None if seg.ulysses is None else replace(seg.ulysses, order=take(seg.ulysses.order),
+                                                                       inverse=take(seg.ulysses.inverse)),
+                      packed=None if seg.packed is None else replace(seg.packed, ids=take(seg.packed.ids),
+                                                                     cu_seqlens=take(seg.packed.cu_seqlens)))
     elif isinstance(seg, PackedSegments):
         seg = replace(seg, ids=take(seg.ids), cu_seqlens=take(seg.cu_seqlens))
     elif isinstance(seg, torch.Tensor):

@@ -26,7 +26,7 @@ from omni.models.device_inputs import on_the_device
 from omni.models.encoders.base import EncoderAnchor
 from omni.models.llm import Decoder
 from omni.models.projector import Projector
-from parallel.cp_attention import RingHop, plan_ring_hops
+from parallel.cp_attention import plan_ring_hops, plan_ulysses
 from parallel.strict_device import on_device
 from parallel.linear_cross_entropy import linear_cross_entropy
 from parallel.tensor_parallel import gather_sequence_shards, local_tensor, scatter_to_sequence_shards, vocab_range
@@ -181,8 +181,10 @@ class OmniModel(nn.Module):
         mask = None
         if mb.cp is not None and mb.cp.cp_size > 1:
             doc = local_documents(mb.cp, t)
-            hops = _ring_hops(mb.cp, doc, mb.position_ids) if on_host and rt.cp_impl == "ring" else None
-            segments = ContextParallelSegments(doc[None], position_ids, rt.cp_group, rt.cp_impl, hops)
+            backend = rt.attn_backend if uses_varlen_kernels(rt.attn_backend, device) else "sdpa"
+            segments = ContextParallelSegments(doc[None], position_ids, rt.cp_group, rt.cp_impl, backend=backend)
+            if on_host:
+                segments = _plan_cp_attention(segments, mb.cp, mb.position_ids)
             mask = local_real_tokens(mb.cp, t)[None]
         else:
             segments = segment_ids_from_position_ids(position_ids)
@@ -317,17 +319,25 @@ class OmniModel(nn.Module):
         return linear_cross_entropy(hidden, local_tensor(weight), labels, start, rt.tp_group)
 
 
-def _ring_hops(info: CPInfo, doc: torch.Tensor, position_ids: torch.Tensor) -> list[RingHop] | None:
-    """Which of this CP rank's queries and which keys of each visiting block the ring attention
-    computes, from the CP layout on the host: the block of hop s comes from CP rank
-    ``cp_rank - s``, whose documents and positions the layout gives without a message. None
-    (the ring then finds them on the device, reading back per hop) when the row's positions do
-    not count from 0 in every document."""
-    t = doc.numel()
+def _plan_cp_attention(seg: ContextParallelSegments, info: CPInfo,
+                       position_ids: torch.Tensor) -> ContextParallelSegments:
+    """``seg`` with the CP attention planned on the host from the CP layout, which gives every
+    peer's documents and positions without a message. Ring: which of this rank's queries and
+    which keys of each visiting block (from CP rank ``cp_rank - s`` at hop s) are computed.
+    Ulysses: the whole row's order into documents and those documents as a varlen pack. Left
+    unplanned (the attention then finds it on the device, reading back) when the row's
+    positions do not count from 0 in every document."""
+    t = position_ids.numel()
     if not torch.equal(local_positions(info, t), position_ids):
-        return None
-    peers = []
-    for step in range(1, info.cp_size):
-        peer = replace(info, cp_rank=(info.cp_rank - step) % info.cp_size)
-        peers.append((local_documents(peer, t), local_positions(peer, t)))
-    return plan_ring_hops(doc[None], position_ids[None], [(d[None], q[None]) for d, q in peers])
+        return seg
+    peers = [replace(info, cp_rank=r) for r in range(info.cp_size)]
+    docs = [local_documents(p, t) for p in peers]
+    poss = [local_positions(p, t) for p in peers]
+    me = info.cp_rank
+    if seg.impl == "ring":
+        visiting = [((me - s) % info.cp_size) for s in range(1, info.cp_size)]
+        return replace(seg, hops=plan_ring_hops(docs[me][None], poss[me][None],
+                                                [(docs[r][None], poss[r][None]) for r in visiting]))
+    plan = plan_ulysses(torch.cat(docs)[None], torch.cat(poss)[None], causal=True)
+    packed = PackedSegments.from_lengths(list(plan.lengths), "cpu", True, seg.backend)
+    return replace(seg, ulysses=plan, packed=packed)

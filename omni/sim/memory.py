@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 
 from omni.models.llm.config import DecoderConfig
 from omni.sim.spec import ModelSpec
+from parallel.sizing import RING_SCORE_BYTES
 
 GIB = float(2**30)
 FP32 = 4  # RMSNorm statistics, router probabilities, attention log-sum-exp, logits in the loss
@@ -110,9 +111,10 @@ def static_memory(spec: ModelSpec, layers, first: bool, last: bool, *, tp: int =
         # kept in the autocast cache under PP) until the layer's backward: the whole stage.
         out.gathered = fsdp * compute_bytes
     if compute_bytes != master_bytes:
-        # MoE router and shared expert are fp32 leaves cast by autocast, whatever FSDP does.
-        # (The routed experts are cast per use, per micro-batch: see llm_activation_bytes.)
-        out.gathered += sum(p.moe_shared for p in per) * compute_bytes
+        # MoE router and shared expert are fp32 leaves cast by autocast, whatever FSDP does; the
+        # routed experts (this rank's) are cast once into a copy that every micro-batch in flight
+        # shares (parallel/shared_cast.py), alive while one of them waits for its backward.
+        out.gathered += sum(p.moe_shared + p.experts / ep for p in per) * compute_bytes
     return out
 
 
@@ -234,12 +236,9 @@ def _moe(r: _Run) -> float:
     per_token += INDEX * k + e * k * h  # the sort gather's index and its rows (the experts' inputs)
     per_token += k * 4 * e * ie  # per routed row: gate_up output (2 ie), silu(gate), silu * up
     per_token += INDEX * k + e * k * h  # inverse permutation and the un-permuted expert outputs
-    out = per_token * r.n + _shared_expert(r)
-    if e != r.master:
-        # Routed experts stay in the masters' dtype (never FSDP-cast): autocast casts each
-        # expert's slice per use and linear keeps the cast, for every micro-batch in flight.
-        out += nx / r.ep * 3 * h * ie * e
-    return out
+    # (The routed experts' compute-dtype copy is shared by the micro-batches in flight: counted
+    # once per stage, in static_memory's gathered weights.)
+    return per_token * r.n + _shared_expert(r)
 
 
 def _layer(r: _Run, i: int) -> float:
@@ -310,13 +309,15 @@ def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1,
 
 def layer_transient_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1, recompute: str = "none",
                           element_bytes: int = 2, ep: int = 1, attention: str = "varlen",
-                          master_bytes: int = 4) -> float:
+                          master_bytes: int = 4, ring: bool = False) -> float:
     """The extra peak while one block runs its backward, counted once per GPU (one block runs
     its backward at a time): what the block re-creates under recompute beyond what stayed
     kept, the gradient arriving at the block, and the block's backward workspace at its worst
     moment. On the last stage take max(this, head_transient_bytes): the loss is done before
     the first block's backward. (The sum with the activations over-counts slightly: the last
-    stage's final-norm and head tensors of the running micro-batch are freed by then.)"""
+    stage's final-norm and head tensors of the running micro-batch are freed by then.)
+    ``ring``: attention is ring CP attention, whose backward holds ``ring_workspace_bytes``
+    after the block's MLP and second norm have run their backward (their saved tensors freed)."""
     r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
     kind_of, first_of_kind = spec.layer_kinds()  # the worst block is the worst kind's (max: order-free)
     worst = 0.0
@@ -330,7 +331,11 @@ def layer_transient_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1
             block_input = r.e * r.c.hidden_size * r.n
             kept = block_input if recompute == "full" else _selective(r, i)
             redo = _layer(r, i) + (0.0 if r.e == FP32 else block_input) - kept
-        worst = max(worst, redo + r.e * r.c.hidden_size * r.n + _backward_workspace(r, i))
+        workspace = _backward_workspace(r, i)
+        if ring:
+            freed = _norm(r) + (_moe(r) if r.c.is_moe_layer(i) else _dense_mlp(r))
+            workspace = max(workspace, ring_workspace_bytes(spec, tokens, tp=tp) - freed)
+        worst = max(worst, redo + r.e * r.c.hidden_size * r.n + workspace)
     return worst
 
 
@@ -365,6 +370,14 @@ def _backward_workspace(r: _Run, i: int) -> float:
     if shared:
         experts += e * h * n - shared
     return max(start, experts)
+
+
+def ring_workspace_bytes(spec: ModelSpec, tokens: float, *, tp: int = 1) -> float:
+    """The extra peak inside a block's ring attention (context parallelism, ``cp_impl=ring``)
+    beyond its saved tensors: about three fp32 score buffers of one chunk of query rows against
+    the rank's ``tokens`` keys, each within ``RING_SCORE_BYTES`` (``parallel/ring_attention.py``)."""
+    heads = spec.llm.num_heads / tp
+    return 3 * min(RING_SCORE_BYTES, FP32 * heads * tokens * tokens)
 
 
 def head_transient_bytes(spec: ModelSpec, tokens: float, *, tp: int = 1, element_bytes: int = 2) -> float:

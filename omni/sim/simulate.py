@@ -377,7 +377,8 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         # stage the loss's logits instead, whichever is larger), or the optimizer step.
         tokens = max(lengths[tl.group]) / cp if pp > 1 else cfg.data.micro_batch_tokens / cp
         transient = max(mem.layer_transient_bytes(spec, stage_layers[st], tokens, tp=tp, ep=ep,
-                                                  recompute=par.activation_checkpoint, element_bytes=BF16)
+                                                  recompute=par.activation_checkpoint, element_bytes=BF16,
+                                                  ring=cp > 1 and par.cp_impl == "ring")
                         for st in stages)
         if last_stage in stages:
             transient = max(transient, mem.head_transient_bytes(spec, tokens, tp=tp))

@@ -7,7 +7,8 @@ import torch
 from dataloading.batch import MicroBatch
 from dataloading.context_parallel import _local_layout, _local_to_original, slice_for_cp
 from dist_helpers import run_ranks
-from parallel.cp_attention import _live_rows_cols, _mask, cp_attention
+from parallel.cp_attention import cp_attention
+from parallel.ring_attention import live_rows_cols as _live_rows_cols, mask as _mask
 
 ROWS = [[5, 1, 9, 4, 7], [3, 12, 1, 6]]  # document lengths per row: a length-1 doc, none divisible by 2*cp
 D = 8
@@ -65,7 +66,9 @@ def _check_case(rank, cp, impl, causal, hq, hkv):
         g.append(gl)
         pad_doc = doc if causal else torch.where(orig >= 0, doc, PAD_DOC)
         tail = t_loc - orig.numel()
-        docs.append(torch.cat([pad_doc, torch.full((tail,), PAD_DOC)]))
+        # tail padding: a document of its own per rank, as local_documents gives it (causal
+        # Ulysses needs distinct positions within a document)
+        docs.append(torch.cat([pad_doc, torch.full((tail,), PAD_DOC + 1 + rank)]))
         poss.append(torch.cat([pos, torch.arange(tail)]))
         reals.append(real)
     q, k, v = (torch.stack(x).float().requires_grad_(True) for x in (q, k, v))
@@ -103,7 +106,101 @@ def _check_contiguous(rank, cp, impl):
         torch.testing.assert_close(got[0].double(), want[:, mine], rtol=1e-5, atol=1e-5)
 
 
+def _zig_zag_long_document(rank, cp, n, hq, hkv, gen_seed, magnitude=1.0):
+    """One row of two documents (n - 3 and 3 tokens) cut zig-zag over ``cp`` ranks: the full
+    fp64 q, k, v, upstream gradient, and this rank's share (doc, pos, index or -1)."""
+    lens = [n - 3, 3]
+    gen = torch.Generator().manual_seed(gen_seed)
+    full = [torch.randn(h, n, D, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
+    full[0] = full[0] * magnitude
+    doc, pos, orig = _local_share(lens, cp, rank)
+    doc = torch.where(orig >= 0, doc, doc)  # slicer padding keeps its document (causal)
+    return lens, full, doc, pos, orig
+
+
+def _local_rows(x, orig):
+    """[H, N, D] full row -> [1, H, T_loc, D]: this rank's tokens, zero at padding."""
+    out = torch.zeros(x.shape[0], orig.numel(), D, dtype=x.dtype)
+    out[:, orig >= 0] = x[:, orig[orig >= 0]]
+    return out[None]
+
+
+def _check_bf16_autocast(rank, cp, impl):
+    """Under bf16 autocast, CP attention is at least as accurate as the model's single-process
+    attention in bf16 (``segment_attention``: SDPA over each document), both measured against
+    fp64 on the same bf16 inputs. Scores of magnitude ~30 make a bf16 score matrix (8 bits of
+    mantissa) visible. Stated tolerance: the output within 1e-2 of its largest element; each
+    gradient within 1e-2 of its largest element or 1.25x the single-process error, whichever
+    is larger (SDPA's own bf16 backward rounds its probability gradients to bf16)."""
+    from omni.models.attention import segment_attention
+
+    lens, (fq, fk, fv, fg), doc, pos, orig = _zig_zag_long_document(rank, cp, 61, 4, 2, 5, magnitude=12.0)
+    fq, fk, fv = (x.bfloat16().double() for x in (fq, fk, fv))  # the reference sees the same inputs
+    ref = _reference(fq, fk, fv, fg, lens, True)
+    single = [x[None].bfloat16().requires_grad_(True) for x in (fq, fk, fv)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        s_out = segment_attention(*single, None, causal=True, lengths=tuple(lens))
+    (s_out.float() * fg[None].float()).sum().backward()
+    idx = orig[orig >= 0]  # both errors over this rank's tokens
+    s_err = [(got[0][:, idx].double() - want[:, idx]).abs().max() / want[:, idx].abs().max()
+             for got, want in zip((s_out, *(x.grad for x in single)), ref)]
+    q, k, v = (_local_rows(x, orig).bfloat16().requires_grad_(True) for x in (fq, fk, fv))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cp_attention(q, k, v, doc[None], pos[None], None, impl=impl)
+    assert out.dtype == torch.bfloat16
+    (out.float() * _local_rows(fg, orig).float()).sum().backward()
+    real = orig >= 0
+    for i, (name, got, want) in enumerate(zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref)):
+        want = want[:, orig[real]]
+        err = (got[0][:, real].double() - want).abs().max() / want.abs().max()
+        bound = 1e-2 if name == "out" else max(1e-2, 1.25 * float(s_err[i]))
+        assert err <= bound, (f"bf16 {impl} cp={cp} rank={rank} {name}: {err:.2e} of the largest element "
+                              f"(single process {s_err[i]:.2e})")
+
+
+def _check_linear_memory(rank, cp, impl):
+    """Nothing the backward keeps grows with T_loc x T_loc: every saved tensor is at most the
+    size of q (for Ulysses, of q after the all-to-all: the same count of elements)."""
+    t_loc = 256
+    lens, (fq, fk, fv, fg), doc, pos, orig = _zig_zag_long_document(rank, cp, cp * t_loc - 2, 4, 2, 9)
+    q, k, v = (_local_rows(x, orig).float().requires_grad_(True) for x in (fq, fk, fv))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x.numel()) or x, lambda x: x):
+        out = cp_attention(q, k, v, doc[None], pos[None], None, impl=impl)
+    assert max(saved) <= q.numel() < t_loc * t_loc, (impl, sorted(saved)[-5:])
+    (out * _local_rows(fg, orig).float()).sum().backward()
+    ref = _reference(fq, fk, fv, fg, lens, True)
+    real = orig >= 0
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
+        torch.testing.assert_close(got[0][:, real].double(), want[:, orig[real]], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"long {impl} cp={cp} rank={rank} {name}: {m}")
+
+
+def _check_chunked_ring(rank, cp):
+    """The ring in chunks of query rows (a score budget of a few rows) gives the same result,
+    to one row at a time."""
+    import torch.distributed as dist
+
+    from parallel.ring_attention import ring_attention
+
+    lens, (fq, fk, fv, fg), doc, pos, orig = _zig_zag_long_document(rank, cp, 45, 4, 2, 3)
+    ref = _reference(fq, fk, fv, fg, lens, True)
+    real = orig >= 0
+    for budget in (4 * 4 * 8 * 3, 1):  # 3 rows per chunk at most; one row
+        q, k, v = (_local_rows(x, orig).float().requires_grad_(True) for x in (fq, fk, fv))
+        out = ring_attention(q, k, v, doc[None], pos[None], dist.group.WORLD, True, D ** -0.5, score_bytes=budget)
+        (out * _local_rows(fg, orig).float()).sum().backward()
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
+            torch.testing.assert_close(got[0][:, real].double(), want[:, orig[real]], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"chunked ring budget={budget} rank={rank} {name}: {m}")
+
+
 def _cp2_worker(rank, world):
+    for impl in ("ring", "ulysses"):
+        _check_bf16_autocast(rank, world, impl)
+        _check_linear_memory(rank, world, impl)
+    _check_chunked_ring(rank, world)
+
     for impl in ("ring", "ulysses"):
         for causal in (True, False):
             for hq, hkv in ((4, 2), (4, 1)):  # Hkv=1 does not split over cp=2: Ulysses repeats kv
@@ -118,6 +215,9 @@ def _cp2_worker(rank, world):
 def _cp4_worker(rank, world):
     for impl in ("ring", "ulysses"):
         _check_case(rank, world, impl, True, 4, 2)
+        _check_bf16_autocast(rank, world, impl)
+        _check_linear_memory(rank, world, impl)
+    _check_chunked_ring(rank, world)
 
 
 def test_cp2_ring_and_ulysses_match_full_attention():

@@ -137,11 +137,13 @@ def test_data_parallel_step_reads_the_device_once():
 
 
 def test_host_plans_match_what_the_device_would_find():
-    """The loss's target index and the ring's hop plan, built on the host from the layout, are
-    what the device-side rules find from the real (sliced) peers' rows."""
+    """The loss's target index, the ring's hop plan and Ulysses' document order, built on the
+    host from the layout, are what the device-side rules find from the real (sliced) peers' rows."""
     from dataloading.context_parallel import local_documents, slice_for_cp
-    from omni.models.multimodal import _ring_hops
-    from parallel.cp_attention import _live_rows_cols
+    from omni.models.attention import ContextParallelSegments
+    from omni.models.multimodal import _plan_cp_attention
+    from parallel.cp_attention import plan_ulysses
+    from parallel.ring_attention import live_rows_cols as _live_rows_cols
     from dataloading.batch import IGNORE_INDEX
 
     model = build(False, 2)
@@ -154,8 +156,16 @@ def test_host_plans_match_what_the_device_would_find():
             length = max(s.num_tokens for s in slices) + 3  # plus step padding, as the trainer adds
             slices = [s.padded(length, 0) for s in slices]
             docs = [local_documents(s.cp, length) for s in slices]
+            gathered = plan_ulysses(torch.cat(docs)[None], torch.cat([s.position_ids for s in slices])[None], True)
             for r in range(cp):
-                hops = _ring_hops(slices[r].cp, docs[r], slices[r].position_ids)
+                def planned(impl):
+                    seg = ContextParallelSegments(docs[r][None], slices[r].position_ids[None], None, impl)
+                    return _plan_cp_attention(seg, slices[r].cp, slices[r].position_ids)
+
+                uly = planned("ulysses")
+                assert torch.equal(uly.ulysses.order, gathered.order) and uly.ulysses.lengths == gathered.lengths
+                assert uly.packed.lengths == gathered.lengths
+                hops = planned("ring").hops
                 assert hops is not None and len(hops) == cp - 1
                 for step, hop in enumerate(hops, start=1):
                     peer = (r - step) % cp

@@ -34,16 +34,22 @@ from omni.models.encoders.base import EncoderAnchor
 class _UlyssesItems:
     """The attention of a member's pieces over whole items (a ``TokenAttention``). ``doc`` is
     the item index of each local row and a separate id for all padding rows: attention is
-    bidirectional, so padding that shared an item's id would be attended by its real tokens."""
+    bidirectional, so padding that shared an item's id would be attended by its real tokens.
+    ``plan``: the whole items' rows in item order after the all-to-all (made on the host from
+    the sizes), attended as one varlen pack by ``packed`` (the encoder's own backend)."""
 
     doc: torch.Tensor  # int64 [1, T_loc]
     pos: torch.Tensor  # int64 [1, T_loc]; ignored by the non-causal mask, required by cp_attention
     group: Optional[dist.ProcessGroup]
+    plan: object = None  # parallel.cp_attention.UlyssesPlan
+    packed: Optional[PackedSegments] = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         from parallel.cp_attention import cp_attention
 
-        return cp_attention(q, k, v, self.doc, self.pos, self.group, impl="ulysses", causal=False, scale=scale)
+        local = None if self.packed is None else (lambda q, k, v, _lengths, _causal, s: self.packed.attend(q, k, v, s))
+        return cp_attention(q, k, v, self.doc, self.pos, self.group, impl="ulysses", causal=False, scale=scale,
+                            ulysses=self.plan, local_attention=local)
 
 
 def check_sequence_parallel(encoder: EncoderAnchor, sp: int) -> None:
@@ -135,8 +141,10 @@ def _encode(encoder, features, sizes, long_features, long_sizes, group) -> Tuple
     src, dst, doc, pos, t_loc, _ = _local_layout(long_tokens, sp, member, xl.device, encoder.tokens_per_row)
     pieces = xl.new_zeros(t_loc, xl.shape[1]).index_copy(0, dst, xl.index_select(0, src))
     n_short = xs.shape[0]
-    attention = _ShortAndLong(n_short, encoder.item_attention(tokens, xs.device),
-                              _UlyssesItems(doc[None], pos[None], group))
+    short = encoder.item_attention(tokens, xs.device)
+    plan, packed = _ulysses_plan(long_tokens, sp, xl.device, encoder.tokens_per_row,
+                                 short.backend if isinstance(short, PackedSegments) else "sdpa")
+    attention = _ShortAndLong(n_short, short, _UlyssesItems(doc[None], pos[None], group, plan, packed))
     out = encoder.finish(encoder.encode_tokens(_layer_input(encoder, torch.cat([xs, pieces])), attention))
     return torch.cat([out[:n_short], out[n_short:].index_select(0, dst)]), long_tokens
 
@@ -178,12 +186,32 @@ def _size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _ulysses_plan(tokens: Sequence[int], sp: int, device: torch.device, granule: int, backend: str):
+    """Every member's rows, in member order as the all-to-all gathers them, sorted into items
+    (padding rows last, one segment of their own), and those items as a varlen pack; made on
+    the host from the sizes, moved in one batched copy each."""
+    from parallel.cp_attention import plan_ulysses
+
+    docs = [_host_layout(tokens, sp, m, granule)[2] for m in range(sp)]
+    full = torch.cat(docs)[None]
+    plan = plan_ulysses(full, torch.zeros_like(full), causal=False).to(device)
+    return plan, PackedSegments.from_lengths(list(plan.lengths), device, False, backend)
+
+
 def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.device, granule: int = 1):
     """Where this member's real rows come from and go, and the mask inputs of its rows
     (``granule``: the encoder's tokens per output row; pieces are whole groups of them).
 
     Returns (src: rows of the full token states, dst: their local rows, doc and pos per local
     row, T_loc, piece_bounds per item)."""
+    src, dst, doc, pos, t_loc, bounds = _host_layout(tokens, sp, member, granule)
+    # built on the host from the sizes, moved in one batched copy
+    moved = to_device([src, dst, doc, pos], device)
+    return (*moved, t_loc, bounds)
+
+
+def _host_layout(tokens: Sequence[int], sp: int, member: int, granule: int):
+    """``_local_layout`` on the host."""
     src, dst, doc, pos, bounds = [], [], [], [], []
     start, t_loc = 0, 0
     pad_doc = len(tokens)  # one id past the items: padding attends only padding
@@ -199,6 +227,4 @@ def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.dev
         pos.append(torch.arange(member * c, (member + 1) * c))
         start += n
         t_loc += c
-    # built on the host from the sizes, moved in one batched copy
-    moved = to_device([torch.cat(parts).to(torch.int64) for parts in (src, dst, doc, pos)], device)
-    return (*moved, t_loc, bounds)
+    return (*(torch.cat(parts).to(torch.int64) for parts in (src, dst, doc, pos)), t_loc, bounds)

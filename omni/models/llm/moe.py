@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallel import expert_parallel
+from parallel.shared_cast import SharedCast
 
 from .config import DecoderConfig
 
@@ -54,6 +55,9 @@ class Experts(nn.Module):
         super().__init__()
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Compute-dtype copies of the stacks, one shared by every micro-batch in flight (autocast's
+        # own cache does not reach them: grouped_mm is not on its lists, slices are not leaves).
+        self._casts = SharedCast()
 
     def forward(self, x_sorted: torch.Tensor, counts: Union[torch.Tensor, List[int]],
                 host_counts: Optional[List[int]] = None) -> torch.Tensor:
@@ -61,8 +65,9 @@ class Experts(nn.Module):
         tensor on the rows' device, or a host list); ``host_counts``: the same on the host where
         it is known already (expert parallelism), for the per-expert loop."""
         # Under EP the runtime may wrap the expert blocks as DTensor shards (for checkpointing);
-        # the compute only ever needs this rank's block.
-        w_gate_up, w_down = _local(self.w_gate_up), _local(self.w_down)
+        # the compute only ever needs this rank's block, in the compute dtype.
+        dt = _compute_dtype(x_sorted)
+        w_gate_up, w_down = self._casts.get(self.w_gate_up, dt), self._casts.get(self.w_down, dt)
         if _grouped_mm_fits(x_sorted, w_gate_up, w_down):
             return _grouped_swiglu(x_sorted, w_gate_up, w_down, counts)
         # The per-expert loop needs the row counts on the host: with device counts this is a
