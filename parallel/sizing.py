@@ -23,6 +23,9 @@ CP_IMPLS = ("ring", "ulysses")
 # stays under this many bytes (parallel/ring_attention.py); its backward holds about three such
 # buffers at once (the probabilities, their gradient, a contiguous copy for the key gradient).
 RING_SCORE_BYTES = 128 * 2 ** 20
+# The LM head and its cross-entropy run in chunks of targets whose fp32 logits stay under this
+# many bytes (parallel/linear_cross_entropy.py).
+LOSS_CHUNK_BYTES = 256 * 2 ** 20
 CHECKPOINT_MODES = ("none", "selective", "full")
 PRECISIONS = ("auto", "bf16", "fp32")
 # parallel.reshard_after_forward; a YAML or command-line true/false arrives as a bool, read as "true"/"false".

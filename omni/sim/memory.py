@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from omni.models.llm.config import DecoderConfig
 from omni.sim.spec import ModelSpec
-from parallel.sizing import RING_SCORE_BYTES
+from parallel.sizing import LOSS_CHUNK_BYTES, RING_SCORE_BYTES
 
 GIB = float(2**30)
 FP32 = 4  # RMSNorm statistics, router probabilities, attention log-sum-exp, logits in the loss
@@ -382,15 +382,23 @@ def ring_workspace_bytes(spec: ModelSpec, tokens: float, *, tp: int = 1) -> floa
 
 def head_transient_bytes(spec: ModelSpec, tokens: float, *, tp: int = 1, element_bytes: int = 2) -> float:
     """The extra peak on the last stage during the loss and its backward, for ``tokens`` target
-    tokens (rows with a label; the micro-batch's tokens are an upper bound). Logits go to fp32.
-    One process / no TP: at log_softmax's backward the saved log-probabilities, their gradient
-    (from nll_loss) and the logits' gradient are alive, 3 fp32 [N, V]. Vocabulary-parallel loss
-    (parallel/tensor_parallel.py): in its forward the logits (and their fp32 copy), the shifted
-    logits, their exp and the softmax it keeps are alive at once."""
-    v = spec.llm.vocab_size / tp
-    if tp == 1:
-        return 3 * FP32 * v * tokens
-    return (4 * FP32 + (element_bytes if element_bytes != FP32 else 0)) * v * tokens
+    tokens (rows with a label; the micro-batch's tokens are an upper bound), as
+    parallel/linear_cross_entropy.py runs it: the head and the cross-entropy in chunks of ``c``
+    targets whose fp32 logits stay within ``LOSS_CHUNK_BYTES``, the logits recomputed in the
+    backward. Under TP each rank has ``V / tp`` vocabulary rows. The weight arrives in the compute
+    dtype (FSDP's gathered copy). Two moments of the backward, whichever is larger:
+    (a) scaling a chunk's softmax: its fp32 logits, softmax and scaled gradient and the gradient's
+    compute-dtype cast, with the fp32 head-gradient buffer; (b) adding a chunk's head gradient:
+    the fp32 logits and the cast gradient, the buffer, the chunk's product in the compute dtype
+    and its fp32 copy (in fp32 the casts are the tensors themselves). Plus the hidden rows' gradient, allocated before the chunks."""
+    c, e = spec.llm, element_bytes
+    v = c.vocab_size / tp
+    rows = min(tokens, max(1, LOSS_CHUNK_BYTES // (FP32 * max(v, 1))))
+    head = v * c.hidden_size
+    cast = e if e != FP32 else 0  # the casts to the compute dtype are no-ops in fp32
+    scale_softmax = (3 * FP32 + cast) * rows * v + FP32 * head
+    add_gradient = (FP32 + e) * rows * v + (FP32 + e + cast) * head
+    return max(scale_softmax, add_gradient) + e * tokens * c.hidden_size
 
 
 def encoder_activation_bytes(spec: ModelSpec, modality: str, tokens: float, *, sp: int = 1) -> float:

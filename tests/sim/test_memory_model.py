@@ -301,3 +301,35 @@ def test_context_parallel_activations_follow_the_model():
     from tests.parallel.dist_helpers import run_ranks
 
     run_ranks(_cp_rank, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_transient_follows_the_chunked_loss(dtype):
+    """The loss's extra peak (head_transient_bytes) against the measured peak of the chunked head
+    and cross-entropy (parallel/linear_cross_entropy.py), forward and backward, at a vocabulary
+    whose logits take two chunks. (That no targets x vocab buffer is saved is
+    tests/parallel/test_linear_cross_entropy.py's; scripts/bench/loss_memory.py measures 8k x 152k.)"""
+    from parallel.linear_cross_entropy import linear_cross_entropy
+    from parallel.sizing import LOSS_CHUNK_BYTES
+
+    vocab, hidden_size = 24_000, 64
+    rows = LOSS_CHUNK_BYTES // (4 * vocab)
+    n = rows + rows // 3  # two chunks
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(n, hidden_size, generator=gen) * 0.1).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=gen) * 0.1).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    with PeakTracker([hidden, weight, labels]) as tracker:
+        before = tracker.now
+        linear_cross_entropy(hidden, weight, labels).backward()
+    # what stays: the two gradients (hidden's, and the head's: a parameter's, counted in the
+    # static part of the model) and the 0-dim loss
+    measured = tracker.peak - before
+    spec = model_spec(ModelConfig(family="llama", vocab_size=vocab, hidden_size=hidden_size, intermediate_size=64,
+                                  num_layers=1, num_heads=2, num_kv_heads=1), {})
+    e = torch.tensor([], dtype=dtype).element_size()
+    predicted = memory.head_transient_bytes(spec, n, element_bytes=e)
+    err = (predicted - measured) / measured
+    print(f"\nloss {dtype}: {n} targets x {vocab}: measured {measured / MIB:.1f} MiB, predicted "
+          f"{predicted / MIB:.1f} MiB ({err:+.1%})")
+    assert abs(err) <= TOLERANCE
