@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -24,6 +25,9 @@ class ParallelConfig:
     cp_impl: str = "ring"
     # none | selective (keep matmul outputs, recompute the rest) | full (recompute every block).
     activation_checkpoint: str = "none"
+    # Saved activations of these decoder blocks go to pinned host memory in the forward and come
+    # back one block ahead of their backward: none | all | a list of block indices ([0, 1, 2]).
+    activation_offload: Any = "none"
     # The same for the encoders' layers (what an encoder call keeps until its backward):
     # none | selective | full.
     encoder_activation_checkpoint: str = "none"

@@ -182,8 +182,9 @@ def _check_nodes(sizes: Sizes, gpus_per_node: int, world: int) -> None:
 
 
 def check_model_fits(sizes: Sizes, *, num_heads: int, num_kv_heads: int, num_layers: int, num_experts: int = 0,
-                     virtual_stages: int = 1, cp_impl: str = "ring") -> None:
+                     virtual_stages: int = 1, cp_impl: str = "ring", activation_offload="none") -> None:
     """Model-dependent checks, with plain numbers (this package knows no model)."""
+    offload_layers(activation_offload, num_layers)
     if num_heads % sizes.tp or num_kv_heads % sizes.tp:
         raise LayoutError(
             f"parallel.tp={sizes.tp} must divide the attention heads ({num_heads}) and the KV heads "
@@ -205,6 +206,30 @@ def check_model_fits(sizes: Sizes, *, num_heads: int, num_kv_heads: int, num_lay
     if cp_impl == "ulysses" and sizes.cp > 1 and num_heads % (sizes.cp * sizes.tp):
         raise LayoutError(f"parallel.cp_impl=ulysses splits the {num_heads // sizes.tp} heads of a TP rank over "
                           f"cp={sizes.cp} ranks; use cp_impl=ring or a cp that divides them")
+
+
+def offload_layers(value, num_layers: int) -> set[int] | None:
+    """``parallel.activation_offload``: none | all | a list of block indices (global, as in
+    checkpoints) -> that set (None: every block; empty: none). LayoutError names a bad entry."""
+    listed = not isinstance(value, (str, bool, int)) and value is not None  # a list (YAML's too)
+    if value is None or value is False or (not listed and str(value).strip().lower() in ("none", "[]", "")):
+        return set()
+    if value is True or (not listed and str(value).strip().lower() == "all"):
+        return None
+    items = list(value) if listed else str(value).strip("[]").split(",")
+    if listed and not items:
+        return set()
+    out = set()
+    for item in items:
+        try:
+            i = int(str(item).strip())
+        except ValueError:
+            raise LayoutError(f"parallel.activation_offload={value!r}: {item!r} is not a block index; give none, "
+                              f"all or a list of indices in 0..{num_layers - 1}") from None
+        if not 0 <= i < num_layers:
+            raise LayoutError(f"parallel.activation_offload={value!r}: block {i} is not in 0..{num_layers - 1}")
+        out.add(i)
+    return out
 
 
 def check_sequence(sizes: Sizes, tokens: int, key: str = "data.micro_batch_tokens") -> None:

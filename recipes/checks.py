@@ -279,7 +279,7 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
     sizes = resolve_sizes(p, world_size)
     check_model_fits(sizes, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, num_layers=arch.num_layers,
                      num_experts=arch.num_experts, virtual_stages=p.pp_virtual_stages if sizes.pp > 1 else 1,
-                     cp_impl=p.cp_impl)
+                     cp_impl=p.cp_impl, activation_offload=p.activation_offload)
     check_sequence(sizes, cfg.data.micro_batch_tokens)
     if cfg.encoders:
         _encoder_shard_group(cfg, sizes)

@@ -52,6 +52,7 @@ class ParallelRuntime:
     cp_size: int = 1
     cp_impl: str = "ring"
     checkpoint: str = "none"  # activation checkpointing: none | selective | full
+    offload: object = None  # parallel.activation_offload.ActivationOffload (parallel.activation_offload)
     attn_backend: str = "auto"  # model.attn_backend (omni.kernels.varlen_attention)
     # Each micro-batch's router loss is weighted by this (1 / micro-batches in the global batch)
     # and its gradient attached where it is computed; None keeps the single-process contract of
@@ -295,7 +296,7 @@ class OmniModel(nn.Module):
         mask = p.token_mask
         if mask is not None and rt.tp_mesh is not None:
             mask = mask.chunk(rt.tp_size, dim=1)[rt.tp_rank]
-        return self.llm.run_layers(h, cos_sin, p.segments, mask, rt.aux_weight, rt.checkpoint)
+        return self.llm.run_layers(h, cos_sin, p.segments, mask, rt.aux_weight, rt.checkpoint, rt.offload)
 
     def _ce_sum(self, h: torch.Tensor, p: Prepared) -> torch.Tensor:
         """Summed cross-entropy at the target positions. Logits only where there is a target:

@@ -40,7 +40,8 @@ from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh
                              pipeline_gradient_group)
 from parallel.pipeline import PipelineRunner, split_layers, stage_ids
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
-from parallel.sizing import reduces_every_microbatch
+from parallel.activation_offload import ActivationOffload
+from parallel.sizing import offload_layers, reduces_every_microbatch
 
 
 @dataclass
@@ -173,7 +174,7 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     c = model.llm.config
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,
-                     cp_impl=pcfg.cp_impl)
+                     cp_impl=pcfg.cp_impl, activation_offload=pcfg.activation_offload)
     virtual = pcfg.pp_virtual_stages if sizes.pp > 1 else 1
     num_stages = sizes.pp * virtual
     ids = stage_ids(layout.pp_rank, sizes.pp, virtual)
@@ -263,6 +264,8 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
     pcfg, sizes = layout.config, layout.sizes
     rt = chunk.runtime
     rt.checkpoint = pcfg.activation_checkpoint
+    offloaded = offload_layers(pcfg.activation_offload, chunk.llm.config.num_layers)
+    rt.offload = None if offloaded == set() else ActivationOffload(offloaded)
     if sizes.cp > 1:
         rt.cp_group, rt.cp_size, rt.cp_impl = layout.group("cp"), sizes.cp, pcfg.cp_impl
     moe_layers = [b.mlp for b in chunk.llm.layers if isinstance(b.mlp, MoE)]

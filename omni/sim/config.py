@@ -40,6 +40,10 @@ class ClusterConfig:
     nics_per_node: int = 8
     net_gbps: float = 50.0  # one NIC, GB/s one way
     net_latency_us: float = 15.0  # per ring step that crosses nodes
+    # GPU <-> host memory, one direction, per GPU (activation offloading's copies): PCIe 5.0 x16
+    # carries 63 GB/s on the wire (32 GT/s x 16 lanes, 128b/130b coding); 50 assumes pinned copies
+    # reach ~80% of it (an assumption: scripts/gpu_check.sh measures it where a GPU is lent).
+    host_gbps: float = 50.0
     # Fractions of the line rates NCCL's own traffic reaches, one per link, since published
     # figures put NVLink and the NICs at different fractions. NVLink: 370 of 450 GB/s, the
     # effective rate NVIDIA gives for rings and every collective but NVLS all-reduce on H100

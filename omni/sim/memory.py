@@ -272,31 +272,25 @@ def _selective(r: _Run, i: int) -> float:
 
 def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1, recompute: str = "none",
                          element_bytes: int = 2, first: bool = False, last: bool = False, ep: int = 1,
-                         attention: str = "varlen", master_bytes: int = 4) -> float:
+                         attention: str = "varlen", master_bytes: int = 4, offload=frozenset()) -> float:
     """Bytes autograd keeps for backward for ONE micro-batch of ``tokens`` tokens on this GPU
     (after CP slicing) through ``layers``, between its forward and its backward.
 
     ``recompute``: none | selective | full (``parallel.activation_checkpoint``). ``attention``:
     varlen (the flash / Triton kernels, what CUDA runs) or sdpa (the PyTorch path, the CPU's).
-    ``master_bytes``: the parameters' dtype (MoE experts are cast from it per micro-batch).
+    ``master_bytes``: the parameters' dtype. ``offload``: the blocks whose saved tensors go to host
+    memory (``parallel.activation_offload``; None: all), left out here: see ``offloaded_block_bytes``.
     Activations are taken in the compute dtype, as FSDP mixed precision gives; without FSDP,
     autocast keeps the residual stream in fp32 and casts each projection's input separately,
     which is more. The re-run of the block in backward is in ``layer_transient_bytes``."""
     r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
-    c, e, n = r.c, r.e, r.n
+    c, e = r.c, r.e
     layers = list(layers)
-    if recompute == "none":
-        saved = _layer
-    elif recompute == "selective":
-        saved = _selective
-    elif recompute == "full":
-        def saved(r: _Run, i: int) -> float:
-            return e * c.hidden_size * n  # the block input, kept by the checkpoint
-    else:
-        raise ValueError(f"recompute {recompute!r} is not one of none, selective, full")
+    saved = _saved_by_block(r, recompute)
     total = 0.0
-    for block in spec.by_kind(layers, lambda i: saved(r, i)):  # summed block by block, in order
-        total += block
+    for i, block in zip(layers, spec.by_kind(layers, lambda i: saved(r, i))):  # block by block, in order
+        if offload is not None and i not in offload:
+            total += block
     if layers:
         total += 2 * e * c.resolved_head_dim() * tokens  # rotary cos / sin, shared by the blocks
     if first:
@@ -305,6 +299,31 @@ def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1,
         # Final norm, the rows with a target (taken as every row) gathered for the head, the mask.
         total += _norm(r) + e * c.hidden_size * tokens + tokens
     return total
+
+
+def _saved_by_block(r: _Run, recompute: str):
+    """What one block keeps for its backward under ``recompute``: a function of (run, layer)."""
+    if recompute == "none":
+        return _layer
+    if recompute == "selective":
+        return _selective
+    if recompute == "full":
+        return lambda r, i: r.e * r.c.hidden_size * r.n  # the block input, kept by the checkpoint
+    raise ValueError(f"recompute {recompute!r} is not one of none, selective, full")
+
+
+def offloaded_block_bytes(spec: ModelSpec, layers, tokens: float, offload, *, tp: int = 1,
+                          recompute: str = "none", element_bytes: int = 2, ep: int = 1, attention: str = "varlen",
+                          master_bytes: int = 4) -> dict[int, float]:
+    """Bytes each offloaded block of ``layers`` sends to host memory per micro-batch (what it keeps
+    for its backward), by layer index. ``offload``: the offloaded blocks (None: all). The device
+    holds two such blocks' worth during the backward: the block running and the one brought
+    back ahead of it (``parallel/activation_offload.py``)."""
+    r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
+    saved = _saved_by_block(r, recompute)
+    layers = list(layers)
+    return {i: b for i, b in zip(layers, spec.by_kind(layers, lambda i: saved(r, i)))
+            if offload is None or i in offload}
 
 
 def layer_transient_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1, recompute: str = "none",

@@ -40,7 +40,8 @@ from omni.sim.engine import DECOMPOSITION, StepTimeline, programs, simulate_step
 from omni.sim.spec import ModelSpec, model_spec
 from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
-from parallel.sizing import LayoutError, Sizes, check_model_fits, check_sequence, reduces_every_microbatch, resolve_sizes
+from parallel.sizing import (LayoutError, Sizes, check_model_fits, check_sequence, offload_layers,
+                             reduces_every_microbatch, resolve_sizes)
 from parallel.pipeline import split_layers
 from parallel.rows import microbatch_count, microbatch_multiple, row_lengths
 from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
@@ -60,7 +61,7 @@ def llm_sizes(parallel: ParallelConfig, world: int, spec: ModelSpec, tokens: int
     c = spec.llm
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=parallel.pp_virtual_stages if sizes.pp > 1 else 1,
-                     cp_impl=parallel.cp_impl)
+                     cp_impl=parallel.cp_impl, activation_offload=parallel.activation_offload)
     check_sequence(sizes, tokens)
     if sizes.tp > gpus_per_node:
         raise LayoutError(f"parallel.tp={sizes.tp} spans nodes of cluster.gpus_per_node={gpus_per_node}; "
@@ -215,6 +216,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
               encoder_pool: int, record: bool = False) -> _Run:
     par, cluster = cfg.parallel, cfg.cluster
     pp, tp, cp, ep, v = sizes.pp, sizes.tp, sizes.cp, sizes.ep, par.pp_virtual_stages if sizes.pp > 1 else 1
+    offload = offload_layers(par.activation_offload, spec.llm.num_layers)  # None: every block
     groups = [list(g) for g in step.groups]
     n = microbatch_count(max(len(g) for g in groups), pp)
     for g in groups:
@@ -255,9 +257,13 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 fsdp = (("f", st, i) in gathers, ("b", st, i) in gathers, reduce_per_mb)
                 key = (st, length, tuple(docs), fsdp)
                 if key not in cache:
+                    moved = mem.offloaded_block_bytes(spec, stage_layers[st], length / cp, offload, tp=tp, ep=ep,
+                                                      recompute=par.activation_checkpoint, element_bytes=BF16) \
+                        if offload != set() else None
                     w = stage_work(m, spec, range(stage_layers[st][0], stage_layers[st][-1] + 1), st == 0,
                                    st == last_stage, length, docs, tp, cp, ep, cluster.gpus_per_node,
-                                   par.activation_checkpoint, tp_overlap=megatron.overlaps_tp_comm(placement))
+                                   par.activation_checkpoint, tp_overlap=megatron.overlaps_tp_comm(placement),
+                                   offload_bytes=moved)
                     if any(fsdp):
                         w = sync.with_fsdp(m, w, stage_local[st], dp_shard_group[st % pp], dp_replicate_group[st % pp],
                                            len(stage_layers[st]), *fsdp)
@@ -265,7 +271,7 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
                 work[(gi, st, i)] = cache[key]
                 act[(gi, st, i)] = mem.llm_activation_bytes(spec, stage_layers[st], length / cp, tp=tp, ep=ep,
                                                             recompute=par.activation_checkpoint, element_bytes=BF16,
-                                                            first=st == 0, last=st == last_stage)
+                                                            first=st == 0, last=st == last_stage, offload=offload)
     if first_encoder:
         first_encoder.add_to_first_stage(work, act)
     crosses = sync.stage_sends_cross_nodes(sizes, cluster.gpus_per_node, v)
@@ -379,6 +385,9 @@ def _one_step(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, placeme
         transient = max(mem.layer_transient_bytes(spec, stage_layers[st], tokens, tp=tp, ep=ep,
                                                   recompute=par.activation_checkpoint, element_bytes=BF16,
                                                   ring=cp > 1 and par.cp_impl == "ring")
+                        + 2 * max(mem.offloaded_block_bytes(spec, stage_layers[st], tokens, offload, tp=tp, ep=ep,
+                                                            recompute=par.activation_checkpoint,
+                                                            element_bytes=BF16).values(), default=0.0)
                         for st in stages)
         if last_stage in stages:
             transient = max(transient, mem.head_transient_bytes(spec, tokens, tp=tp))

@@ -101,6 +101,10 @@ class Machine:
         c = self.cluster
         return bytes_moved / (c.hbm_gbps * 1e9 * c.memory_efficiency)
 
+    def host_copy(self, bytes_moved: float) -> float:
+        """One direction between the GPU and pinned host memory (PCIe)."""
+        return bytes_moved / (self.cluster.host_gbps * 1e9)
+
     def overhead(self, ops: float) -> float:
         return ops * self.cluster.op_overhead_us * 1e-6
 
@@ -302,7 +306,7 @@ def _stage_groups(tp: int, cp: int, ep: int, gpus_per_node: int) -> tuple[CommGr
 
 def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bool, length: int,
                doc_lengths: list[int], tp: int, cp: int, ep: int, gpus_per_node: int, recompute: str,
-               tp_overlap: bool = False) -> StageWork:
+               tp_overlap: bool = False, offload_bytes: dict[int, float] | None = None) -> StageWork:
     """Forward and backward time of ``layers`` on one micro-batch padded to ``length`` tokens
     with documents ``doc_lengths`` (real tokens), on one GPU of a TP x CP group.
 
@@ -316,6 +320,11 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
     ``tp_overlap``: the TP collectives run under the GEMMs they feed, in ``tp`` chunks, as
     Megatron-LM's ``--tp-comm-overlap`` (Transformer Engine's userbuffers ring exchange) does:
     what shows is the part the layer's GEMMs cannot cover, plus one chunk to fill the pipeline.
+
+    ``offload_bytes``: per offloaded block, the bytes its saved tensors send to host memory
+    (``parallel.activation_offload``). The copy out runs beside the block's forward and the copy
+    back beside the backward of the block after it (brought back one block ahead); what the
+    compute does not cover shows.
     """
     c = spec.llm
     h = c.hidden_size
@@ -343,24 +352,28 @@ def stage_work(m: Machine, spec: ModelSpec, layers: range, first: bool, last: bo
             ep_comm = 2 * m.all_to_all_group(routed, ep_group)
         return gemm + attn + elementwise + m.overhead(14), attn, tp_comm + cp_comm + ep_comm
 
-    fwd_compute = fwd_comm = attn_fwd = 0.0
-    for compute, attn, comm in spec.by_kind(layers, layer):
+    fwd_compute = fwd_comm = attn_fwd = offload_fwd = offload_bwd = 0.0
+    for i, (compute, attn, comm) in zip(layers, spec.by_kind(layers, layer)):
         fwd_compute += compute
         attn_fwd += attn
         fwd_comm += comm
+        if offload_bytes and i in offload_bytes:
+            copy = m.host_copy(offload_bytes[i])
+            offload_fwd += max(0.0, copy - compute)
+            offload_bwd += max(0.0, copy - 2.0 * compute)  # beside a block's backward (2 forwards)
     if last:
         head = 2.0 * c.vocab_size * h * t_local / tp
         # Logits in fp32 and the cross-entropy's softmax are memory-bound passes over T x V/tp.
         fwd_compute += m.gemm(head, BF16 * c.vocab_size * h / tp) + m.memory(3 * 4 * t_local * c.vocab_size / tp)
     if first:
         fwd_compute += m.memory(BF16 * t_local * h)  # the embedding gather
-    forward = fwd_compute + fwd_comm
+    forward = fwd_compute + fwd_comm + offload_fwd
     # Recomputation: selective reruns the attention, full the whole forward (its TP traffic too).
     redo_compute = {"none": 0.0, "selective": attn_fwd, "full": fwd_compute}[recompute]
     redo_comm = fwd_comm if recompute == "full" else 0.0
     backward_compute = 2.0 * fwd_compute + redo_compute
-    return StageWork(forward, backward_compute + fwd_comm + redo_comm, fwd_compute, int(sum(doc_lengths)),
-                     backward_compute)
+    return StageWork(forward, backward_compute + fwd_comm + redo_comm + offload_bwd, fwd_compute,
+                     int(sum(doc_lengths)), backward_compute)
 
 
 @dataclass(frozen=True)

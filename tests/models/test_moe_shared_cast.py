@@ -15,10 +15,10 @@ from omni.models.llm.moe import MoE
 H, I, E = 32, 24, 4  # rows of 64, 48 and 48 bytes in bf16: grouped_mm's 16-byte alignment holds
 
 
-def _moe(intermediate: int = I) -> MoE:
+def _moe(intermediate: int = I, hidden: int = H, experts: int = E) -> MoE:
     torch.manual_seed(0)
-    cfg = DecoderConfig(family="qwen2_moe", vocab_size=64, hidden_size=H, intermediate_size=64, num_layers=1,
-                        num_heads=4, num_kv_heads=2, num_experts=E, num_experts_per_tok=2,
+    cfg = DecoderConfig(family="qwen2_moe", vocab_size=64, hidden_size=hidden, intermediate_size=64, num_layers=1,
+                        num_heads=4, num_kv_heads=2, num_experts=experts, num_experts_per_tok=2,
                         moe_intermediate_size=intermediate, shared_expert_intermediate_size=16, norm_topk_prob=True)
     layer = MoE(cfg)
     with torch.no_grad():
@@ -103,3 +103,20 @@ def test_no_copy_is_kept_between_steps_or_outside_autograd():
             layer(x)
     entries = layer.experts._casts._entries
     assert entries and all(ref() is None for _, _, ref, *_ in entries.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check runs it)")
+def test_cuda_micro_batches_in_flight_hold_one_copy():
+    """On a GPU (bf16 grouped_mm on sm90+, the loop elsewhere), experts of 100 MB in bf16: four
+    micro-batches in flight hold one copy of them, not four."""
+    layer = _moe(intermediate=2048, hidden=1024, experts=8).cuda()
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randn(16, 1024, generator=gen).cuda().requires_grad_() for _ in range(4)]
+    copy_bytes = 2 * (layer.experts.w_gate_up.numel() + layer.experts.w_down.numel())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outs = [layer(x)[0] for x in rows]
+    held = torch.cuda.memory_allocated() - base
+    assert copy_bytes <= held < 1.5 * copy_bytes, (held, copy_bytes)
+    sum(o.float().sum() for o in outs).backward()

@@ -187,7 +187,7 @@ class Decoder(nn.Module):
         return DecoderOutput(logits=self.lm_logits(h), hidden_states=None, aux_loss=aux_loss)
 
     def run_layers(self, h: torch.Tensor, cos_sin, segments, token_mask: Optional[torch.Tensor] = None,
-                   aux_weight: Optional[float] = None, checkpoint: str = "none"):
+                   aux_weight: Optional[float] = None, checkpoint: str = "none", offload=None):
         """The blocks this module holds (all of them, or one pipeline stage's), in order.
 
         ``segments``: segment ids [B, T], None (one document per row), or a context-parallel
@@ -196,10 +196,15 @@ class Decoder(nn.Module):
         for the caller to add: their gradient (times ``aux_weight``) is attached to the hidden
         state, so it flows whatever pipeline stage the layer sits on; the returned aux value is
         then detached, for logging. ``checkpoint``: none | selective | full activation recompute.
+        ``offload``: a ``parallel.activation_offload.ActivationOffload`` for the blocks it names.
         Returns (hidden, summed aux loss or None)."""
         aux_loss = None
         for layer in self.layers:
-            h, aux = run_block(layer, h, cos_sin, segments, token_mask, checkpoint)
+            if offload is not None and offload.applies(layer.layer_idx):
+                with offload.block(layer.layer_idx):
+                    h, aux = run_block(layer, h, cos_sin, segments, token_mask, checkpoint)
+            else:
+                h, aux = run_block(layer, h, cos_sin, segments, token_mask, checkpoint)
             if aux is None:
                 continue
             if aux_weight is not None:
