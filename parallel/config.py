@@ -28,6 +28,9 @@ class ParallelConfig:
     # Saved activations of these decoder blocks go to pinned host memory in the forward and come
     # back one block ahead of their backward: none | all | a list of block indices ([0, 1, 2]).
     activation_offload: Any = "none"
+    # torch.compile the decoder blocks' norms and dense MLPs (attention and MoE routing stay eager;
+    # parameter names do not change).
+    compile: bool = False
     # The same for the encoders' layers (what an encoder call keeps until its backward):
     # none | selective | full.
     encoder_activation_checkpoint: str = "none"

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dataloading.cost import CostModel
 from omni.models.cost import default_cost_model
 from omni.models.materialize import TensorSource, WeightSource, is_meta, materialize
+from omni.models.llm.compile import compile_blocks
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
@@ -280,6 +281,8 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         rt.tp_mesh, rt.tp_group = layout.tp_mesh(), layout.tp_mesh().get_group()
         rt.tp_rank, rt.tp_size = layout.tp_rank, sizes.tp
         apply_tensor_parallel(chunk.llm, rt.tp_mesh)
+    if pcfg.compile:  # after TP (it compiles the DTensor modules), before FSDP wraps the blocks
+        compile_blocks(chunk.llm.layers)
     # MoE parameters are not sharded by FSDP: the ranks of a stage route different tokens through
     # them, so their gradients are summed over the stage (experts: over the ranks holding the
     # same experts).
