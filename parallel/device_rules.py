@@ -81,6 +81,14 @@ class DeviceRules:
                                    "Triton is imported), or model.attn_backend=sdpa")
         return "triton"
 
+    @property
+    def fused_loss(self) -> bool:
+        """The LM head and its cross-entropy through liger-kernel's fused Triton kernel: on a GPU
+        where liger-kernel is installed. Elsewhere, and under emulation (the Triton interpreter
+        computes bf16 wrongly, and liger's kernels cannot be given fp32 copies as ours are), the
+        chunked PyTorch path (``parallel/linear_cross_entropy.py``) runs."""
+        return self.device.type == "cuda" and _has("liger_kernel")
+
     def device_memory_bytes(self) -> float | None:
         """The device's memory for planning: the GPU's own, the stated size under emulation,
         None (no limit worth planning around) for host memory under the CPU's rules."""

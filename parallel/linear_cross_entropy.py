@@ -97,3 +97,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     the TP group the rows are split over). ``rows``: targets per chunk (default: one chunk's fp32
     logits within ``CHUNK_BYTES``)."""
     return _LinearCrossEntropy.apply(hidden, weight, labels, start, group, rows or chunk_rows(weight.shape[0]))
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same sum through liger-kernel's fused linear cross-entropy (Triton: the logits of a
+    chunk of rows never leave the kernel's tiles; weight gradients accumulated in fp32). Whole
+    vocabulary only (no TP); the caller checks that liger-kernel is installed
+    (``DeviceRules.fused_loss``)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    return liger_fused_linear_cross_entropy(hidden, weight, labels, reduction="sum", accum_dtype=torch.float32)

@@ -28,7 +28,7 @@ from omni.models.llm import Decoder
 from omni.models.projector import Projector
 from parallel.cp_attention import plan_ring_hops, plan_ulysses
 from parallel.strict_device import on_device
-from parallel.linear_cross_entropy import linear_cross_entropy
+from parallel.linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy
 from parallel.tensor_parallel import gather_sequence_shards, local_tensor, scatter_to_sequence_shards, vocab_range
 
 
@@ -53,6 +53,7 @@ class ParallelRuntime:
     cp_impl: str = "ring"
     checkpoint: str = "none"  # activation checkpointing: none | selective | full
     offload: object = None  # parallel.activation_offload.ActivationOffload (parallel.activation_offload)
+    fused_loss: bool = False  # the head and loss through liger-kernel (DeviceRules.fused_loss)
     attn_backend: str = "auto"  # model.attn_backend (omni.kernels.varlen_attention)
     # Each micro-batch's router loss is weighted by this (1 / micro-batches in the global batch)
     # and its gradient attached where it is computed; None keeps the single-process contract of
@@ -315,6 +316,8 @@ class OmniModel(nn.Module):
         # The head and the loss in chunks of targets (parallel/linear_cross_entropy.py): never
         # [targets, vocab] logits at once, under TP each rank its vocabulary rows.
         if rt.tp_mesh is None:
+            if rt.fused_loss:  # liger-kernel's fused kernel, on a GPU where it is installed
+                return fused_linear_cross_entropy(hidden, weight, labels)
             return linear_cross_entropy(hidden, weight, labels)
         start, _ = vocab_range(self.llm.config.vocab_size, rt.tp_size, rt.tp_rank)
         return linear_cross_entropy(hidden, local_tensor(weight), labels, start, rt.tp_group)

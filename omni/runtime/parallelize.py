@@ -265,6 +265,7 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
     pcfg, sizes = layout.config, layout.sizes
     rt = chunk.runtime
     rt.checkpoint = pcfg.activation_checkpoint
+    rt.fused_loss = layout.rules.fused_loss and sizes.tp == 1  # liger's kernel has no vocabulary split
     offloaded = offload_layers(pcfg.activation_offload, chunk.llm.config.num_layers)
     rt.offload = None if offloaded == set() else ActivationOffload(offloaded)
     if sizes.cp > 1:

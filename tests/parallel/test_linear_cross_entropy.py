@@ -118,3 +118,76 @@ def test_vocabulary_parallel_equals_the_whole_head(world, tmp_path):
             got_loss, got_h, got_w, start, end = torch.load(tmp_path / f"rank{rank}.pt")[autocast]
             assert _rel(got_loss, loss) <= 1e-6, (autocast, rank)
             assert _rel(got_h, gh) <= tol and _rel(got_w, gw[start:end]) <= tol, (autocast, rank)
+
+
+def test_liger_fused_kernel_equals_the_reference():
+    """The fused path a GPU takes where liger-kernel is installed (Triton, interpreted here, in
+    fp32: the interpreter's bf16 is wrong): loss and gradients equal F.cross_entropy(F.linear)
+    within 1e-5, at a size its kernel splits into several chunks of rows."""
+    pytest.importorskip("liger_kernel")
+    from parallel.linear_cross_entropy import fused_linear_cross_entropy
+
+    hidden, weight, labels = _inputs(seed=4, n=300)
+    want = _reference(hidden, weight, labels)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, labels)
+    loss.backward()
+    for name, a, b in zip(("loss", "d hidden", "d weight"), (loss.detach(), h.grad, w.grad), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_fused_loss_is_chosen_on_a_gpu_only():
+    """DeviceRules.fused_loss: a GPU with liger-kernel installed; never the CPU, not even under
+    CUDA's rules (interpreted bf16 would be wrong); the model takes it without TP only."""
+    pytest.importorskip("liger_kernel")
+    from parallel.device_rules import DeviceRules
+
+    assert DeviceRules(torch.device("cuda"), cuda=True).fused_loss
+    assert not DeviceRules(torch.device("cpu"), cuda=True).fused_loss
+    assert not DeviceRules(torch.device("cpu")).fused_loss
+
+
+def test_the_model_loss_through_the_fused_kernel_equals_the_chunked_one():
+    pytest.importorskip("liger_kernel")
+    from dataloading.batch import IGNORE_INDEX, MicroBatch
+    from omni.models.build import build_model
+    from omni.models.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2)
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
+    labels = ids.roll(-1).clone()
+    labels[:5] = IGNORE_INDEX
+    mb = MicroBatch(ids, torch.arange(40), labels, torch.tensor([0, 40], dtype=torch.int32))
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = build_model(cfg, {}, vocab_needed=0)
+        model.runtime.fused_loss = fused
+        loss = model(mb).ce_sum
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (la, ga), (lb, gb) = results
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU check runs it)")
+def test_cuda_fused_loss_under_bf16_equals_the_chunked_one():
+    """On a GPU with liger-kernel (carried to the lent machine as a wheel in .whl/): under bf16
+    autocast the fused and the chunked losses and gradients agree within 2e-2 of the largest
+    element (both keep fp32 logits and accumulate the weight gradient in fp32)."""
+    pytest.importorskip("liger_kernel")
+    from parallel.linear_cross_entropy import fused_linear_cross_entropy
+
+    hidden, weight, labels = (t.cuda() for t in _inputs(seed=5, n=4096))
+    out = []
+    for fn in (linear_cross_entropy, fused_linear_cross_entropy):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(h, w, labels)
+        loss.backward()
+        out.append((loss.detach().float(), h.grad, w.grad))
+    for a, b in zip(*out):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
