@@ -31,6 +31,9 @@ class ParallelConfig:
     # torch.compile the decoder blocks' norms and dense MLPs (attention and MoE routing stay eager;
     # parameter names do not change).
     compile: bool = False
+    # The decoder blocks' linear layers in FP8 (torchao float8 training; omni/models/llm/fp8.py):
+    # not the embeddings, the LM head, MoE experts or the encoders; tp must be 1.
+    fp8: bool = False
     # The same for the encoders' layers (what an encoder call keeps until its backward):
     # none | selective | full.
     encoder_activation_checkpoint: str = "none"

@@ -182,9 +182,16 @@ def _check_nodes(sizes: Sizes, gpus_per_node: int, world: int) -> None:
 
 
 def check_model_fits(sizes: Sizes, *, num_heads: int, num_kv_heads: int, num_layers: int, num_experts: int = 0,
-                     virtual_stages: int = 1, cp_impl: str = "ring", activation_offload="none") -> None:
+                     virtual_stages: int = 1, cp_impl: str = "ring", activation_offload="none", fp8: bool = False,
+                     hidden_size: int = 0) -> None:
     """Model-dependent checks, with plain numbers (this package knows no model)."""
     offload_layers(activation_offload, num_layers)
+    if fp8 and sizes.tp > 1:
+        raise LayoutError(f"parallel.fp8=true with parallel.tp={sizes.tp}: FP8 linear layers are not split by TP "
+                          f"here; use parallel.tp=1 (FSDP, PP, CP and EP work with FP8) or parallel.fp8=false")
+    if fp8 and hidden_size % 16:
+        raise LayoutError(f"parallel.fp8=true needs model.hidden_size a multiple of 16 (FP8 matmuls' alignment); "
+                          f"it is {hidden_size}: use parallel.fp8=false")
     if num_heads % sizes.tp or num_kv_heads % sizes.tp:
         raise LayoutError(
             f"parallel.tp={sizes.tp} must divide the attention heads ({num_heads}) and the KV heads "

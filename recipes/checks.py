@@ -274,12 +274,18 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
     one_of("parallel.reshard_after_forward", str(p.reshard_after_forward).lower(), RESHARD_CHOICES)
     one_of("parallel.fsdp_reduce_every_microbatch", str(p.fsdp_reduce_every_microbatch).lower(), RESHARD_CHOICES)
     check_options(p)
+    if p.fp8:
+        import importlib.util
+
+        _need(importlib.util.find_spec("torchao") is not None, "parallel.fp8", p.fp8,
+              "needs torchao, which is not installed", 'pip install -e ".[fp8]", or parallel.fp8=false')
     if world_size is None:
         return
     sizes = resolve_sizes(p, world_size)
     check_model_fits(sizes, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, num_layers=arch.num_layers,
                      num_experts=arch.num_experts, virtual_stages=p.pp_virtual_stages if sizes.pp > 1 else 1,
-                     cp_impl=p.cp_impl, activation_offload=p.activation_offload)
+                     cp_impl=p.cp_impl, activation_offload=p.activation_offload,
+                     fp8=p.fp8, hidden_size=arch.hidden_size)
     check_sequence(sizes, cfg.data.micro_batch_tokens)
     if cfg.encoders:
         _encoder_shard_group(cfg, sizes)

@@ -9,7 +9,8 @@
 #              .whl/ (GPU_CHECK_WHEELS) installed into $GPU_CHECK_WORK/site, Omni imported from
 #              the checkout (both on PYTHONPATH; nothing installed into python3, no network)
 #              (besides ../shared/gpu-wheels: `pip download liger-kernel --no-deps -d .whl`, pure
-#              Python, lets the fused-loss CUDA test run; without it that test skips)
+#              Python, lets the fused-loss CUDA test run; `pip download torchao --no-deps -d .whl`
+#              for the FP8 one; without them those tests skip)
 #   env        torch, CUDA and the GPU (fails, and says so, when torch sees no CUDA device)
 #   gpu_tests  the tests that skip without CUDA (files with skipif(not torch.cuda.is_available()),
 #              their tests named test_*gpu* / test_*cuda*), with compiled Triton kernels

@@ -25,6 +25,7 @@ from dataloading.cost import CostModel
 from omni.models.cost import default_cost_model
 from omni.models.materialize import TensorSource, WeightSource, is_meta, materialize
 from omni.models.llm.compile import compile_blocks
+from omni.models.llm.fp8 import convert_blocks_to_fp8
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
@@ -175,7 +176,8 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     c = model.llm.config
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,
-                     cp_impl=pcfg.cp_impl, activation_offload=pcfg.activation_offload)
+                     cp_impl=pcfg.cp_impl, activation_offload=pcfg.activation_offload,
+                     fp8=pcfg.fp8, hidden_size=c.hidden_size)
     virtual = pcfg.pp_virtual_stages if sizes.pp > 1 else 1
     num_stages = sizes.pp * virtual
     ids = stage_ids(layout.pp_rank, sizes.pp, virtual)
@@ -282,6 +284,8 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         rt.tp_mesh, rt.tp_group = layout.tp_mesh(), layout.tp_mesh().get_group()
         rt.tp_rank, rt.tp_size = layout.tp_rank, sizes.tp
         apply_tensor_parallel(chunk.llm, rt.tp_mesh)
+    if pcfg.fp8:  # before compile (it compiles the FP8 casts too) and FSDP
+        convert_blocks_to_fp8(chunk.llm.layers)
     if pcfg.compile:  # after TP (it compiles the DTensor modules), before FSDP wraps the blocks
         compile_blocks(chunk.llm.layers)
     # MoE parameters are not sharded by FSDP: the ranks of a stage route different tokens through

@@ -61,11 +61,15 @@ def llm_sizes(parallel: ParallelConfig, world: int, spec: ModelSpec, tokens: int
     c = spec.llm
     check_model_fits(sizes, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, num_layers=c.num_layers,
                      num_experts=c.num_experts, virtual_stages=parallel.pp_virtual_stages if sizes.pp > 1 else 1,
-                     cp_impl=parallel.cp_impl, activation_offload=parallel.activation_offload)
+                     cp_impl=parallel.cp_impl, activation_offload=parallel.activation_offload,
+                     fp8=parallel.fp8, hidden_size=c.hidden_size)
     check_sequence(sizes, tokens)
     if sizes.tp > gpus_per_node:
         raise LayoutError(f"parallel.tp={sizes.tp} spans nodes of cluster.gpus_per_node={gpus_per_node}; "
                           f"keep TP inside a node")
+    if parallel.fp8:
+        raise ConfigError("parallel.fp8=true: the simulator does not model FP8 matmuls and their casts; simulate the "
+                          "run with parallel.fp8=false (its bf16 time is an upper bound)")
     if sizes.pp > 1 and parallel.pp_schedule not in EXECUTOR_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule={parallel.pp_schedule}: the simulator replays "
                           f"{', '.join(EXECUTOR_SCHEDULES)} (Omni's executor); zero_bubble is not modelled")

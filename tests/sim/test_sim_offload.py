@@ -48,3 +48,10 @@ def test_offloaded_block_bytes_are_what_the_block_keeps():
 def test_a_bad_block_is_refused_before_simulating():
     with pytest.raises(ValueError, match=r"parallel.activation_offload=.*block 99 is not in"):
         _run("parallel.activation_offload=[99]")
+
+
+def test_fp8_is_refused_rather_than_priced_as_bf16():
+    from omni.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not model FP8"):
+        _run("parallel.fp8=true", "parallel.tp=1")
