@@ -27,7 +27,7 @@ from dataloading.errors import DataError, ProblemCounter
 from dataloading.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
                               encoder_modality, processor_for)
 from dataloading.mixture import SourceOptions
-from dataloading.planner import PIECE_SEP, split_piece
+from dataloading.pieces import PIECE_SEP, split_piece
 from dataloading.positions import mrope_position_ids
 from dataloading.sample import DecodedSample, decode_sample
 from dataloading.shards import ShardPool, SourceReader

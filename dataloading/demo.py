@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dataloading.sources import cache_root
+
 COLORS = {"red": (220, 50, 50), "green": (50, 190, 70), "blue": (60, 100, 235), "yellow": (235, 210, 50)}
 PATTERNS = ("plain", "striped", "checked")
 POSITIONS = ("top left", "top right", "bottom left", "bottom right")
@@ -216,11 +218,6 @@ def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, p
                                        for name in SIZES if name != "tones"] + ["eval: eval", ""]
     (out / "vision.yaml").write_text("\n".join(vision))
     return out
-
-
-def cache_root() -> Path:
-    """Omni's cache folder: ``$OMNI_CACHE``, default ``~/.cache/omni`` (demo data, remote shards)."""
-    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser()
 
 
 def default_cache_dir() -> Path:

@@ -12,7 +12,6 @@ run ahead (Megatron-Energon's rule: save keys and cursors, never buffered tensor
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,20 +24,12 @@ from dataloading.constructor import SampleConstructor
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.index import SourceIndex
 from dataloading.media import MediaProcessor
-from dataloading.planner import Planner, StepPlan
+from dataloading.planner import Planner
 from dataloading.ray_local import LOOPBACK, check_bind
+from dataloading.step_jobs import SLOT_BYTES as _SLOT_BYTES, BuildSteps, FailedStep, step_job
 from dataloading.tokenizer import Tokenizer
 
 BACKENDS = ("inline", "ray")
-_SLOT_BYTES = 512  # per worker: "<pid> <step> <unit id>" of the sample it is on
-
-
-class FailedStep:
-    """A data error met while building a step in a worker or actor, carried back whole
-    (DataLoader and Ray would re-wrap it as a multi-line traceback and lose its kind)."""
-
-    def __init__(self, error: DataError):
-        self.message, self.kind = str(error), error.kind
 
 
 def _identity(x):
@@ -58,43 +49,6 @@ class _StepJobs:
             plan = work.plan()
             work.advance()
             yield step_job(plan, self.dp_rank, work.state_dict())
-
-
-def step_job(plan: StepPlan, rank: int, state_after: dict) -> tuple:
-    """What one rank's constructor needs for a step (both backends): (step, its micro-batches
-    of unit ids, samples planned out, the step's balance over all ranks, the planner state
-    after the step)."""
-    stats = {"balance_max_over_mean": plan.stats["max_over_mean"],
-             "balance_lower_bound": plan.stats["lower_bound"],
-             "utilisation": plan.stats.get("utilisation", 1.0)}
-    return plan.step, plan.rank(rank), plan.skipped, stats, state_after
-
-
-class BuildSteps(tud.Dataset):
-    """Builds one rank's step from a job (``step_job``): the 'dataset' the DataLoader workers
-    index with jobs, and what the Ray constructor actors run."""
-
-    def __init__(self, constructor: SampleConstructor, slots):
-        self.constructor = constructor
-        self.slots = slots
-
-    def _mark(self, step: int, unit_id: str) -> None:
-        info = tud.get_worker_info()
-        if info is None or self.slots is None:
-            return
-        text = f"{os.getpid()} {step} {unit_id}".encode()[:_SLOT_BYTES - 1]
-        off = info.id * _SLOT_BYTES
-        self.slots[off:off + len(text) + 1] = text + b"\0"
-
-    def __getitem__(self, job):
-        step, micro_batches, skipped, stats, state = job
-        try:
-            mbs, met = self.constructor.build_planned(micro_batches, on_sample=lambda u: self._mark(step, u))
-        except DataError as e:
-            return FailedStep(e)
-        for kind, n in skipped.items():  # planned out (over budget, too many media): counted too
-            met[kind] = met.get(kind, 0) + n
-        return StepBatch(step, mbs, met, plan_stats=stats), state
 
 
 class StepLoader:

@@ -35,13 +35,13 @@ from dataloading.errors import DataError
 from dataloading.index import SampleMeta, SourceIndex
 from dataloading.media import MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality, processor_for
 from dataloading.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
+from dataloading.pieces import PIECE_SEP, split_piece
 from dataloading.token_counts import chat_token_counts
 from dataloading.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
 
 log = logging.getLogger("omni.data")
 
 _COUNTS_TAG, _PERM_TAG, _ORDER_TAG = 1, 2, 3  # keep the random streams of a seed apart
-PIECE_SEP = "#"  # "<source>/<key>#<k>": piece k of a sample split over the budget
 
 
 def media_tokens(meta: SampleMeta, processors: Mapping[str, MediaProcessor], where: str = "") -> list[int]:
@@ -70,14 +70,6 @@ def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[
 
 def _seed_words(seed: int) -> int:
     return int(seed) & 0xFFFF_FFFF_FFFF_FFFF  # numpy seeds must be non-negative
-
-
-def split_piece(unit_id: str) -> tuple[str, int | None]:
-    """``"src/key#2"`` -> ("src/key", 2); a whole sample -> (id, None)."""
-    sid, sep, k = unit_id.rpartition(PIECE_SEP)
-    if sep and k.isdigit() and "/" in sid:
-        return sid, int(k)
-    return unit_id, None
 
 
 class SourceTable:

@@ -144,7 +144,7 @@ class PlannerActor:
             plan, state = self._entry(int(step), origin)
         except DataError as e:
             return _Error.of(e)
-        from dataloading.loader import step_job
+        from dataloading.step_jobs import step_job
 
         return step_job(plan, rank, state)
 
@@ -301,8 +301,8 @@ class ConstructorActor:
         """The inline worker's step: ``(StepBatch, planner state after it)``, or an _Error."""
         if isinstance(job, _Error):
             return job
-        from dataloading.loader import BuildSteps, FailedStep
-        from dataloading.planner import split_piece
+        from dataloading.step_jobs import BuildSteps, FailedStep
+        from dataloading.pieces import split_piece
 
         readers = self.constructor.readers
         wanted: dict[str, list[str]] = {}

@@ -39,6 +39,12 @@ _PROTOCOL_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"
                       "http": "aiohttp", "https": "aiohttp", "hf": "huggingface_hub"}
 
 
+def cache_root() -> Path:
+    """Omni's cache folder: ``$OMNI_CACHE``, default ``~/.cache/omni`` (demo data, remote shards,
+    indexes of remote sources)."""
+    return Path(os.environ.get("OMNI_CACHE") or "~/.cache/omni").expanduser()
+
+
 def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
@@ -101,8 +107,6 @@ class ShardSet:
         if not self.remote:
             return Path(self.base) / rel
         url = self.url(rel)
-        from dataloading.demo import cache_root
-
         dest = cache_root() / "shards" / f"{_sha1(url)}.tar"
         want = self.size(rel)
         # A cached copy of another size is an older version of the shard (its index would stay
@@ -273,8 +277,6 @@ def _resolve_remote(spec: str) -> ShardSet:
         raise _nothing(spec, base)
     shards = tuple(sorted(listed))
     target = _join(base, pattern) if pattern else base
-    from dataloading.demo import cache_root
-
     index = cache_root() / "index" / _sha1(target) / INDEX_NAME
     return ShardSet(spec, index, base, shards, pattern, tuple(listed[s] for s in shards))
 

@@ -80,8 +80,8 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
 
 def sdpa_varlen(q, k, v, cu_seqlens, causal: bool, scale: float) -> torch.Tensor:
     """The PyTorch path: the pack as one row of SDPA with a block-diagonal (and causal) mask,
-    bucketed by length (``omni.models.attention.segment_attention``)."""
-    from omni.models.attention import segment_attention, segment_ids_from_cu_seqlens
+    bucketed by length (``omni.kernels.segment_attention``)."""
+    from omni.kernels.segment_attention import segment_attention, segment_ids_from_cu_seqlens
 
     seg = segment_ids_from_cu_seqlens(cu_seqlens, q.shape[0])
     out = segment_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], seg[None],

@@ -200,7 +200,7 @@ def _attention(r: _Run) -> float:
         # (which is also o_proj's input: the transposes back are views) and the log-sum-exp.
         return gathered_input + (e * (2 * qd + 2 * kvd) + FP32 * heads) * r.n
     if r.kernel == "sdpa":
-        # PyTorch path on a packed row (omni.models.attention._bucketed_attention): k/v repeated
+        # PyTorch path on a packed row (omni.kernels.segment_attention._bucketed_attention): k/v repeated
         # to every head; SDPA keeps its q, k, v bucket gathers, output and log-sum-exp;
         # index_copy keeps the re-assembled outputs (its source); o_proj keeps a contiguous copy.
         # Plus the gather / scatter indices (int64) and the bucket-padding mask (bool).

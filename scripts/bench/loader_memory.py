@@ -394,7 +394,8 @@ class _PlannedJobs:
 def role_central(args):
     import torch.utils.data as tud
 
-    from dataloading.loader import BuildSteps, _identity
+    from dataloading.loader import _identity
+    from dataloading.step_jobs import BuildSteps
     from dataloading.processes import worker_context
 
     out = Path(args.plans)
@@ -729,7 +730,7 @@ def _trees(procs: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from dataloading.demo import cache_root
+    from dataloading.sources import cache_root
 
     root = Path(args.data_root) if args.data_root else cache_root() / "bench"
     t0 = time.perf_counter()

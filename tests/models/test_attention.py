@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni.models.attention import _buckets, segment_attention
+from omni.kernels.segment_attention import _buckets, segment_attention
 
 
 def _reference(q, k, v, seg, causal):

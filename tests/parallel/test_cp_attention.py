@@ -132,7 +132,7 @@ def _check_bf16_autocast(rank, cp, impl):
     mantissa) visible. Stated tolerance: the output within 1e-2 of its largest element; each
     gradient within 1e-2 of its largest element or 1.25x the single-process error, whichever
     is larger (SDPA's own bf16 backward rounds its probability gradients to bf16)."""
-    from omni.models.attention import segment_attention
+    from omni.kernels.segment_attention import segment_attention
 
     lens, (fq, fk, fv, fg), doc, pos, orig = _zig_zag_long_document(rank, cp, 61, 4, 2, 5, magnitude=12.0)
     fq, fk, fv = (x.bfloat16().double() for x in (fq, fk, fv))  # the reference sees the same inputs

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni.models.attention import (PackedSegments, segment_attention, segment_ids_from_cu_seqlens,
-                                   uses_varlen_kernels)
+from omni.kernels.segment_attention import segment_attention, segment_ids_from_cu_seqlens
+from omni.models.attention import PackedSegments, uses_varlen_kernels
 from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
 from omni.models.recompute import recompute
 

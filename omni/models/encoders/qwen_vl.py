@@ -39,7 +39,8 @@ from torch import nn
 from dataloading.media import MediaItem
 from parallel.transfer import to_device
 from dataloading.video import frame_times, sample_count
-from omni.models.attention import PackedSegments, segment_attention, uses_varlen_kernels
+from omni.kernels.segment_attention import segment_attention
+from omni.models.attention import PackedSegments, uses_varlen_kernels
 from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.llm.layers import RMSNorm

@@ -19,15 +19,18 @@ the single-process gradient of the whole items.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from parallel.transfer import to_device
 from omni.multiplex.planning import piece_bounds  # the routing plan uses the same pieces
-from omni.models.attention import PackedSegments, segment_attention
-from omni.models.encoders.base import EncoderAnchor
+from omni.kernels.segment_attention import segment_attention
+from omni.models.attention import PackedSegments
+
+if TYPE_CHECKING:  # annotations only: base imports this module to run its layers
+    from omni.models.encoders.base import EncoderAnchor
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, GQA attention, SwiGLU MLP, and the pre-norm block.
+"""Building blocks of the decoder: RMSNorm, GQA attention and the pre-norm block (the SwiGLU MLP is in mlp.py).
 
 Projections stay separate ``nn.Linear`` modules named as in HF checkpoints (q_proj, k_proj, ...):
 the checkpoint mapping is then a prefix change, and tensor parallelism can shard q/k/v/gate/up
@@ -9,13 +9,15 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..attention import ContextParallelSegments, PackedSegments, segment_attention
+from omni.kernels.segment_attention import segment_attention
+
+from ..attention import ContextParallelSegments, PackedSegments
 from ..recompute import recompute
 from .config import DecoderConfig
 from .kv_cache import LayerCache
+from .mlp import MLP
 from .moe import MoE
 from .rope import apply_rotary
 
@@ -74,19 +76,6 @@ class Attention(nn.Module):
         else:
             out = segment_attention(q, k, v, segment_ids, causal=True, scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderBlock(nn.Module):

@@ -37,6 +37,7 @@ from parallel import expert_parallel
 from parallel.shared_cast import SharedCast
 
 from .config import DecoderConfig
+from .mlp import MLP
 
 
 class Router(nn.Module):
@@ -141,8 +142,6 @@ class MoE(nn.Module):
         self.shared_expert: Optional[nn.Module] = None
         self.shared_expert_gate: Optional[nn.Linear] = None
         if config.shared_expert_intermediate_size > 0:
-            from .layers import MLP  # local import: layers imports this module
-
             self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         # Process groups are passed in, never looked up globally (see DESIGN.md).

@@ -1,0 +1,127 @@
+"""The project's import graph, function-local imports included, ``if TYPE_CHECKING:`` ones not
+(they never run) (issue 39): the one-way flow of
+DESIGN.md holds (``dataloading/`` and ``parallel/`` import nothing from ``omni/``; ``dataloading/``
+nothing from ``parallel/``), and no module reaches itself through its imports (no circle; a
+failure lists them)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("omni", "dataloading", "parallel", "recipes")
+MAX_CIRCLES = 0  # 6 when issue 39 was filed
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules ``name`` imports anywhere in its file (top level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                   for stmt in block.body for n in ast.walk(stmt)}  # annotations: never run
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from a.b import c``: the submodule a.b.c if there is one, else a.b itself
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # ``import a.b.c`` of a name inside a.b
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _is_type_checking(node) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: _imports(name, path, known) for name, path in known.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    out.append(sorted(group))
+    return sorted(out)
+
+
+def test_the_flow_runs_one_way():
+    graph = _graph()
+    wrong = [(a, b) for a, targets in graph.items() for b in targets
+             if (a.startswith(("dataloading", "parallel")) and b.startswith("omni"))
+             or (a.startswith("dataloading") and b.startswith("parallel"))]
+    assert not wrong, wrong
+
+
+def test_no_import_circles():
+    circles = _circles(_graph())
+    listing = "\n".join(" <-> ".join(c) for c in circles)
+    assert len(circles) <= MAX_CIRCLES, f"{len(circles)} import circles:\n{listing}"
+
+
+def test_the_circle_finder_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}, "g": set()}
+    assert _circles(graph) == [["a", "b", "c"], ["e", "f"]]
