@@ -6,6 +6,7 @@ Imported by the scripts in this folder (``python scripts/bench/<name>.py`` puts 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -88,6 +89,39 @@ def in_fresh_process(module: str, function: str, *args, repo: Path | None = None
     # python -c puts the working directory first on sys.path: the checkout's packages win.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo or REPO, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def worktree(commit: str):
+    """A detached git worktree of ``commit`` in a temporary folder (the "before" of a
+    before/now benchmark: ``in_fresh_process(..., repo=path)`` imports its packages), removed
+    afterwards."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "before"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), commit], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def peak_cell(r: dict | None, limit_gib: float) -> str:
+    """A before/now memory point (``peak_above_inputs`` and ``fits``, or None) as a table cell."""
+    if r is None:
+        return "not run"
+    return f"{r['peak_above_inputs'] / 2**30:.2f}" if r["fits"] else f"over {limit_gib:.0f} GiB"
+
+
+def peak_ratio(before: dict | None, now: dict | None, limit_gib: float) -> str:
+    """before / now of two memory points; a lower bound ("over Nx") where before exceeded the limit."""
+    if not (before and now and now["fits"]):
+        return ""
+    if before["fits"]:
+        return f"{before['peak_above_inputs'] / now['peak_above_inputs']:.1f}x"
+    return f"over {limit_gib * 2**30 / now['peak_above_inputs']:.0f}x"
 
 
 def proc_status_bytes(field: str) -> int:

@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, git_state, in_fresh_process, machine, parser, proc_status_bytes, save, table, \
-    write_doc_section
+from _common import (REPO, git_state, in_fresh_process, machine, parser, peak_cell, peak_ratio, proc_status_bytes,
+                     save, table, worktree, write_doc_section)
 
 SECTION = "## Context parallelism memory: ring and Ulysses in linear memory (CPU)"
 GIB = 2 ** 30
@@ -135,36 +135,20 @@ def main() -> None:
     now_sizes = [int(v) for v in args.tokens.split(",")]
     before_sizes = [int(v) for v in args.before_tokens.split(",")]
     points: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(old), args.before], check=True)
-        try:
-            for layers in (int(v) for v in args.layers.split(",")):
-                for impl in args.impls.split(","):
-                    for n in sorted(set(now_sizes) | set(before_sizes)):
-                        args_ = (n, impl, layers, args.limit_gib)
-                        now = in_fresh_process("cp_memory", "child", *args_) if n in now_sizes else None
-                        then = in_fresh_process("cp_memory", "child", *args_, repo=old) if n in before_sizes else None
-                        points[f"{layers}/{impl}/{n}"] = {"layers": layers, "impl": impl, "tokens": n, "now": now,
-                                                          "before": then}
-                        print(layers, impl, n, points[f"{layers}/{impl}/{n}"], flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=False)
+    with worktree(args.before) as old:
+        for layers in (int(v) for v in args.layers.split(",")):
+            for impl in args.impls.split(","):
+                for n in sorted(set(now_sizes) | set(before_sizes)):
+                    args_ = (n, impl, layers, args.limit_gib)
+                    now = in_fresh_process("cp_memory", "child", *args_) if n in now_sizes else None
+                    then = in_fresh_process("cp_memory", "child", *args_, repo=old) if n in before_sizes else None
+                    points[f"{layers}/{impl}/{n}"] = {"layers": layers, "impl": impl, "tokens": n, "now": now,
+                                                      "before": then}
+                    print(layers, impl, n, points[f"{layers}/{impl}/{n}"], flush=True)
 
-    def cell(r):
-        if r is None:
-            return "not run"
-        return f"{r['peak_above_inputs'] / GIB:.2f}" if r["fits"] else f"over {args.limit_gib:.0f} GiB"
-
-    def ratio(r):
-        now, then = r["now"], r["before"]
-        if not (now and then and now["fits"]):
-            return ""
-        if then["fits"]:
-            return f"{then['peak_above_inputs'] / now['peak_above_inputs']:.1f}x"
-        return f"over {args.limit_gib * GIB / now['peak_above_inputs']:.0f}x"  # before exceeded the limit
-
-    rows = [[r["layers"], r["impl"], r["tokens"], r["tokens"] // CP, cell(r["before"]), cell(r["now"]), ratio(r),
+    lim = args.limit_gib
+    rows = [[r["layers"], r["impl"], r["tokens"], r["tokens"] // CP, peak_cell(r["before"], lim), peak_cell(r["now"], lim),
+             peak_ratio(r["before"], r["now"], lim),
              f"{r['now']['seconds']:.0f}" if r["now"] and r["now"]["fits"] else ""] for r in points.values()]
     res = {"layers": args.layers.split(","), "before_commit": args.before, "limit_gib": args.limit_gib, "points": points,
            "git": git_state(), "machine": machine(), "seconds": time.perf_counter() - t0,

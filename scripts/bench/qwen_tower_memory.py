@@ -21,14 +21,12 @@ allocate and is reported as not fitting. Measured on the CPU; nothing is asserte
 """
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, git_state, in_fresh_process, machine, parser, proc_status_bytes, save, table, \
-    write_doc_section
+from _common import (git_state, in_fresh_process, machine, parser, peak_cell, peak_ratio, proc_status_bytes, save,
+                     table, worktree, write_doc_section)
 
 SECTION = "## Qwen2.5-VL tower memory: window attention as contiguous segments (CPU)"
 GIB = 2 ** 30
@@ -78,33 +76,20 @@ def main() -> None:
     p.add_argument("--doc", default=None, help="markdown file whose section is (re)written")
     args = p.parse_args()
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "before"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(old), args.before], check=True)
-        try:
-            points = {}
-            for n in sorted({int(v) for v in args.images.split(",")} | {int(v) for v in args.before_images.split(",")}):
-                now = in_fresh_process("qwen_tower_memory", "child", n, args.layers, args.limit_gib) \
-                    if str(n) in args.images.split(",") else None
-                then = in_fresh_process("qwen_tower_memory", "child", n, args.layers, args.limit_gib, repo=old) \
-                    if str(n) in args.before_images.split(",") else None
-                points[n] = {"now": now, "before": then}
-                print(n, points[n], flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=False)
+    points = {}
+    with worktree(args.before) as old:
+        for n in sorted({int(v) for v in args.images.split(",")} | {int(v) for v in args.before_images.split(",")}):
+            now = in_fresh_process("qwen_tower_memory", "child", n, args.layers, args.limit_gib) \
+                if str(n) in args.images.split(",") else None
+            then = in_fresh_process("qwen_tower_memory", "child", n, args.layers, args.limit_gib, repo=old) \
+                if str(n) in args.before_images.split(",") else None
+            points[n] = {"now": now, "before": then}
+            print(n, points[n], flush=True)
 
-    def cell(r):
-        if r is None:
-            return "not run"
-        return f"{r['peak_above_inputs'] / GIB:.2f}" if r["fits"] else f"over {args.limit_gib:.0f} GiB"
-
-    rows = []
-    for n, r in points.items():
-        tokens = (r["now"] or r["before"])["tokens"]
-        ratio = (f"{r['before']['peak_above_inputs'] / r['now']['peak_above_inputs']:.1f}x"
-                 if r["now"] and r["before"] and r["now"]["fits"] and r["before"]["fits"] else "")
-        rows.append([n, tokens, cell(r["before"]), cell(r["now"]), ratio,
-                     f"{r['now']['seconds']:.0f}" if r["now"] and r["now"]["fits"] else ""])
+    lim = args.limit_gib
+    rows = [[n, (r["now"] or r["before"])["tokens"], peak_cell(r["before"], lim), peak_cell(r["now"], lim),
+             peak_ratio(r["before"], r["now"], lim), f"{r['now']['seconds']:.0f}" if r["now"] and r["now"]["fits"] else ""]
+            for n, r in points.items()]
     res = {"layers": args.layers, "side": SIDE, "before_commit": args.before, "points": points, "git": git_state(),
            "machine": machine(), "seconds": time.perf_counter() - t0, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(save(args.out, "qwen_tower_memory", res))
