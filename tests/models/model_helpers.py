@@ -18,6 +18,19 @@ def randomize(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def packed_row(lengths, vocab: int, seed: int = 0, device="cpu"):
+    """A packed ``MicroBatch`` of documents of ``lengths`` random tokens (seeded), each position a
+    target of the next token except a document's last."""
+    from dataloading.batch import IGNORE_INDEX, MicroBatch
+
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
+    labels = ids.roll(-1).clone()
+    labels[torch.tensor(lengths).cumsum(0) - 1] = IGNORE_INDEX
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return MicroBatch(ids.to(device), pos.to(device), labels.to(device), cu.to(device))
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
 from omni.models.build import build_model
 from omni.models.config import ModelConfig
+from model_helpers import packed_row
 from omni.models.llm.compile import compile_blocks
 
 CFG = dict(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -18,16 +18,6 @@ CFG = dict(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, 
 MOE = dict(CFG, family="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=32, mlp_only_layers=[0])
 ROWS = ([9, 14], [5, 6, 11], [30], [7, 7, 7, 7])
-
-
-def _row(lengths, seed: int, device="cpu") -> MicroBatch:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, CFG["vocab_size"], (sum(lengths),), generator=gen)
-    labels = ids.roll(-1).clone()
-    labels[torch.tensor(lengths).cumsum(0) - 1] = IGNORE_INDEX
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    return MicroBatch(ids.to(device), pos.to(device), labels.to(device), cu.to(device))
 
 
 def _train(cfg: dict, backend: str | None, checkpoint: str = "none", device: str = "cpu"):
@@ -39,7 +29,7 @@ def _train(cfg: dict, backend: str | None, checkpoint: str = "none", device: str
         compile_blocks(model.llm.layers, backend=backend)
     losses = []
     for i, lengths in enumerate(ROWS):
-        loss = model(_row(lengths, i, device)).ce_sum
+        loss = model(packed_row(lengths, CFG["vocab_size"], i, device)).ce_sum
         loss.backward()
         losses.append(loss.detach())
     return model, names, torch.stack(losses), {n: p.grad for n, p in model.named_parameters()}

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
 from omni.models.build import build_model
 from omni.models.config import ModelConfig
+from model_helpers import packed_row
 
 pytest.importorskip("torchao")
 from omni.models.llm.fp8 import convert_blocks_to_fp8  # noqa: E402
@@ -22,24 +22,13 @@ MOE = dict(CFG, family="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_in
            shared_expert_intermediate_size=32, mlp_only_layers=[0])
 
 
-def _row(device="cpu") -> MicroBatch:
-    lengths = [40, 24, 32]
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, CFG["vocab_size"], (sum(lengths),), generator=gen)
-    labels = ids.roll(-1).clone()
-    labels[torch.tensor(lengths).cumsum(0) - 1] = IGNORE_INDEX
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    return MicroBatch(ids.to(device), pos.to(device), labels.to(device), cu.to(device))
-
-
 def _train(cfg: dict, fp8: bool, steps: int, device: str = "cpu", autocast: bool = False):
     torch.manual_seed(0)
     model = build_model(ModelConfig(**cfg), {}, vocab_needed=0).to(device)
     if fp8:
         convert_blocks_to_fp8(model.llm.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    mb, losses, first = _row(device), [], None
+    mb, losses, first = packed_row([40, 24, 32], CFG["vocab_size"], 1, device), [], None
     for step in range(steps):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = model(mb).ce_sum / mb.num_target_tokens

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
 from omni.models.build import build_model
 from omni.models.config import ModelConfig
+from tests.models.model_helpers import packed_row
 from parallel.activation_offload import ActivationOffload
 from parallel.sizing import LayoutError, offload_layers
 
@@ -21,20 +21,11 @@ CFG = dict(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, 
            num_kv_heads=2)
 
 
-def _row(lengths, seed: int) -> MicroBatch:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, CFG["vocab_size"], (sum(lengths),), generator=gen)
-    labels = ids.roll(-1).clone()
-    labels[torch.tensor(lengths).cumsum(0) - 1] = IGNORE_INDEX
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    return MicroBatch(ids, pos, labels, torch.tensor([0, *lengths]).cumsum(0).to(torch.int32))
-
-
 def _grads(offload: ActivationOffload | None, checkpoint: str = "none", in_flight: bool = False):
     torch.manual_seed(0)
     model = build_model(ModelConfig(**CFG), {}, vocab_needed=0)
     model.runtime.offload, model.runtime.checkpoint = offload, checkpoint
-    rows = [_row([9, 14], 1), _row([5, 6, 11], 2)]
+    rows = [packed_row([9, 14], CFG["vocab_size"], 1), packed_row([5, 6, 11], CFG["vocab_size"], 2)]
     if in_flight:  # both forwards before either backward, as a pipeline stage runs them
         losses = [model(mb).ce_sum for mb in rows]
         for loss in reversed(losses):
@@ -116,8 +107,7 @@ def test_cuda_offload_equals_eager_and_lowers_the_peak():
         torch.manual_seed(0)
         model = build_model(ModelConfig(**cfg), {}, vocab_needed=0).cuda()
         model.runtime.offload = offload
-        mb = _row([700, 900, 448], 3)
-        mb = MicroBatch(mb.input_ids.cuda(), mb.position_ids.cuda(), mb.labels.cuda(), mb.cu_seqlens.cuda())
+        mb = packed_row([700, 900, 448], cfg["vocab_size"], 3, "cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
 from omni.models.build import build_model
 from omni.models.config import ModelConfig
+from tests.models.model_helpers import packed_row
 from parallel.strict_device import StrictDevice
 
 CPU = torch.device("cpu")
@@ -23,15 +23,6 @@ CFG = dict(family="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
            num_kv_heads=2)
 MOE = dict(CFG, family="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=32)
-
-
-def _row() -> MicroBatch:
-    lengths = [20, 12, 16]
-    ids = torch.randint(0, 64, (sum(lengths),), generator=torch.Generator().manual_seed(0))
-    labels = ids.roll(-1).clone()
-    labels[torch.tensor(lengths).cumsum(0) - 1] = IGNORE_INDEX
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    return MicroBatch(ids, pos, labels, torch.tensor([0, *lengths]).cumsum(0).to(torch.int32))
 
 
 @pytest.mark.parametrize("path", ["fp8", "offload", "moe"])
@@ -50,7 +41,7 @@ def test_the_path_reads_nothing_back(path):
     strict = StrictDevice()
     strict.mark_module(model)
     with strict:
-        p = model.prepare(_row(), device=CPU)
+        p = model.prepare(packed_row([20, 12, 16], 64), device=CPU)
         strict.begin_step()
         with strict.device_window():
             with torch.autocast("cpu", dtype=torch.bfloat16):
