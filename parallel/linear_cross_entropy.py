@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 # The fp32 logits of one chunk stay under this many bytes (the backward holds about three such
 # buffers: the logits, their softmax and the scaled gradient). One home: the simulator prices it.
-from parallel.sizing import LOSS_CHUNK_BYTES as CHUNK_BYTES  # noqa: E402
+from parallel.sizing import LOSS_CHUNK_BYTES as CHUNK_BYTES
 
 
 def chunk_rows(vocab_local: int, chunk_bytes: int = CHUNK_BYTES) -> int:

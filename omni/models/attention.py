@@ -80,9 +80,12 @@ class PackedSegments:
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device, causal: bool, backend: str) -> "PackedSegments":
+        """Built on the host and moved to ``device`` together (None: left on the host, for a
+        caller that moves them with the rest of its bundle)."""
         cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
-        ids, cu = to_device([ids[None], cu], device)  # built on the host, moved together
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))[None]
+        if device is not None:
+            ids, cu = to_device([ids, cu], device)
         return cls(ids, cu, max(lengths, default=0), causal, backend, tuple(int(n) for n in lengths))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:

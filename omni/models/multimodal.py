@@ -343,5 +343,5 @@ def _plan_cp_attention(seg: ContextParallelSegments, info: CPInfo,
         return replace(seg, hops=plan_ring_hops(docs[me][None], poss[me][None],
                                                 [(docs[r][None], poss[r][None]) for r in visiting]))
     plan = plan_ulysses(torch.cat(docs)[None], torch.cat(poss)[None], causal=True)
-    packed = PackedSegments.from_lengths(list(plan.lengths), "cpu", True, seg.backend)
+    packed = PackedSegments.from_lengths(list(plan.lengths), None, True, seg.backend)  # moved with the row
     return replace(seg, ulysses=plan, packed=packed)

@@ -18,7 +18,7 @@ the single-process gradient of the whole items.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
@@ -141,12 +141,12 @@ def _encode(encoder, features, sizes, long_features, long_sizes, group) -> Tuple
         x = _layer_input(encoder, xs)
         return encoder.finish(encoder.encode_tokens(x, encoder.item_attention(tokens, xs.device))), long_tokens
     check_sequence_parallel(encoder, sp)
-    src, dst, doc, pos, t_loc, _ = _local_layout(long_tokens, sp, member, xl.device, encoder.tokens_per_row)
+    short = encoder.item_attention(tokens, xs.device)
+    src, dst, doc, pos, t_loc, plan, packed = _local_layout(
+        long_tokens, sp, member, xl.device, encoder.tokens_per_row,
+        short.backend if isinstance(short, PackedSegments) else "sdpa")
     pieces = xl.new_zeros(t_loc, xl.shape[1]).index_copy(0, dst, xl.index_select(0, src))
     n_short = xs.shape[0]
-    short = encoder.item_attention(tokens, xs.device)
-    plan, packed = _ulysses_plan(long_tokens, sp, xl.device, encoder.tokens_per_row,
-                                 short.backend if isinstance(short, PackedSegments) else "sdpa")
     attention = _ShortAndLong(n_short, short, _UlyssesItems(doc[None], pos[None], group, plan, packed))
     out = encoder.finish(encoder.encode_tokens(_layer_input(encoder, torch.cat([xs, pieces])), attention))
     return torch.cat([out[:n_short], out[n_short:].index_select(0, dst)]), long_tokens
@@ -189,39 +189,37 @@ def _size_and_rank(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _ulysses_plan(tokens: Sequence[int], sp: int, device: torch.device, granule: int, backend: str):
-    """Every member's rows, in member order as the all-to-all gathers them, sorted into items
-    (padding rows last, one segment of their own), and those items as a varlen pack; made on
-    the host from the sizes, moved in one batched copy each."""
-    from parallel.cp_attention import plan_ulysses
-
-    docs = [_host_layout(tokens, sp, m, granule)[2] for m in range(sp)]
-    full = torch.cat(docs)[None]
-    plan = plan_ulysses(full, torch.zeros_like(full), causal=False).to(device)
-    return plan, PackedSegments.from_lengths(list(plan.lengths), device, False, backend)
-
-
-def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.device, granule: int = 1):
-    """Where this member's real rows come from and go, and the mask inputs of its rows
-    (``granule``: the encoder's tokens per output row; pieces are whole groups of them).
+def _local_layout(tokens: Sequence[int], sp: int, member: int, device: torch.device, granule: int, backend: str):
+    """Where this member's real rows come from and go, the mask inputs of its rows, and Ulysses'
+    view of the whole items (``granule``: the encoder's tokens per output row; pieces are whole
+    groups of them; ``backend``: the encoder's attention backend). Every member's rows, in member
+    order as the all-to-all gathers them, sorted into items (padding rows last, one segment of
+    their own) are attended as one varlen pack. Built on the host from the sizes, moved in one
+    batched copy.
 
     Returns (src: rows of the full token states, dst: their local rows, doc and pos per local
-    row, T_loc, piece_bounds per item)."""
-    src, dst, doc, pos, t_loc, bounds = _host_layout(tokens, sp, member, granule)
-    # built on the host from the sizes, moved in one batched copy
-    moved = to_device([src, dst, doc, pos], device)
-    return (*moved, t_loc, bounds)
+    row, T_loc, the UlyssesPlan, the items as PackedSegments)."""
+    from parallel.cp_attention import UlyssesPlan, plan_ulysses
+
+    layouts = [_host_layout(tokens, sp, m, granule) for m in range(sp)]
+    src, dst, doc, pos, t_loc = layouts[member]
+    full = torch.cat([layout[2] for layout in layouts])[None]
+    plan = plan_ulysses(full, torch.zeros_like(full), causal=False)
+    packed = PackedSegments.from_lengths(list(plan.lengths), None, False, backend)
+    src, dst, doc, pos, order, inverse, ids, cu = to_device(
+        [src, dst, doc, pos, plan.order, plan.inverse, packed.ids, packed.cu_seqlens], device)
+    return (src, dst, doc, pos, t_loc, UlyssesPlan(order, inverse, plan.lengths),
+            replace(packed, ids=ids, cu_seqlens=cu))
 
 
 def _host_layout(tokens: Sequence[int], sp: int, member: int, granule: int):
-    """``_local_layout`` on the host."""
-    src, dst, doc, pos, bounds = [], [], [], [], []
+    """One member's rows on the host: (src, dst, doc, pos, T_loc), as ``_local_layout`` returns them."""
+    src, dst, doc, pos = [], [], [], []
     start, t_loc = 0, 0
     pad_doc = len(tokens)  # one id past the items: padding attends only padding
     for i, n in enumerate(tokens):
         c = -(-(n // granule) // sp) * granule
         a, b = piece_bounds(n, sp, member, granule)
-        bounds.append((a, b))
         src.append(torch.arange(start + a, start + b))
         dst.append(torch.arange(t_loc, t_loc + b - a))
         item_doc = torch.full((c,), pad_doc, dtype=torch.int64)
@@ -230,4 +228,4 @@ def _host_layout(tokens: Sequence[int], sp: int, member: int, granule: int):
         pos.append(torch.arange(member * c, (member + 1) * c))
         start += n
         t_loc += c
-    return (*(torch.cat(parts).to(torch.int64) for parts in (src, dst, doc, pos)), t_loc, bounds)
+    return (*(torch.cat(parts).to(torch.int64) for parts in (src, dst, doc, pos)), t_loc)
