@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from parallel import expert_parallel
 from parallel.shared_cast import SharedCast
@@ -122,10 +121,6 @@ def _grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     gate_up = F.grouped_mm(x.to(dt), w_gate_up.to(dt).transpose(-2, -1), offs=offs)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down.to(dt).transpose(-2, -1), offs=offs)
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class MoE(nn.Module):
