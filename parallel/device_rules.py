@@ -89,6 +89,19 @@ class DeviceRules:
         chunked PyTorch path (``parallel/linear_cross_entropy.py``) runs."""
         return self.device.type == "cuda" and _has("liger_kernel")
 
+    def fp8_warning(self) -> str | None:
+        """``parallel.fp8`` on this device: a DeviceRulesError where FP8 matmuls cannot run (a GPU
+        before compute capability 8.9), a warning line where they run slowly (the CPU: torch's
+        reference kernel, two orders of magnitude below bf16 on the demo), None on an FP8 GPU."""
+        if self.device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            if (major, minor) < (8, 9):
+                raise DeviceRulesError(f"parallel.fp8=true needs FP8 matmuls (compute capability 8.9 or later: Ada, "
+                                       f"Hopper); this GPU has {major}.{minor}: use parallel.fp8=false")
+            return None
+        return ("omni: warning: parallel.fp8=true on the CPU runs torch's reference FP8 matmul, far slower than "
+                "bf16; FP8 is for GPUs of compute capability 8.9 or later")
+
     def device_memory_bytes(self) -> float | None:
         """The device's memory for planning: the GPU's own, the stated size under emulation,
         None (no limit worth planning around) for host memory under the CPU's rules."""

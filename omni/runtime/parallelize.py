@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -178,6 +179,10 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
                      num_experts=c.num_experts, virtual_stages=pcfg.pp_virtual_stages if sizes.pp > 1 else 1,
                      cp_impl=pcfg.cp_impl, activation_offload=pcfg.activation_offload,
                      fp8=pcfg.fp8, hidden_size=c.hidden_size)
+    if pcfg.fp8:
+        warning = layout.rules.fp8_warning()  # raises where the device has no FP8 matmuls
+        if warning and layout.is_main:
+            print(warning, file=sys.stderr, flush=True)
     virtual = pcfg.pp_virtual_stages if sizes.pp > 1 else 1
     num_stages = sizes.pp * virtual
     ids = stage_ids(layout.pp_rank, sizes.pp, virtual)

@@ -117,3 +117,19 @@ def test_without_torchao_the_run_says_so(monkeypatch):
     cfg.parallel.fp8 = True
     with pytest.raises(ConfigError, match=r"parallel.fp8=True needs torchao.*pip install"):
         checks._parallel(cfg, None, None)
+
+
+def test_the_device_says_where_fp8_runs():
+    """CUDA before compute capability 8.9 cannot run FP8 matmuls: refused in one line; the CPU
+    runs torch's slow reference kernel: a warning line; an FP8 GPU: nothing."""
+    from unittest import mock
+
+    from parallel.device_rules import DeviceRules, DeviceRulesError
+
+    assert "slower than bf16" in DeviceRules(torch.device("cpu")).fp8_warning()
+    gpu = DeviceRules(torch.device("cuda"), cuda=True)
+    with mock.patch("torch.cuda.get_device_capability", return_value=(8, 0)):
+        with pytest.raises(DeviceRulesError, match=r"this GPU has 8\.0: use parallel.fp8=false"):
+            gpu.fp8_warning()
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        assert gpu.fp8_warning() is None
