@@ -38,17 +38,6 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 CACHED_SCHEDULES = 4
 
 
-def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
-    """The global stage indices rank ``pp_rank`` runs (looped placement)."""
-    return [pp_rank + k * pp for k in range(virtual)]
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
-    """Consecutive, equal blocks of layers per stage (the layout checks divisibility)."""
-    per = num_layers // num_stages
-    return [list(range(s * per, (s + 1) * per)) for s in range(num_stages)]
-
-
 class PipelineRunner:
     """Runs one step's micro-batches through this rank's stages with the chosen schedule."""
 

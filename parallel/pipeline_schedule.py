@@ -14,6 +14,17 @@ EXECUTOR_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 Action = tuple[str, int, int]  # ("f" | "b", model chunk, micro-batch), or ("cut", k, -1)
 
 
+def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The global stage indices rank ``pp_rank`` runs (looped placement)."""
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Consecutive, equal blocks of layers per stage (the layout checks divisibility)."""
+    per = num_layers // num_stages
+    return [list(range(s * per, (s + 1) * per)) for s in range(num_stages)]
+
+
 def rank_programs(schedule: str, pp: int, virtual: int, n_micro: int) -> list[list[Action]]:
     """For every pipeline rank, its ordered forward and backward actions (no cuts). Rank r's
     chunk c is global stage c * pp + r (looped placement)."""

@@ -41,7 +41,8 @@ from parallel.data_parallel import all_reduce_coalesced
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
 from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh,
                              pipeline_gradient_group)
-from parallel.pipeline import PipelineRunner, split_layers, stage_ids
+from parallel.pipeline import PipelineRunner
+from parallel.pipeline_schedule import split_layers, stage_ids
 from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
 from parallel.activation_offload import ActivationOffload
 from parallel.sizing import offload_layers, reduces_every_microbatch

@@ -58,7 +58,7 @@ from omni.sim.data import MicroBatchWork
 from omni.sim.engine import StepTimeline
 from omni.sim.spec import ModelSpec
 from omni.sim.timing import BF16, CommGroup, Machine, StageWork, encoder_work
-from parallel.pipeline import split_layers
+from parallel.pipeline_schedule import split_layers
 from parallel.sizing import Sizes
 
 PLACEMENTS = ("megatron", "megatron_naive")

@@ -42,7 +42,7 @@ from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
 from parallel.sizing import (LayoutError, Sizes, check_model_fits, check_sequence, offload_layers,
                              reduces_every_microbatch, resolve_sizes)
-from parallel.pipeline import split_layers
+from parallel.pipeline_schedule import split_layers
 from parallel.rows import microbatch_count, microbatch_multiple, row_lengths
 from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
 

@@ -247,7 +247,8 @@ def _gloo_worker(rank, world, out_dir):
 
     import torch.distributed as dist
 
-    from parallel.pipeline import PipelineRunner, stage_ids
+    from parallel.pipeline import PipelineRunner
+    from parallel.pipeline_schedule import stage_ids
     from parallel.pipeline_executor import PipelineExecutor
 
     issued = []

@@ -281,7 +281,7 @@ def test_llm_first_forward_carries_the_exposed_gather():
     """Identical micro-batches: the first forward of a stage is longer by the gather that its
     compute cannot hide, plus one layer's; later forwards and every backward pay none."""
     from omni.sim.simulate import _local_params
-    from parallel.pipeline import split_layers
+    from parallel.pipeline_schedule import split_layers
 
     cfg = load_sim_config([*SMALL, "encoders=none", "data.image_ratio=0"])
     spec, m = model_spec(cfg.model, cfg.encoders), Machine(cfg.cluster)
