@@ -70,9 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.pipeline_schedule import (  # noqa: F401  (re-exported: the programs are pure)
-    EXECUTOR_SCHEDULES, MARKERS, Action, _start_times, bubble_windows, encoder_backward_cuts, marker_times, place_cuts,
-    rank_programs)
+from parallel.pipeline_schedule import MARKERS, Action, _start_times, marker_times
 from parallel.sizing import frees_after_backward
 
 CHANNELS = ("act", "grad")  # the two process groups of ``PipelineExecutor``, in its ``groups`` order
@@ -201,87 +199,76 @@ def p2p_programs(programs: Sequence[Sequence[Action]], pp: int, virtual: int, sh
 
 
 class PipelineExecutor:
-    """Runs one step of ``n_micro`` micro-batches through this rank's stages."""
+    """Runs one step's micro-batches through this rank's stages, as the step's programs say."""
 
-    def __init__(self, modules: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int, schedule: str,
-                 groups: tuple[dist.ProcessGroup, dist.ProcessGroup], device: torch.device, hidden_size: int,
-                 dtype: torch.dtype, timeline=None, defer_grad_sync: bool = False, keep_gathered: bool = False):
+    def __init__(self, modules: Sequence[nn.Module], stage_ids: Sequence[int], num_stages: int,
+                 groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]], device: torch.device,
+                 hidden_size: int, dtype: torch.dtype, timeline=None, defer_grad_sync: bool = False,
+                 keep_gathered: bool = False):
         """``modules``: this rank's model chunks, global stages ``stage_ids`` (looped:
         rank r + c * pp). ``groups``: (activations, gradients), both over the pipeline ranks
-        (stage rank r = group rank r). ``timeline``: anything with ``span(kind, name)``.
-        ``defer_grad_sync``: an FSDP chunk reduces its gradients only in its last backward of
-        the step. ``keep_gathered``: FSDP chunks whose weights stay gathered after forward
-        (``reshard_after_forward`` false) stay gathered after their backwards too, until the
-        step's last: one all-gather per chunk and step, as the schedule's memory plan assumes
-        (FSDP2 frees them after every backward by default, and would gather them again for
-        the next micro-batch's forward)."""
+        (stage rank r = group rank r); None for one stage (pp = 1: no messages).
+        ``timeline``: anything with ``span(kind, name)``. ``defer_grad_sync``: an FSDP chunk
+        reduces its gradients only in its last backward of the step. ``keep_gathered``: FSDP
+        chunks whose weights stay gathered after forward (``reshard_after_forward`` false) stay
+        gathered after their backwards too, until the step's last: one all-gather per chunk and
+        step, as the schedule's memory plan assumes (FSDP2 frees them after every backward by
+        default, and would gather them again for the next micro-batch's forward).
+
+        A stage module is called ``module(x, item, log)``: its input activation (a placeholder
+        on the first stage), the micro-batch's own inputs (``run``'s ``inputs[i]``) and the
+        step's ``log``; it returns the next activation, or on the last stage the loss to
+        backpropagate."""
         self.modules, self.stage_ids = list(modules), list(stage_ids)
-        self.num_stages, self.schedule = num_stages, schedule
-        self.groups = dict(zip(CHANNELS, groups))
-        self.pp = dist.get_world_size(groups[0])
+        self.num_stages = num_stages
+        self.groups = dict(zip(CHANNELS, groups)) if groups is not None else {}
+        self.pp = dist.get_world_size(groups[0]) if groups is not None else 1
         self.virtual = len(self.modules)
         if num_stages != self.pp * self.virtual or any(s % self.pp != self.stage_ids[0] for s in self.stage_ids):
             raise ValueError(f"stages {self.stage_ids} of {num_stages} are not one looped rank's of pp={self.pp}")
-        rank_programs(schedule, self.pp, self.virtual, self.pp)  # validates schedule and chunk count
         self.rank = self.stage_ids[0]
         self.device, self.hidden_size, self.dtype = device, hidden_size, dtype
         self.timeline = timeline
         self.defer_grad_sync = defer_grad_sync
         self.keep_gathered = keep_gathered
-        # Called at each cut k and tail cut j (see the module docstring); set by the caller.
-        self.on_cut: Optional[Callable[[int], None]] = None
-        self.on_tail: Optional[Callable[[int], None]] = None
-        # Tail cuts in the programs: those of the bubble windows (``bubble_windows``) when the
-        # caller fills them with encoder work; set before the first step.
-        self.tail_cuts = False
-        self._programs: dict[int, list[list[Action]]] = {}
-        self._p2p: OrderedDict[tuple[int, int], list[list[Item]]] = OrderedDict()
-        self._connected = False
+        self._p2p: OrderedDict[tuple, list[list[Item]]] = OrderedDict()
+        self._connected = self.pp == 1
 
-    def programs(self, n_micro: int) -> list[list[Action]]:
-        """Every rank's program with cuts, for ``n_micro`` micro-batches (cached)."""
-        if n_micro not in self._programs:
-            tails = [w.tail for w in self.bubble_windows(n_micro) if w is not None] if self.tail_cuts else []
-            self._programs[n_micro] = place_cuts(rank_programs(self.schedule, self.pp, self.virtual, n_micro),
-                                                 self.pp, self.virtual, n_micro, tails)
-        return self._programs[n_micro]
-
-    def bubble_windows(self, n_micro: int):
-        """Where each pipeline rank idles before its first and after its last action
-        (``parallel.pipeline_schedule.bubble_windows``)."""
-        return bubble_windows(self.schedule, self.pp, self.virtual, n_micro)
-
-    def encoder_backward_cuts(self, n_micro: int) -> list[Optional[int]]:
-        return encoder_backward_cuts(self.programs(n_micro)[0], n_micro)
-
-    def p2p_programs(self, lengths: Sequence[int]) -> list[list[Item]]:
-        """Every rank's actions, cuts and point-to-point batches for micro-batches whose
+    def p2p_programs(self, programs: Sequence[Sequence[Action]], lengths: Sequence[int]) -> list[list[Item]]:
+        """Every rank's actions, cuts and point-to-point batches for ``programs`` (every rank's,
+        with cuts: ``parallel.pipeline_schedule.place_cuts``) over micro-batches whose
         activations are [1, lengths[i], hidden]: what ``run`` issues, op for op (the few most
         recent are cached: row lengths change from step to step)."""
-        key = tuple(lengths)
+        key = (tuple(map(tuple, programs)), tuple(lengths))
         if key in self._p2p:
             self._p2p.move_to_end(key)
         else:
             while len(self._p2p) >= CACHED_P2P_PROGRAMS:
                 self._p2p.popitem(last=False)
-            self._p2p[key] = p2p_programs(self.programs(len(key)), self.pp, self.virtual,
-                                          [(1, n, self.hidden_size) for n in key], self.dtype)
+            self._p2p[key] = p2p_programs(programs, self.pp, self.virtual,
+                                          [(1, n, self.hidden_size) for n in lengths], self.dtype)
         return self._p2p[key]
 
-    def run(self, lengths: Sequence[int]) -> None:
-        """Forward and backward of ``len(lengths)`` micro-batches; micro-batch i's stage
-        activations are [1, lengths[i], hidden] (each row keeps its own length:
-        ``parallel.rows.row_lengths``)."""
+    def run(self, programs: Sequence[Sequence[Action]], lengths: Sequence[int], inputs: Sequence,
+            log=None, at_cut: Optional[Callable[[int], None]] = None,
+            at_tail: Optional[Callable[[int], None]] = None) -> None:
+        """Forward and backward of ``len(lengths)`` micro-batches as ``programs`` order them
+        (this rank's is ``programs[rank]``); micro-batch i's stage activations are
+        [1, lengths[i], hidden] (each row keeps its own length: ``parallel.rows.row_lengths``)
+        and its stage modules take ``inputs[i]`` and ``log``. ``at_cut(k)`` / ``at_tail(j)``
+        run at the programs' cuts and tail cuts (the caller's encoder work)."""
         n_micro = len(lengths)
+        if len(inputs) != n_micro:
+            raise ValueError(f"{len(inputs)} micro-batch inputs for a step of {n_micro}")
         if not self._connected:
             self._connect()
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        acts: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         received: dict[tuple[str, int, int], torch.Tensor] = {}
         in_flight: list = []  # (works, tensors) of unwaited batches: the tensors live until DRAIN
         last = self.num_stages - 1
-        for item in self.p2p_programs(lengths)[self.rank]:
+        for item in self.p2p_programs(programs, lengths)[self.rank]:
             if isinstance(item, Batch):
                 works, tensors = self._issue(item, to_send, received)
                 if item.wait:
@@ -298,20 +285,20 @@ class PipelineExecutor:
                 in_flight = []
                 continue
             if kind == "cut":
-                if self.on_cut is not None:
-                    self.on_cut(c)
+                if at_cut is not None:
+                    at_cut(c)
                 continue
             if kind == "tail":
-                if self.on_tail is not None:
-                    self.on_tail(c)
+                if at_tail is not None:
+                    at_tail(c)
                 continue
             stage, module = self.stage_ids[c], self.modules[c]
             if kind == "f":
                 x = received.pop(("act", stage - 1, i)).requires_grad_(True) if stage > 0 \
                     else torch.zeros(1, device=self.device)
                 with self._span(f"stage{stage} forward mb{i}"):
-                    out = module(x)
-                inputs[(c, i)], outputs[(c, i)] = x, out
+                    out = module(x, inputs[i], log)
+                acts[(c, i)], outputs[(c, i)] = x, out
                 if stage < last:
                     to_send[("act", stage, i)] = out.detach().contiguous()
             else:
@@ -323,7 +310,7 @@ class PipelineExecutor:
                         out.backward()
                     else:
                         torch.autograd.backward(out, grad)
-                x = inputs.pop((c, i))
+                x = acts.pop((c, i))
                 if stage > 0:
                     to_send[("grad", stage, i)] = (x.grad if x.grad is not None else torch.zeros_like(x)).contiguous()
         if in_flight or to_send or received:

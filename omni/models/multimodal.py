@@ -5,14 +5,15 @@ loss is a *sum* over target tokens, and the trainer divides by the number of tar
 in the whole global batch, so the result does not depend on how samples were split across
 micro-batches or ranks.
 
-The same module serves every layout. ``forward`` takes a whole micro-batch (one process, data
-or tensor parallelism: returns ``LossParts``) or, as a pipeline stage, the previous stage's
-hidden state (see ``StageFeed``). A pipeline stage is this model with the parts of other stages
+The same module serves every layout. ``forward`` takes token ids (logits, as any module), a
+whole micro-batch (returns ``LossParts``) or, as a pipeline stage, the previous stage's hidden
+state with the micro-batch it belongs to (every step runs as a pipeline, one stage without
+pipeline parallelism: ``parallel.pipeline_executor``). A pipeline stage is this model with the parts of other stages
 deleted (``keep_stage``); parameter names never change, so checkpoints move between layouts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
 import torch
@@ -82,28 +83,17 @@ class Prepared:
     rope_position_ids: Optional[torch.Tensor] = None  # [3, 1, T]: M-RoPE positions (None: position_ids)
 
 
-@dataclass
-class StageFeed:
-    """The micro-batches of one step for a pipeline stage. torch's pipeline schedules call the
-    stage with activations only; every schedule runs a stage's forwards in micro-batch order, so
-    the i-th call of the step is micro-batch i."""
+class StageLog:
+    """What a step's pipeline stages report besides their outputs, for logging: the detached
+    0-dim CE sums (last stage) and router losses of its micro-batches, in the order they ran.
+    The trainer sums them on the device and reads the step's total once.
 
-    items: list = field(default_factory=list)
-    next_index: int = 0
-    # Detached 0-dim device tensors, for logging: the trainer sums them on the device and reads
-    # the step's total once.
-    ce_sums: list = field(default_factory=list)
-    aux_sums: list = field(default_factory=list)
+    A plain class, not a dataclass: FSDP2 casts a module's inputs by rebuilding every dataclass
+    and list among them, which would hand the stage a copy to append to."""
 
-    def reset(self, items: list) -> None:
-        self.items, self.next_index, self.ce_sums, self.aux_sums = items, 0, [], []
-
-    def pop(self) -> Prepared:
-        if self.next_index >= len(self.items):
-            raise RuntimeError("pipeline stage ran more forwards than the step has micro-batches")
-        item = self.items[self.next_index]
-        self.next_index += 1
-        return item
+    def __init__(self) -> None:
+        self.ce_sums: list[torch.Tensor] = []
+        self.aux_sums: list[torch.Tensor] = []
 
 
 class OmniModel(nn.Module):
@@ -122,7 +112,6 @@ class OmniModel(nn.Module):
         for modality in frozen or ():
             self.encoders[modality].requires_grad_(False)
         self.runtime = ParallelRuntime()
-        self.feed = StageFeed()
         # Set by omni.runtime.parallelize on the first stage's chunk: the media embeddings then
         # come from the multiplexing runtime (which holds the encoders) instead of inline ones.
         self.multiplexer = None
@@ -230,10 +219,22 @@ class OmniModel(nn.Module):
         return embeds
 
     # -- forward --------------------------------------------------------------------------------
-    def forward(self, x):
-        """``x``: a MicroBatch or Prepared (whole model: returns LossParts), or a pipeline stage's
-        input activation (returns the next stage's input, or on the last stage the micro-batch's
-        normalised loss)."""
+    def forward(self, x, prepared: Optional[Prepared] = None, log: Optional[StageLog] = None, *,
+                media: Optional[dict[str, MediaInputs]] = None, position_ids: Optional[torch.Tensor] = None,
+                rope_position_ids: Optional[torch.Tensor] = None):
+        """Every input comes as an argument, in one of three ways:
+
+        - token ids, [T] or [B, T] (integers): the logits [B, T, vocab], as any module is called
+          (``model(input_ids)`` on a loaded model). ``media``: each modality's inputs for a single
+          row, written at its placeholders; ``position_ids`` / ``rope_position_ids`` as
+          ``Decoder.forward`` takes them (default: one document per row).
+        - a ``MicroBatch`` or ``Prepared`` (a training row through the whole model): ``LossParts``.
+        - a pipeline stage's input activation (a placeholder on the first stage) with the
+          micro-batch it belongs to (``prepared``): the next stage's input, or on the last stage
+          the micro-batch's loss divided by its global target count; ``log`` collects the
+          detached CE and router sums."""
+        if prepared is not None:
+            return self._stage_forward(x, prepared, log)
         if isinstance(x, MicroBatch):
             x = self.prepare(x)
         if isinstance(x, Prepared):
@@ -243,15 +244,39 @@ class OmniModel(nn.Module):
             # (evaluation, tests) pays a read for it.
             n = x.num_targets if x.num_targets is not None else int((x.mb.labels != IGNORE_INDEX).sum())
             return LossParts(ce_sum=ce, num_targets=n, aux_loss=aux)
-        p = self.feed.pop()
+        if isinstance(x, torch.Tensor) and not x.is_floating_point():
+            return self.logits(x, media, position_ids, rope_position_ids)
+        raise TypeError(f"OmniModel takes token ids, a MicroBatch or a Prepared row, or a pipeline stage's "
+                        f"activation with its Prepared micro-batch; got {type(x).__name__}"
+                        + (f" of {x.dtype} without the micro-batch" if isinstance(x, torch.Tensor) else ""))
+
+    def logits(self, input_ids: torch.Tensor, media: Optional[dict[str, MediaInputs]] = None,
+               position_ids: Optional[torch.Tensor] = None,
+               rope_position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Next-token logits [B, T, vocab] of token rows [T] or [B, T], media written at their
+        placeholders (one row only: a media item's positions index a flat row)."""
+        if self.runtime.tp_mesh is not None or not (self.runtime.first_stage and self.runtime.last_stage):
+            raise RuntimeError("logits need the whole model in one process; gather a split one first "
+                               "(omni export, or ParallelModel.inline_encoders for one process)")
+        rows = input_ids[None] if input_ids.dim() == 1 else input_ids
+        if media:
+            if rows.shape[0] != 1:
+                raise ValueError(f"media go with one row of token ids, not {rows.shape[0]}")
+            embeds = self.embed(rows[0], media)[None]
+        else:
+            embeds = self.llm.embed(rows)
+        return self.llm(inputs_embeds=embeds, position_ids=position_ids, rope_position_ids=rope_position_ids).logits
+
+    def _stage_forward(self, x: torch.Tensor, p: Prepared, log: Optional[StageLog]):
         h = self._input_hidden(p) if self.runtime.first_stage else x
         h, aux = self._body(h, p)
-        if aux is not None:
-            self.feed.aux_sums.append(aux.detach())
+        if aux is not None and log is not None:
+            log.aux_sums.append(aux.detach())
         if not self.runtime.last_stage:
             return h
         ce = self._ce_sum(h, p)
-        self.feed.ce_sums.append(ce.detach())
+        if log is not None:
+            log.ce_sums.append(ce.detach())
         return ce / p.global_targets
 
     def _input_hidden(self, p: Prepared) -> torch.Tensor:

@@ -194,6 +194,15 @@ def encoder_actions(placement: str, n: int, backward_cuts: list[int | None], gro
     return [a for k in sorted(segments) for a in segments[k]]
 
 
+def step_fills_bubbles(cfg, sizes: Sizes, gpus_per_node: int) -> bool:
+    """``fills_bubbles`` of a multiplex config (``omni.runtime.config.MultiplexConfig``) on the
+    LLM layout ``sizes``: the one answer the step's programs (their tail cuts), the runtime and
+    the simulator share."""
+    members = len(encoder_ranks(sizes, cfg.placement))
+    shard = encoder_shard_group(cfg.encoder_weights, int(cfg.encoder_shard_group), gpus_per_node, members)
+    return fills_bubbles(cfg.fill_bubbles, cfg.placement, sizes, cfg.encoder_weights, shard, cfg.exchange)
+
+
 BUBBLE_SETTINGS = ("auto", "true", "false")
 
 

@@ -41,7 +41,7 @@ Every rank runs the same action list in the same order, so the collectives alway
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,10 +57,10 @@ from omni.models.encoders.sequence_parallel import check_sequence_parallel
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
 from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, chunks_per_cut_setting, cut_group_size, encoder_segments,
-                                  encoder_ranks, encoder_shard_group, fills_bubbles, memory_budget_setting)
+                                  encoder_ranks, memory_budget_setting, step_fills_bubbles)
 from parallel.device_rules import free_memory_at_steady_state
 from parallel.layout import Layout, LayoutError, host_group, new_group
-from parallel.pipeline_executor import EXECUTOR_SCHEDULES
+from parallel.pipeline_schedule import EXECUTOR_SCHEDULES
 from parallel.reshard import EXCHANGE_MODES, exchange_rows
 from parallel.sizing import reduces_every_microbatch
 
@@ -102,7 +102,7 @@ class Multiplexer:
                               f"in a node (parallel.gpus_per_node={pcfg.gpus_per_node})")
         self.sp = sp
         chunks_per_cut_setting(cfg.chunks_per_cut)  # fail at start-up, not at the first step
-        self.chunks_per_cut = 1  # this step's (cut_group_size, set in begin_step)
+        self.chunks_per_cut = 1  # this step's (cut_group_size, set in plan)
         self.lookahead = int(cfg.lookahead)
         if self.lookahead < 0:
             raise LayoutError(f"multiplex.lookahead={cfg.lookahead} must be >= 0 (0: off)")
@@ -125,21 +125,12 @@ class Multiplexer:
         # (an item's size in the plan is its output rows; its encoder runs tokens_per_row x as many tokens)
         self._item_bytes = (lambda m, rows: encoders[m].activation_bytes(rows * encoders[m].tokens_per_row, element)) \
             if encoders else None
-        # n -> for each chunk j, the cut at which its backward can run (stage 0 then has j's
-        # embedding gradient; None: after the pipeline). Set from the pipeline executor; without
-        # pipeline parallelism micro-batch j's backward is done before cut j + 1.
-        self.backward_cuts = lambda n: [j + 1 for j in range(n)]
         # Sharded weights: reduce-scatter a modality's gradients once, in its last backward of
         # the step, unless the LLM reduces every micro-batch too.
         self.reduce_every_chunk = reduces_every_microbatch(pcfg, layout.sizes.pp)
-        # Bubble calls (omni.multiplex.bubbles): the later pipeline ranks' idle time. n -> every
-        # pipeline rank's bubble window; set from the pipeline executor, which then places the
-        # windows' tail cuts in its programs.
-        shard = encoder_shard_group(cfg.encoder_weights, int(cfg.encoder_shard_group), pcfg.gpus_per_node,
-                                    len(self.members))
-        self.fill_bubbles = fills_bubbles(cfg.fill_bubbles, cfg.placement, sizes, cfg.encoder_weights, shard,
-                                          cfg.exchange)
-        self.bubble_windows = lambda n: []
+        # Bubble calls (omni.multiplex.bubbles): the later pipeline ranks' idle time, in the
+        # bubble windows of the step's program (which then holds their tail cuts).
+        self.fill_bubbles = step_fills_bubbles(cfg, sizes, pcfg.gpus_per_node)
         if (self.exchange == "p2p" or self.fill_bubbles) and self.active and len(self.members) > 1:
             # NCCL: a batch of point-to-point ops that is the first collective on its group needs
             # every rank of the group in it; one small all-reduce here sets the group up (bubble
@@ -162,6 +153,8 @@ class Multiplexer:
         self._segment_end: dict[int, int] = {}  # insertion point -> end of its actions in _actions
         self._cursor = 0
         self._local = []  # this rank's Prepared micro-batches of the step
+        self._program = None  # the step's omni.step.StepProgram (``plan``)
+        self._gathered: tuple = ([], [])  # (every rank's manifests, this rank's), from ``gather``
         self._last_backward: dict[str, int] = {}  # modality -> its last cut group of the step
         self._bubbles: list[Call] = []  # this step's bubble calls
         self.media: StepMedia | None = None
@@ -183,18 +176,18 @@ class Multiplexer:
     # -- the step -------------------------------------------------------------------------
     def describe(self, mb: MicroBatch) -> MediaManifest:
         """The host-side manifest of one of this rank's micro-batches (padded and CP-sliced,
-        not yet on the device): what ``begin_step`` plans from."""
+        not yet on the device): what ``gather`` exchanges."""
         if self.tower is None or not mb.media:
             return MediaManifest(doc_lengths=row_doc_lengths(mb))
         units = {m: enc.input_units for m, enc in self.tower.encoders.items()}
         return describe_media(mb, units, self.layout.sizes.tp, self.layout.tp_rank)
 
-    def begin_step(self, prepared: list, manifests: list[MediaManifest]) -> int:
-        """Exchange the step's media manifests (one small gather of host objects over gloo)
-        and plan every chunk. Returns the number of micro-batches every rank must run (the
-        largest count of any group; the caller pads with empty ones)."""
-        self._local = prepared
-        mine = {"n": len(prepared), "items": None, "needs": None, "feat": {}, "llm": None}
+    def gather(self, manifests: list[MediaManifest], n_local: int) -> int:
+        """Exchange the step's media manifests (one small gather of host objects over gloo):
+        every rank learns every group's media. Returns the number of micro-batches every rank
+        must run (the largest of the groups' ``n_local``; the step program pads with empty
+        ones, so the encoder chunks line up)."""
+        mine = {"n": n_local, "items": None, "needs": None, "feat": {}, "llm": None}
         if self.announcer and self.tower is not None:
             mine["items"] = [mf.items for mf in manifests]
             mine["feat"] = {m: f for mf in manifests for m, f in mf.features.items()}
@@ -206,21 +199,30 @@ class Multiplexer:
             everyone = [None] * self.layout.world_size
             with self._span("comm", "media metadata"):
                 dist.all_gather_object(everyone, mine, group=self.host_group)
-        n = max(e["n"] for e in everyone)
+        self._gathered = (everyone, manifests)
+        return max(e["n"] for e in everyone)
+
+    def plan(self, program, prepared: list) -> None:
+        """Plan every chunk of the step against its program (``omni.step.StepProgram``: where
+        each chunk's backward can run, the bubble windows), from the gathered manifests; every
+        rank plans the same calls. ``prepared``: this rank's micro-batches, whose media the
+        encoder calls read."""
+        everyone, manifests = self._gathered
+        n = program.n_micro
+        self._local, self._program = prepared, program
         self.media = StepPlanner.collect(everyone, n, self.layout.sizes)
         self._chunks, self._cuts, self._bubbles, self._last_backward = {}, [], [], {}
         self.stats = _StepStats()
         self.chunks_per_cut = self._cut_group(n)
         if self.active:
-            plan = self.planner.plan(self.media, everyone, manifests, self.backward_cuts(n), self.bubble_windows(n),
-                                     self.chunks_per_cut)
+            plan = self.planner.plan(self.media, everyone, manifests, list(program.backward_cuts),
+                                     list(program.windows), self.chunks_per_cut)
             self._chunks, self._cuts, self._bubbles = plan.chunks, plan.calls, plan.bubbles
             self._last_backward = plan.last_backward
             s = self.stats
             s.long_items, s.over_memory, s.balance, s.bubble_items = (plan.long_items, plan.over_memory, plan.balance,
                                                                       plan.bubble_items)
         self._set_actions(n)
-        return n
 
     def _cut_group(self, n: int) -> int:
         """This step's chunks per encoder call (``cut_group_size``), the same on every rank: it
@@ -228,12 +230,12 @@ class Multiplexer:
         def chunk_bytes() -> list[float]:
             return [sum(self._item_bytes(it.modality, it.tokens) or 0.0 for it in items) for items in self.media.items]
 
-        return cut_group_size(self.cfg.chunks_per_cut, self.cfg.placement, n, self.backward_cuts(n), self.lookahead,
-                              chunk_bytes if self._item_bytes is not None else None, len(self.members),
-                              self.memory_limit)
+        return cut_group_size(self.cfg.chunks_per_cut, self.cfg.placement, n, list(self._program.backward_cuts),
+                              self.lookahead, chunk_bytes if self._item_bytes is not None else None,
+                              len(self.members), self.memory_limit)
 
     def _set_actions(self, n: int) -> None:
-        segments = (encoder_segments(self.cfg.placement, n, self.backward_cuts(n), self.chunks_per_cut,
+        segments = (encoder_segments(self.cfg.placement, n, list(self._program.backward_cuts), self.chunks_per_cut,
                                      self.lookahead) if self.active else {})
         self._actions, self._segment_end, self._cursor = [], {}, 0
         for k in sorted(segments):

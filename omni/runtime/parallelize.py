@@ -32,18 +32,19 @@ from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
 from omni.runtime.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
-from omni.multiplex.rules import WEIGHT_MODES, encoder_shard_group
+from omni.multiplex.rules import WEIGHT_MODES, encoder_shard_group, step_fills_bubbles
 from omni.multiplex.runtime import Multiplexer
 from omni.multiplex.rules import encoder_ranks
 from omni.runtime.timeline import Timeline
-from parallel.config import ParallelConfig
+from omni.step import StepShape
 from parallel.data_parallel import all_reduce_coalesced
 from parallel.fsdp import precision_policy, shard_model, undo_gradient_average
 from parallel.layout import (Layout, LayoutError, check_model_fits, encoder_mesh,
                              pipeline_gradient_group)
 from parallel.pipeline import PipelineRunner
 from parallel.pipeline_schedule import split_layers, stage_ids
-from parallel.pipeline_executor import EXECUTOR_SCHEDULES, PipelineExecutor
+from parallel.pipeline_executor import PipelineExecutor
+from parallel.pipeline_schedule import EXECUTOR_SCHEDULES
 from parallel.activation_offload import ActivationOffload
 from parallel.sizing import offload_layers, reduces_every_microbatch
 
@@ -53,7 +54,10 @@ class ParallelModel:
     chunks: list[OmniModel]
     stage_ids: list[int]
     num_stages: int
+    # Runs every step, one stage included (``PipelineExecutor``; ``PipelineRunner`` for torch's
+    # zero-bubble schedule), as ``shape``'s step programs say (``omni.step.plan_step``).
     runner: Optional[PipelineRunner | PipelineExecutor] = None
+    shape: StepShape = field(default_factory=StepShape)
     # (parameters, group): gradients to all-reduce (sum) after backward. Includes the two copies
     # of a tied embedding, summed over {first stage, last stage}.
     replica_syncs: list = field(default_factory=list)
@@ -69,6 +73,12 @@ class ParallelModel:
     # The encoders and projectors on a rank that encodes (None: no encoders, or stage0 on a
     # later stage). Same parameter names as in the full model.
     media: Optional[MediaTower] = None
+
+    def __post_init__(self) -> None:
+        if self.runner is None and self.num_stages == 1:  # (parallelize sets a pipeline's own)
+            # One stage: no messages, so no shapes (hidden size and dtype unused).
+            self.runner = PipelineExecutor(self.chunks, self.stage_ids, 1, None, torch.device("cpu"), 0, torch.float32,
+                                           self.timeline)
 
     @property
     def parts(self) -> list[nn.Module]:
@@ -201,24 +211,32 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
     for chunk in chunks:
         _apply_one(chunk, layout, pm)
     place(chunks)
-    if num_stages > 1:
+    # Every step runs on a runner: Omni's executor (one stage included: F0 B0 F1 B1 ..., with a
+    # cut before each forward), or torch's zero-bubble schedule.
+    defer = not reduces_every_microbatch(pcfg, layout.sizes.pp) and layout.fsdp_mesh().size() > 1
+    keep = not _reshard_after_forward(layout)
+    fills = has_media and step_fills_bubbles(multiplex, sizes, pcfg.gpus_per_node)
+    pm.shape = StepShape(pp=sizes.pp, virtual=virtual, tp=sizes.tp, schedule=pcfg.pp_schedule,
+                         one_shape=num_stages > 1 and pcfg.pp_schedule not in EXECUTOR_SCHEDULES, tail_cuts=fills)
+    if num_stages == 1:
+        pm.runner = PipelineExecutor(chunks, ids, 1, None, layout.device, c.hidden_size, torch.float32, timeline,
+                                     defer_grad_sync=defer, keep_gathered=keep)
+    else:
         group, dtype = layout.mesh["pp"].get_group(), activation_dtype(layout)
         if pcfg.pp_schedule in EXECUTOR_SCHEDULES:  # Omni's executor, with cuts for encoder work
-            defer = not reduces_every_microbatch(pcfg, layout.sizes.pp) and layout.fsdp_mesh().size() > 1
             groups = (group, pipeline_gradient_group(layout))
-            pm.runner = PipelineExecutor(chunks, ids, num_stages, pcfg.pp_schedule, groups, layout.device,
-                                         c.hidden_size, dtype, timeline, defer_grad_sync=defer,
-                                         keep_gathered=not _reshard_after_forward(layout))
+            pm.runner = PipelineExecutor(chunks, ids, num_stages, groups, layout.device, c.hidden_size, dtype,
+                                         timeline, defer_grad_sync=defer, keep_gathered=keep)
         else:
             pm.runner = PipelineRunner(chunks, ids, num_stages, pcfg.pp_schedule, group, layout.device,
                                        c.hidden_size, dtype, timeline)
-        if c.tie_word_embeddings:
-            # The first stage's embedding and the last stage's head copy (on different pipeline
-            # ranks) receive each other's gradient.
-            copies = [ch.llm.embed_tokens.weight for ch in chunks if ch.llm.embed_tokens is not None]
-            pm.replica_syncs.append((copies, layout.group("tie")))
-            pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
-                            if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
+    if num_stages > 1 and c.tie_word_embeddings:
+        # The first stage's embedding and the last stage's head copy (on different pipeline
+        # ranks) receive each other's gradient.
+        copies = [ch.llm.embed_tokens.weight for ch in chunks if ch.llm.embed_tokens is not None]
+        pm.replica_syncs.append((copies, layout.group("tie")))
+        pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
+                        if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
     if has_media:
         _multiplex(pm, tower, layout, multiplex, cost, timeline, c.hidden_size, place)
     return pm
@@ -253,13 +271,6 @@ def _multiplex(pm: ParallelModel, tower: MediaTower, layout: Layout, cfg: Multip
         place([tower])  # only the ranks that encode hold encoder weights
     mux = Multiplexer(tower if active else None, layout, cfg, cost, hidden_size, timeline, held=tuple(pm.chunks))
     pm.multiplexer = mux
-    if isinstance(pm.runner, PipelineExecutor):
-        pm.runner.on_cut = mux.cut
-        mux.backward_cuts = pm.runner.encoder_backward_cuts
-        if mux.fill_bubbles:
-            pm.runner.tail_cuts = True
-            pm.runner.on_tail = mux.tail
-            mux.bubble_windows = pm.runner.bubble_windows
     if layout.pp_rank == 0:
         pm.chunks[0].multiplexer = mux  # the chunk that embeds
     if active and not sharded:

@@ -17,7 +17,6 @@ from typing import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from dataloading.batch import MicroBatch, StepBatch
 from dataloading.errors import DataError
@@ -33,7 +32,7 @@ from omni.runtime.validation import Validator
 from omni.runtime.optim import PartOptimizers
 from omni.runtime.stages import Stage, StageSchedule
 from omni.models.freeze import ModuleNames
-from omni.models.multimodal import Prepared
+from omni.models.multimodal import Prepared, StageLog
 from omni.runtime.parallelize import ParallelModel
 from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
                                    write_chrome_trace)
@@ -44,9 +43,7 @@ from omni.runtime.stop import (STOP_GRACE_MIN_S, RunStopped, StopNow, StopOnSign
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
 from parallel.strict_device import StrictDevice, host_read
-from parallel.pipeline_executor import PipelineExecutor
-from parallel.rows import microbatch_count, row_lengths
-from parallel.sizing import reduces_every_microbatch
+from omni.step import StepProgram, plan_step
 
 
 def _device_sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -71,11 +68,12 @@ def _is_timeout(exc: BaseException) -> bool:
 
 @dataclass
 class HostInputs:
-    """A step's host work (``Trainer._host_inputs``): its micro-batches ready on the device, each
-    one's row length, and the global batch's target and token counts."""
+    """A step's host work (``Trainer._host_inputs``): its program (``omni.step.plan_step``: the
+    micro-batch count, each row's length, every pipeline rank's actions), its micro-batches
+    ready on the device, and the global batch's target and token counts."""
 
+    program: StepProgram
     prepared: list[Prepared]
-    lengths: list[int]
     global_targets: float
     global_tokens: float
 
@@ -196,29 +194,6 @@ class Trainer:
         tokens = batch.num_tokens if holder else 0
         return tuple(all_reduce_sums([targets, real, tokens], torch.device("cpu"), self._host))
 
-    def _rows(self, batch: StepBatch) -> list[tuple[MicroBatch, int]]:
-        """Every micro-batch padded as the layout needs (``parallel.rows``: a schedulable count
-        under PP, each row its own length unless torch's schedules need one shape), still on the
-        host, with its real token count."""
-        tp, pp = self.layout.sizes.tp, self.layout.sizes.pp
-        mbs = list(batch.micro_batches)
-        if pp > 1:
-            mbs += [MicroBatch.empty(mbs[0].cp if mbs else None)] * (microbatch_count(len(mbs), pp) - len(mbs))
-        lengths = row_lengths([mb.num_tokens for mb in mbs], tp, pp, one_shape=self._one_shape)
-        return [(mb.padded(n, self.pad_id), mb.num_tokens) for mb, n in zip(mbs, lengths)]
-
-    @property
-    def _one_shape(self) -> bool:
-        """torch's pipeline schedules (``PipelineRunner``) take one activation shape per step."""
-        return self.pm.runner is not None and not isinstance(self.pm.runner, PipelineExecutor)
-
-    def _placeholder_row(self, rows: list[tuple[MicroBatch, int]]) -> tuple[MicroBatch, int]:
-        """An empty micro-batch as this step pads it (the multiplexer's extra ones)."""
-        cp = rows[0][0].cp if rows else None
-        n = rows[0][0].num_tokens if self._one_shape and rows else \
-            row_lengths([0], self.layout.sizes.tp, self.layout.sizes.pp)[0]
-        return MicroBatch.empty(cp).padded(n, self.pad_id), 0
-
     def _prepare(self, row: tuple[MicroBatch, int], global_targets: float) -> Prepared:
         mb, real = row
         lengths = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
@@ -249,7 +224,7 @@ class Trainer:
                 inputs = self._host_inputs(batch)
             window = contextlib.nullcontext() if self.strict is None else self.strict.device_window()
             with window:
-                out = self._device_step(inputs.prepared, inputs.lengths, inputs.global_targets, before_read)
+                out = self._device_step(inputs, before_read)
         # Of the rows the LLM ran (every rank's, empty micro-batches included), the share that is
         # padding: what parallel.rows' per-row lengths keep small (the simulator's padded_fraction).
         rows = out.pop("row_tokens")
@@ -283,8 +258,9 @@ class Trainer:
             print(f"omni: {self.stages.describe(stage, trainable)}", flush=True)
 
     def _host_inputs(self, batch: StepBatch) -> HostInputs:
-        """The step's host work: global counts (over the host group), padding, and every
-        micro-batch's inputs built on the host and moved to the device once."""
+        """The step's host work: global counts (over the host group), the step's program, and
+        every micro-batch's inputs built on the host, padded as the program says and moved to
+        the device once."""
         global_targets, global_real, global_tokens = self._counts(batch)
         if global_targets == 0:
             raise UserError(f"step {batch.step} has no target tokens in the whole global batch; check the data")
@@ -293,84 +269,58 @@ class Trainer:
         # losses are averaged over the global batch's micro-batches the same way.
         for chunk in self.pm.chunks:
             chunk.runtime.aux_weight = 1.0 / max(global_real, 1.0)
-        rows = self._rows(batch)
-        prepared = [self._prepare(row, global_targets) for row in rows]
+        mbs = list(batch.micro_batches)
+        tokens = [mb.num_tokens for mb in mbs]
+        program = plan_step(self.pm.shape, tokens)
+        rows = [mb.padded(n, self.pad_id) for mb, n in zip(mbs, program.lengths)]
         mux = self.pm.multiplexer
         if mux is not None:
-            # Every rank learns every group's media and plans the encoder chunks, from host-side
-            # manifests (nothing is read back from the device); groups with fewer micro-batches
-            # run empty ones, so the encoder chunks line up.
-            n = mux.begin_step(prepared, [mux.describe(mb) for mb, _ in rows])
-            extra = self._placeholder_row(rows)
-            rows += [extra] * (n - len(rows))
-            prepared += [self._prepare(extra, global_targets) for _ in range(n - len(prepared))]
+            # Every rank learns every group's media from host-side manifests (nothing is read
+            # back from the device); groups with fewer micro-batches run empty ones, so the
+            # encoder chunks line up.
+            n = mux.gather([mux.describe(mb) for mb in rows], program.n_micro)
+            if n != program.n_micro:
+                program = plan_step(self.pm.shape, tokens, n)
+        cp = mbs[0].cp if mbs else None
+        rows += [MicroBatch.empty(cp).padded(n, self.pad_id) for n in program.lengths[len(rows):]]
+        prepared = [self._prepare((mb, real), global_targets) for mb, real in zip(rows, program.real)]
         for i, p in enumerate(prepared):
             p.index = i
-        return HostInputs(prepared, [mb.num_tokens for mb, _ in rows], global_targets, global_tokens)
+        if mux is not None:
+            mux.plan(program, prepared[:len(mbs)])
+        return HostInputs(program, prepared, global_targets, global_tokens)
 
-    def _forward_backward(self, prepared: list[Prepared], lengths: list[int],
-                          global_targets: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Forward and backward of the step's micro-batches: their CE sums and router losses
-        (detached, on the device), in micro-batch order."""
-        ce_parts: list[torch.Tensor] = []  # detached 0-dim device tensors
-        aux_parts: list[torch.Tensor] = []
+    def _forward_backward(self, program: StepProgram, prepared: list[Prepared]) -> tuple[list[torch.Tensor],
+                                                                                         list[torch.Tensor]]:
+        """Forward and backward of the step's micro-batches, as its program orders them on every
+        layout (one pipeline stage included): their CE sums and router losses (detached, on the
+        device), in the order they ran. Every micro-batch runs, empty ones too: FSDP, TP, CP and
+        EP collectives must happen the same number of times on every rank."""
+        log = StageLog()
         mux = self.pm.multiplexer
-        if self.pm.runner is not None:
-            for chunk in self.pm.chunks:
-                chunk.feed.reset(prepared)
-            with self._autocast():
-                if mux is not None:
-                    mux.before_pipeline()
-                # Between stages a TP rank holds its sequence shard of each row.
-                shards = [n // self.layout.sizes.tp for n in lengths]
-                if self._one_shape:
-                    self.pm.runner.run(shards[0], len(shards))
-                else:
-                    self.pm.runner.run(shards)
-                if mux is not None:
-                    mux.finish()
-            for chunk in self.pm.chunks:
-                ce_parts += chunk.feed.ce_sums
-                aux_parts += chunk.feed.aux_sums
-        else:
-            # Every micro-batch runs, placeholders too: FSDP, TP, CP and EP collectives must
-            # happen the same number of times on every rank.
-            defer = (not reduces_every_microbatch(self.layout.config, self.layout.sizes.pp)
-                     and isinstance(self.model, FSDPModule))
+        with self._autocast():
             if mux is not None:
                 mux.before_pipeline()
-            for i, p in enumerate(prepared):
-                if defer:  # reduce-scatter once, after the last micro-batch
-                    self.model.set_requires_gradient_sync(i == len(prepared) - 1)
-                if mux is not None:
-                    with self._autocast():
-                        mux.cut(i)  # this micro-batch's encoder chunk, and the previous one's backward
-                with self._autocast(), self._span("llm", f"forward mb{i}"):
-                    parts = self.model(p)
-                    loss = parts.ce_sum / global_targets
-                with self._span("llm", f"backward mb{i}"):
-                    loss.backward()
-                ce_parts.append(parts.ce_sum.detach())
-                if parts.aux_loss is not None:
-                    aux_parts.append(parts.aux_loss.detach())
+            self.pm.runner.run(program.programs, program.shards, prepared, log,
+                               at_cut=mux.cut if mux is not None and program.programs else None,
+                               at_tail=mux.tail if mux is not None and program.shape.tail_cuts else None)
             if mux is not None:
-                with self._autocast():
-                    mux.finish()
-        return ce_parts, aux_parts
+                mux.finish()
+        return log.ce_sums, log.aux_sums
 
     def _counts_loss(self) -> bool:
         """The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum: one counts it."""
         return self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
 
-    def _device_step(self, prepared: list[Prepared], lengths: list[int], global_targets: float,
-                     before_read: Callable[[], None] | None = None) -> dict[str, float]:
+    def _device_step(self, inputs: HostInputs, before_read: Callable[[], None] | None = None) -> dict[str, float]:
         """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
         step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
         norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
         test_no_host_sync.py holds it to that). ``before_read`` runs just before that read, while
         a GPU still works through the step. A fourth number rides along: whether this rank was
         asked to stop (a signal); summed over ranks, every rank stops after the same step."""
-        ce_parts, aux_parts = self._forward_backward(prepared, lengths, global_targets)
+        ce_parts, aux_parts = self._forward_backward(inputs.program, inputs.prepared)
+        lengths, global_targets = inputs.program.lengths, inputs.global_targets
         mux = self.pm.multiplexer
         self._mux_metrics = mux.step_metrics() if mux is not None else {}  # before the next step's plan
         self._phase("gradient sync")
@@ -425,7 +375,7 @@ class Trainer:
         forwards and backwards); its gradients are dropped here, and nothing else moves: no
         gradient sync, optimizer, lr schedule, guard or spike detector."""
         inputs = self._host_inputs(batch)
-        ce_parts, _ = self._forward_backward(inputs.prepared, inputs.lengths, inputs.global_targets)
+        ce_parts, _ = self._forward_backward(inputs.program, inputs.prepared)
         for p in self.pm.parameters():
             p.grad = None
         return ce_parts if self._counts_loss() else []

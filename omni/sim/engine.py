@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 from omni.multiplex.rules import BEFORE_PIPELINE, encoder_segments
 from omni.sim.encoders import BubbleTimes, ChunkTimes
 from omni.sim.timing import StageWork
-from parallel.pipeline_schedule import Action, encoder_backward_cuts, place_cuts, rank_programs
+from omni.step import StepShape, plan_step
+from parallel.pipeline_schedule import Action
 
 
 @dataclass
@@ -71,14 +72,12 @@ class StepTimeline:
 
 
 def programs(schedule: str, pp: int, virtual: int, n: int,
-             tails: tuple[int, ...] = ()) -> tuple[list[list[Action]], list[Optional[int]]]:
-    """Every pipeline rank's program with cuts (and the tail cuts ``tails``, where bubble calls
-    end), and the cut of each chunk's encoder backward."""
-    if pp == 1:
-        prog = [a for k in range(n) for a in (("cut", k, -1), ("f", 0, k), ("b", 0, k))]
-        return [prog], [j + 1 for j in range(n)]  # what the runtime uses without a pipeline
-    progs = place_cuts(rank_programs(schedule, pp, virtual, n), pp, virtual, n, tails)
-    return progs, encoder_backward_cuts(progs[0], n)
+             tail_cuts: bool = False) -> tuple[list[list[Action]], list[Optional[int]]]:
+    """Every pipeline rank's program with cuts (and tail cuts where bubble calls can end), and
+    the cut of each chunk's encoder backward: the step program the runtime runs
+    (``omni.step.plan_step``; pp = 1 included)."""
+    program = plan_step(StepShape(pp=pp, virtual=virtual, schedule=schedule, tail_cuts=tail_cuts), [], n)
+    return [list(p) for p in program.programs], list(program.backward_cuts)
 
 
 def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro: int,
@@ -107,7 +106,7 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
     two cells (either waits for the other), and the cell runs the backward there.
     ``first_stage_ready[i]``: the earliest the first stage's forward of micro-batch i may start
     (its encoder rows come from outside the pipeline: the disaggregated pool); None: no wait."""
-    progs, bwd_cuts = programs(schedule, pp, virtual, n_micro, tuple(sorted({b.tail for b in bubbles})))
+    progs, bwd_cuts = programs(schedule, pp, virtual, n_micro, tail_cuts=bool(bubbles))
     has_media = placement != "none" and any(c.items for c in chunks)
     call_of = list(range(n_micro)) if call_of is None else call_of
     p2p_exchange = exchange == "p2p"

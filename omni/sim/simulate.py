@@ -27,8 +27,7 @@ from omni.errors import ConfigError
 from omni.multiplex.bubbles import busy_ranks, closing_modalities, forward_unit_cost
 from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call,
                                   chunks_per_cut_candidates, chunks_per_cut_setting, cut_group_size, encoder_actions,
-                                  encoder_ranks, encoder_shard_group, fills_bubbles, forward_insertion_points,
-                                  memory_budget_setting)
+                                  encoder_ranks, forward_insertion_points, memory_budget_setting, step_fills_bubbles)
 from omni.sim import disaggregated, megatron
 from omni.sim import memory as mem
 from omni.sim import sync
@@ -42,9 +41,9 @@ from omni.sim.timing import BF16, Machine, StageWork, stage_work
 from parallel.config import ParallelConfig
 from parallel.sizing import (LayoutError, Sizes, check_model_fits, check_sequence, offload_layers,
                              reduces_every_microbatch, resolve_sizes)
-from parallel.pipeline_schedule import split_layers
+from omni.step import StepShape, plan_step
+from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, split_layers
 from parallel.rows import microbatch_count, microbatch_multiple, row_lengths
-from parallel.pipeline_schedule import EXECUTOR_SCHEDULES, bubble_windows
 
 GIB = 2.0**30
 
@@ -412,12 +411,11 @@ def _bubble_calls(cfg: SimConfig, spec: ModelSpec, m: Machine, sizes: Sizes, pla
     """The step's bubble calls where ``multiplex.fill_bubbles`` applies (the runtime's rule,
     ``fills_bubbles``), planned by the runtime's own selection."""
     mux, par, cluster = cfg.multiplex, cfg.parallel, cfg.cluster
-    shard = encoder_shard_group(mux.encoder_weights, int(mux.encoder_shard_group), cluster.gpus_per_node, len(members))
-    if not fills_bubbles(mux.fill_bubbles, placement, sizes, mux.encoder_weights, shard, mux.exchange):
+    if not step_fills_bubbles(dataclasses.replace(mux, placement=placement), sizes, cluster.gpus_per_node):
         return []
     pp, v = sizes.pp, par.pp_virtual_stages if sizes.pp > 1 else 1
     n = len(groups[0]) if groups else 0
-    windows = bubble_windows(par.pp_schedule, pp, v, n)
+    windows = list(plan_step(StepShape(pp=pp, virtual=v, schedule=par.pp_schedule, tail_cuts=True), [], n).windows)
     unit = {g: forward_unit_cost(costs, pp, v, sizes.tp * sizes.cp) for g, costs in llm_costs.items()}
     modalities = None
     if mux.encoder_weights != "replicated":

@@ -21,6 +21,7 @@ def _worker(rank, world, sizes, out_dir, mux_options=None):
     from layout_harness import build, global_batches
     from omni.runtime.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
+    from omni.step import plan_step
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout
 
@@ -39,7 +40,8 @@ def _worker(rank, world, sizes, out_dir, mux_options=None):
     prepared = [chunk.prepare(mb) for mb in rows]
     for i, p in enumerate(prepared):
         p.index = i
-    n = mux.begin_step(prepared, [mux.describe(mb) for mb in rows])
+    n = mux.gather([mux.describe(mb) for mb in rows], len(prepared))
+    mux.plan(plan_step(pm.shape, [mb.num_tokens for mb in rows], n), prepared)
     shard = {}
     problems = []
     seeds = torch.Generator().manual_seed(rank)

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from dist_helpers import run_ranks
-from parallel.pipeline_executor import DRAIN, MARKERS, Batch, P2P, bubble_windows, p2p_programs, place_cuts, rank_programs
+from parallel.pipeline_executor import DRAIN, Batch, P2P, p2p_programs
+from parallel.pipeline_schedule import MARKERS, bubble_windows, place_cuts, rank_programs
 
 SHAPE, DTYPE = (1, 5, 8), torch.bfloat16
 CASES = ([(s, pp, 1, n) for s in ("gpipe", "1f1b") for pp in (2, 4) for n in (1, 2, pp, pp + 1, 2 * pp, 3 * pp)]
@@ -218,12 +219,10 @@ class _Stage(torch.nn.Module):
     def __init__(self, sid, num_stages, seed, lin, lengths):
         super().__init__()
         self.sid, self.last, self.seed, self.lin, self.lengths = sid, sid == num_stages - 1, seed, lin, lengths
-        self.micro = 0
 
-    def forward(self, x):
+    def forward(self, x, micro, log):
         if self.sid == 0:
-            x = _input(self.seed, self.lengths, self.micro).unsqueeze(0)
-            self.micro += 1
+            x = _input(self.seed, self.lengths, micro).unsqueeze(0)
         y = torch.tanh(self.lin(x))
         return (y ** 2).sum() if self.last else y
 
@@ -268,13 +267,14 @@ def _gloo_worker(rank, world, out_dir):
         ids = [rank + c * world for c in range(virtual)]
         lengths = [MICRO_LENGTHS[i % len(MICRO_LENGTHS)] for i in range(n)]
         chunks = [_Stage(s, num_stages, seed, mods[s], lengths) for s in ids]
-        ex = PipelineExecutor(chunks, ids, num_stages, schedule, groups, torch.device("cpu"), HIDDEN, torch.float32)
+        ex = PipelineExecutor(chunks, ids, num_stages, groups, torch.device("cpu"), HIDDEN, torch.float32)
+        programs = place_cuts(rank_programs(schedule, world, virtual, n), world, virtual, n)
         issued.clear()
-        ex.run(lengths)
+        ex.run(programs, lengths, list(range(n)))
         name = {id(g): ch for ch, g in ex.groups.items()}
         got = [[(send, name[id(g)], peer, shape, dtype) for send, g, peer, shape, dtype in batch] for batch in issued]
         want = [[(op.send, b.channel, op.peer, op.shape, op.dtype) for op in b.ops]
-                for b in ex.p2p_programs(lengths)[rank] if isinstance(b, Batch)]
+                for b in ex.p2p_programs(programs, lengths)[rank] if isinstance(b, Batch)]
         assert {op[3][1] for b in want for op in b} == set(lengths)  # every micro-batch's own shape
         ref_seed, ref = _stage_modules(num_stages, LENGTH, HIDDEN)
         for i in range(n):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.pipeline_executor import bubble_windows, encoder_backward_cuts, place_cuts, rank_programs
+from parallel.pipeline_schedule import bubble_windows, encoder_backward_cuts, place_cuts, rank_programs
 
 CASES = [("gpipe", 2, 1, 4), ("gpipe", 4, 1, 6), ("1f1b", 2, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 2),
          ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 2, 8), ("interleaved_1f1b", 4, 2, 8),

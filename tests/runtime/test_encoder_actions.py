@@ -4,7 +4,7 @@ stage 0 has finished the micro-batch, grouped by multiplex.chunks_per_cut."""
 import pytest
 
 from omni.multiplex.rules import encoder_actions, encoder_segments
-from parallel.pipeline_executor import encoder_backward_cuts, place_cuts, rank_programs
+from parallel.pipeline_schedule import encoder_backward_cuts, place_cuts, rank_programs
 
 
 def _segments(acts, n, group, lookahead=0, placement="colocated", ready=None):

@@ -16,6 +16,7 @@ def _worker(rank, world, out_dir):
     from layout_harness import build, global_batches
     from omni.runtime.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
+    from omni.step import plan_step
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout
 
@@ -25,7 +26,8 @@ def _worker(rank, world, out_dir):
     rows = global_batches(96, ("image", "audio"))[0]
     manifests = [mux.describe(mb) for mb in rows]  # on the host, before the move
     prepared = [chunk.prepare(mb.to("meta")) for mb in rows]
-    n = mux.begin_step(prepared, manifests)
+    n = mux.gather(manifests, len(prepared))
+    mux.plan(plan_step(pm.shape, [mb.num_tokens for mb in rows], n), prepared)
     placed = {j: {m: (tuple(idx.shape), str(idx.device)) for src in mux._chunks[j].sources
                   for m, idx in src.need_idx.items()} for j in range(n)}
     tokens = [{m: int(media.num_tokens.sum()) for m, media in mb.media.items()} for mb in rows]
@@ -33,7 +35,7 @@ def _worker(rank, world, out_dir):
         pickle.dump({"n": n, "placed": placed, "tokens": tokens}, f)
 
 
-def test_begin_step_reads_nothing_from_the_device(tmp_path):
+def test_the_step_plan_reads_nothing_from_the_device(tmp_path):
     run_ranks(_worker, 1, str(tmp_path), timeout_s=120)
     result = pickle.load(open(tmp_path / "rank0.pkl", "rb"))
     assert result["n"] == len(result["tokens"]) > 0

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from omni.models.multimodal import LossParts, OmniModel
+from omni.models.multimodal import OmniModel
 from omni.runtime.guards import BadStepGuard, NonFiniteSteps, SpikeDetector
 from omni.runtime.trainer import Trainer
 from recipe_helpers import read_metrics, tiny_overrides, train
@@ -26,14 +26,12 @@ def _inject(monkeypatch, factor_at: dict[int, float]) -> dict:
         seen["step"] = self._step
         phase(self, name)
 
-    forward = OmniModel.forward
+    ce_sum = OmniModel._ce_sum
 
-    def poisoned(self, x):
-        out = forward(self, x)
+    def poisoned(self, h, p):
+        out = ce_sum(self, h, p)
         factor = factor_at.get(seen["step"])
-        if factor is None or not isinstance(out, LossParts):
-            return out
-        return out._replace(ce_sum=out.ce_sum * factor)
+        return out if factor is None else out * factor
 
     one_step = Trainer._one_step
 
@@ -46,7 +44,7 @@ def _inject(monkeypatch, factor_at: dict[int, float]) -> dict:
         return stats
 
     monkeypatch.setattr(Trainer, "_phase", track)
-    monkeypatch.setattr(OmniModel, "forward", poisoned)
+    monkeypatch.setattr(OmniModel, "_ce_sum", poisoned)
     monkeypatch.setattr(Trainer, "_one_step", snapshot)
     return seen
 
