@@ -280,7 +280,7 @@ class ClipTower(EncoderAnchor):
             return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
         return tensor
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
         if name == "embeddings.patch_embedding.weight":
@@ -390,7 +390,7 @@ class ClipEncoder(ClipTower):
         without one (a CLIP model of its own)."""
         return llava_pretrained_projector(path, "llava")
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def hf_preprocessor_config(self) -> Dict[str, Any]:
         """preprocessor_config.json of this tower's processor: a ``CLIPImageProcessor``, or a
         ``LlavaImageProcessor`` when it pads to a square (``params_from_preprocessor_config``

@@ -148,7 +148,7 @@ class LlavaNextEncoder(ClipTower):
         for a CLIP checkpoint of its own."""
         return llava_pretrained_projector(path, "llava_next", newline=True)
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def hf_layout_config(self) -> Dict[str, Any]:
         """The ``LlavaNextConfig`` fields of the feature choice and the tilings."""
         c = self.config

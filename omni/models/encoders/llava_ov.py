@@ -407,7 +407,7 @@ class LlavaOvEncoder(EncoderAnchor):
         for a SigLIP checkpoint of its own."""
         return llava_pretrained_projector(path, "llava_onevision", newline=True)
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def hf_vision_config(self) -> Dict[str, Any]:
         """The checkpoint's ``vision_config`` (a ``SiglipVisionConfig`` without the pooling head)."""
         c = self.config

@@ -526,7 +526,7 @@ class QwenVisionEncoder(EncoderAnchor):
         return {"norm": "layer" if self.config.variant == "qwen2_vl" else "rms",
                 "hidden": self.output_dim * self.tokens_per_row}
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
         if name == "patch_embed.weight":
