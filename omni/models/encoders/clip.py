@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from dataloading.media import MediaItem
-from omni.models.encoders.base import (EncoderAnchor, activation, check_sizes, transformer_activation_bytes,
-                                       transformer_flops)
+from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.images import center_cropped, normalisation_params, normalised, padded_to_square, resized, \
     rgb_uint8, shortest_edge_size
 from omni.models.encoders.siglip import sincos_2d

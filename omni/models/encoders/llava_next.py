@@ -31,7 +31,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import torch
 
 from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
-from omni.models.encoders.base import check_sizes, transformer_activation_bytes, transformer_flops
+from omni.models.encoders.base import check_sizes
+from omni.models.encoders.blocks import transformer_activation_bytes, transformer_flops
 from omni.models.encoders.clip import ClipEncoder, ClipEncoderConfig, ClipTower, llava_pretrained_projector
 from omni.models.encoders.llava_ov import LlavaOvProjector, simulated_anyres_image
 from omni.models.projector import PretrainedProjector

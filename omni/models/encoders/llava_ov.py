@@ -33,8 +33,8 @@ from torch import nn
 from dataloading.media import MediaItem
 from dataloading.video import frame_times, sample_count
 from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
-from omni.models.encoders.base import (EncoderAnchor, HostSizes, activation, check_sizes, transformer_activation_bytes,
-                                       transformer_flops)
+from omni.models.encoders.base import EncoderAnchor, HostSizes, check_sizes
+from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.clip import TOWER_PREFIXES, llava_pretrained_projector
 from omni.models.encoders.images import normalisation_params, resized, rgb_uint8
 from omni.models.encoders.siglip import sincos_2d

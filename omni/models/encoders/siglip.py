@@ -22,14 +22,8 @@ from torch import nn
 from dataloading.media import MediaItem
 from parallel.transfer import to_device
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
-from omni.models.encoders.base import (
-    EncoderAnchor,
-    activation,
-    check_sizes,
-    AttentionSpec,
-    transformer_activation_bytes,
-    transformer_flops,
-)
+from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.blocks import AttentionSpec, activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.vit import ViTLayers
 
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
-from omni.models.encoders.base import (AttentionSpec, EncoderAnchor, activation, check_sizes,
-                                       transformer_activation_bytes, transformer_flops)
+from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.blocks import AttentionSpec, activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.siglip import sincos_2d
 from omni.models.encoders.vit import ViTLayers

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omni.models.encoders.base import AttentionSpec, activation, packed_self_attention
+from omni.models.encoders.blocks import AttentionSpec, activation, packed_self_attention
 
 
 class ViTMLP(nn.Module):
