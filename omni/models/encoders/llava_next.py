@@ -12,7 +12,7 @@ features for the LLM.
   centred padding, ``image_size`` tiles), with CLIP's normalisation. Its ``size.shortest_edge``
   and ``crop_size`` resize and crop each square again; both must be ``image_size`` (then they
   leave the squares as they are).
-- **Projector** (``omni.models.encoders.llava_ov.LlavaOvProjector``): LLaVA's two-layer MLP on
+- **Projector** (``omni.models.encoders.anyres.LlavaOvProjector``): LLaVA's two-layer MLP on
   every tile token, then the base image's features, the tiles' grid unpadded to the image's
   aspect ratio with the learned ``image_newline`` after each row. LLaVA-NeXT has no
   ``anyres_max`` limit, so the grid is never shrunk (the layout's ``max_tiles`` is None). The
@@ -30,11 +30,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
+from omni.models.encoders.anyres import (AnyresImageProcessor, AnyresLayout, LlavaOvProjector, checked_pinpoints,
+                                         simulated_anyres_image)
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import transformer_activation_bytes, transformer_flops
-from omni.models.encoders.clip import ClipEncoder, ClipEncoderConfig, ClipTower, llava_pretrained_projector
-from omni.models.encoders.llava_ov import LlavaOvProjector, simulated_anyres_image
+from omni.models.encoders.clip import ClipEncoder, ClipEncoderConfig, ClipTower
+from omni.models.encoders.llava_projector import llava_pretrained_projector
 from omni.models.projector import PretrainedProjector
 
 
@@ -120,7 +121,7 @@ class LlavaNextEncoder(ClipTower):
                                             self.activation_checkpoint)
 
     def simulated_item(self, units: int) -> Tuple[int, int]:
-        """Base image and anyres tiles (``llava_ov.simulated_anyres_image``), ``side``^2 patch
+        """Base image and anyres tiles (``anyres.simulated_anyres_image``), ``side``^2 patch
         tokens a square (its class token's cost is in ``cost_coefficients``)."""
         return simulated_anyres_image(self.config.layout, units)
 

@@ -11,7 +11,7 @@ lays the tiles' features out for the LLM.
   (``omni.models.encoders.anyres``), a video its frames, each square of ``image_size`` pixels.
   An item's size is ``(squares, height, width, video)``: the number of squares, the original
   height and width in pixels (the image's; a video's frame size), and 1 for a video.
-- **Projector** (``LlavaOvProjector``): LLaVA's two-layer MLP on every tile token, then each
+- **Projector** (``anyres.LlavaOvProjector``): LLaVA's two-layer MLP on every tile token, then each
   item laid out from its size: tiles stitched, unpadded, shrunk and a learned ``image_newline``
   after each row (base image first); video frames pooled 2 x 2 and one newline at the end.
   The rearrangement needs whole items, so the tower does not run sequence-parallel.
@@ -21,25 +21,25 @@ as described there (not copied); the parity tests hold it to them.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dataloading.media import MediaItem
 from dataloading.video import frame_times, sample_count
-from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
-from omni.models.encoders.base import EncoderAnchor, HostSizes, check_sizes
+from omni.models.encoders.anyres import (AnyresImageProcessor, AnyresLayout, LlavaOvProjector, checked_pinpoints,
+                                         simulated_anyres_image)
+from omni.models.encoders.base import EncoderAnchor, check_sizes
 from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
-from omni.models.encoders.clip import TOWER_PREFIXES, llava_pretrained_projector
+from omni.models.encoders.clip import TOWER_PREFIXES
+from omni.models.encoders.llava_projector import llava_pretrained_projector
 from omni.models.encoders.images import normalisation_params, resized, rgb_uint8
 from omni.models.encoders.siglip import sincos_2d
 from omni.models.encoders.vit import ViTLayers
-from omni.models.projector import PretrainedProjector, Projector
+from omni.models.projector import PretrainedProjector
 
 _BICUBIC = 3  # PIL's code for bicubic resampling (transformers' PILImageResampling.BICUBIC)
 _ASPECT = re.compile(r"^anyres_max_(\d+)$")
@@ -177,15 +177,6 @@ class LlavaOvProcessor(AnyresImageProcessor):
                          num_tokens=self.layout.video_tokens(n))
 
 
-def simulated_anyres_image(layout: AnyresLayout, units: int) -> Tuple[int, int]:
-    """(tower tokens, LLM rows) of an image of about ``units`` patches for the simulator: a
-    square of sqrt(units) patches, cut into its base image and tiles as the layout cuts it
-    (``side``^2 tokens a square), its rows the layout's (unpadded, shrunk, newlines)."""
-    px = max(1, round(math.sqrt(units) * layout.patch_size))
-    r, c = layout.tiles(px, px)
-    return (1 + r * c) * layout.side ** 2, layout.image_tokens(px, px)
-
-
 class _Embeddings(nn.Module):
     def __init__(self, c: LlavaOvEncoderConfig):
         super().__init__()
@@ -193,71 +184,6 @@ class _Embeddings(nn.Module):
         self.position_embedding = nn.Embedding(c.side ** 2, c.hidden_size)
         with torch.no_grad():  # from scratch: where a patch sits is readable from step 0 (see siglip)
             self.position_embedding.weight.copy_(sincos_2d(c.side, c.hidden_size))
-
-
-class LlavaOvProjector(Projector):
-    """LLaVA-OneVision's (and LLaVA-NeXT's: its ``layout`` has no ``max_tiles``, no video)
-    ``multi_modal_projector`` (``fc1``/``fc2``: its ``linear_1``/``linear_2``) on every tower
-    token, then each item laid out by ``layout`` from its size (module doc), with the learned
-    ``image_newline`` (as wide as the LLM). Needs the items' sizes: rows that are
-    pieces of items (``sizes`` None) are refused."""
-
-    def __init__(self, in_dim: int, out_dim: int, layout: AnyresLayout, **kwargs: Any):
-        super().__init__(in_dim, out_dim, **kwargs)
-        if self.merge != 1:
-            raise ValueError("the anyres (LLaVA-NeXT / OneVision) projector maps each tower token alone (merge 1)")
-        self.layout = layout
-        self.image_newline = nn.Parameter(torch.randn(out_dim) * out_dim ** -0.5)
-
-    def init_rule(self, owner: nn.Module, path: str, attr: str):
-        """The newline as transformers draws it (normal, std = width^-0.5); the rest torch's defaults."""
-        if path == "" and attr == "image_newline":
-            from omni.models.materialize import Normal
-
-            return Normal(self.image_newline.shape[0] ** -0.5)
-        return None
-
-    def forward(self, x: torch.Tensor, sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
-        sizes = HostSizes.unwrap(sizes)
-        if sizes is None:
-            raise ValueError("the anyres (LLaVA-NeXT / OneVision) projector lays out whole items and needs their sizes")
-        y = super().forward(x)
-        s, d = self.layout.side, y.shape[1]
-        newline = self.image_newline.to(y.dtype)
-        out, start = [], 0
-        for squares, h, w, video in sizes.tolist():
-            item = y[start:start + squares * s * s]
-            start += squares * s * s
-            if video:
-                out.append(self._pooled(item.view(squares, s, s, d)))
-                out.append(newline[None])
-            elif squares == 1:
-                out += [item, newline[None]]
-            else:
-                out += [item[:s * s], self._tiled(item[s * s:], squares - 1, h, w, newline)]
-        if start != y.shape[0]:
-            raise ValueError(f"LlavaOvProjector: sizes describe {start} tower tokens but got {y.shape[0]}")
-        return torch.cat(out) if out else y[:0]
-
-    def _pooled(self, frames: torch.Tensor) -> torch.Tensor:
-        """[n, s, s, D] -> [n * p * p, D], each frame bilinearly scaled to p = ceil(s / 2)."""
-        p = self.layout.pooled_side
-        pooled = F.interpolate(frames.permute(0, 3, 1, 2), size=(p, p), mode="bilinear")
-        return pooled.permute(0, 2, 3, 1).reshape(-1, frames.shape[-1])
-
-    def _tiled(self, tiles: torch.Tensor, n: int, height: int, width: int, newline: torch.Tensor) -> torch.Tensor:
-        """The tiles' tokens [n * s * s, D] -> the unpadded, shrunk grid with a newline after each row."""
-        s, d = self.layout.side, tiles.shape[1]
-        r, c, top, rows, left, cols = self.layout.image_grid(height, width)
-        if r * c != n:
-            raise ValueError(f"an image of {height}x{width} pixels has {r}x{c} tiles, but its item holds {n}")
-        grid = tiles.view(r, c, s, s, d).permute(4, 0, 2, 1, 3).reshape(d, r * s, c * s)
-        grid = grid[:, top:top + rows, left:left + cols]
-        small = self.layout.shrunk(rows, cols)
-        if small != (rows, cols):
-            grid = F.interpolate(grid[None], size=small, mode="bilinear")[0]
-        grid = torch.cat([grid, newline[:, None, None].expand(d, grid.shape[1], 1)], dim=2)
-        return grid.flatten(1).transpose(0, 1)
 
 
 class LlavaOvEncoder(EncoderAnchor):

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from omni.models.encoders.clip import LLAVA_ACTIVATIONS, llava_projector_names
+from omni.models.encoders.llava_projector import LLAVA_ACTIVATIONS, llava_projector_names
 from omni.models.hf_io import native_state_dict_to_hf, write_safetensors
 from omni.models.multimodal import OmniModel
 

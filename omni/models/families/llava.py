@@ -14,7 +14,8 @@ import os
 from typing import Any, Mapping, Optional
 
 from dataloading.tokenizer import Tokenizer
-from omni.models.encoders.clip import ClipEncoder, llava_projector_names
+from omni.models.encoders.clip import ClipEncoder
+from omni.models.encoders.llava_projector import llava_projector_names
 from omni.models.encoders.siglip import SiglipEncoder
 from omni.models.families._hf_export import (language_model, llava_projector_act, only_image_encoder, split_ids,
                                              write_checkpoint, write_processor_config)
