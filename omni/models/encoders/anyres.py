@@ -279,3 +279,37 @@ class LlavaOvProjector(Projector):
             grid = F.interpolate(grid[None], size=small, mode="bilinear")[0]
         grid = torch.cat([grid, newline[:, None, None].expand(d, grid.shape[1], 1)], dim=2)
         return grid.flatten(1).transpose(0, 1)
+
+
+class AnyresTower:
+    """What the towers on anyres items (LLaVA-NeXT's, LLaVA-OneVision's) do alike, mixed in
+    before the tower's class: an item is ``squares`` squares of side^2 patches (one feature row
+    each); ``LlavaOvProjector`` lays it out, LLaVA's MLP as wide as the LLM (so that a model
+    trained from scratch exports); the simulator draws an image as ``simulated_anyres_image``
+    (``side``^2 tokens a square: a class token's cost is the tower's ``cost_coefficients``);
+    the checkpoint config's fields of the feature choice and the tilings. Reads ``config``'s
+    ``layout``, ``side``, ``vision_feature_layer``, ``vision_feature_select_strategy`` and
+    ``image_grid_pinpoints``."""
+
+    def new_projector(self, llm_width: int, **kwargs: Any) -> LlavaOvProjector:
+        return LlavaOvProjector(self.output_dim, llm_width, self.config.layout, **kwargs)
+
+    def fresh_projector(self) -> Dict[str, Any]:
+        """LLaVA's MLP: as wide as the LLM, so that a model trained from scratch exports."""
+        return {"hidden_mult": 1.0}
+
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        """One feature row per patch: squares * side^2 per item."""
+        return [int(row[0]) * self.config.side ** 2 for row in sizes.tolist()]
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """Base image and anyres tiles (``simulated_anyres_image``)."""
+        return simulated_anyres_image(self.config.layout, units)
+
+    # --- export (omni.models.families) ---------------------------------------------------------
+    def hf_layout_config(self) -> Dict[str, Any]:
+        """The family config's fields of the feature choice and the tilings."""
+        c = self.config
+        return {"vision_feature_layer": c.vision_feature_layer,
+                "vision_feature_select_strategy": c.vision_feature_select_strategy,
+                "image_grid_pinpoints": [list(p) for p in c.image_grid_pinpoints]}

@@ -30,18 +30,15 @@ from torch import nn
 
 from dataloading.media import MediaItem
 from dataloading.video import frame_times, sample_count
-from omni.models.encoders.anyres import (AnyresImageProcessor, AnyresLayout, LlavaOvProjector, checked_pinpoints,
-                                         simulated_anyres_image)
-from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, AnyresTower, checked_pinpoints
+from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.clip import TOWER_PREFIXES
 from omni.models.encoders.llava_projector import llava_pretrained_projector
-from omni.models.encoders.images import normalisation_params, resized, rgb_uint8
-from omni.models.encoders.siglip import sincos_2d
-from omni.models.encoders.vit import ViTLayers
+from omni.models.encoders.images import normalisation_params, refuse_unsupported_steps, resized, rgb_uint8
+from omni.models.encoders.vit import FeatureLayerTower, PatchEmbeddings, ViTLayers, feature_layers_run, square
 from omni.models.projector import PretrainedProjector
 
-_BICUBIC = 3  # PIL's code for bicubic resampling (transformers' PILImageResampling.BICUBIC)
 _ASPECT = re.compile(r"^anyres_max_(\d+)$")
 
 
@@ -81,18 +78,11 @@ class LlavaOvEncoderConfig:
 
     def __post_init__(self) -> None:
         for key in ("image_size", "patch_size"):
-            value = getattr(self, key)
-            if isinstance(value, (list, tuple)):
-                if len(set(value)) != 1:
-                    raise ValueError(f"LlavaOvEncoder needs a square {key}, got {value}")
-                setattr(self, key, int(value[0]))
+            setattr(self, key, square(getattr(self, key), key, "LlavaOvEncoder"))
         if not isinstance(self.vision_feature_layer, int):
             raise ValueError(f"vision_feature_layer={self.vision_feature_layer}: features concatenated from several "
                              f"layers are not supported; the llava_ov encoder takes one layer")
-        n = self.num_hidden_layers
-        if not -(n + 1) <= self.vision_feature_layer <= n:
-            raise ValueError(f"vision_feature_layer={self.vision_feature_layer} is not a hidden state of a tower of {n} "
-                             f"layers (use {-(n + 1)}..{n})")
+        feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
         if self.vision_feature_select_strategy != "full":
             raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r}: a SigLIP tower has "
                              f"no class token to drop; LLaVA-OneVision takes 'full'")
@@ -124,8 +114,7 @@ class LlavaOvEncoderConfig:
 
     @property
     def layers_run(self) -> int:
-        layer = self.vision_feature_layer
-        return layer if layer >= 0 else self.num_hidden_layers + 1 + layer
+        return feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
 
     @property
     def layout(self) -> AnyresLayout:
@@ -177,60 +166,33 @@ class LlavaOvProcessor(AnyresImageProcessor):
                          num_tokens=self.layout.video_tokens(n))
 
 
-class _Embeddings(nn.Module):
-    def __init__(self, c: LlavaOvEncoderConfig):
-        super().__init__()
-        self.patch_embedding = nn.Linear(c.num_channels * c.patch_size ** 2, c.hidden_size)
-        self.position_embedding = nn.Embedding(c.side ** 2, c.hidden_size)
-        with torch.no_grad():  # from scratch: where a patch sits is readable from step 0 (see siglip)
-            self.position_embedding.weight.copy_(sincos_2d(c.side, c.hidden_size))
-
-
-class LlavaOvEncoder(EncoderAnchor):
+class LlavaOvEncoder(AnyresTower, FeatureLayerTower):
     """LLaVA-OneVision's SigLIP tower (see the module doc).
 
     ``forward(features [sum squares*side*side, C*P*P], sizes int64 [n, 4])`` -> the chosen
     hidden state of every patch of every square, item after item. Parameter names equal
     transformers' ``SiglipVisionModel``'s (its head apart), so a checkpoint loads key by key."""
 
-    modality: ClassVar[str] = "image"
     Config: ClassVar[type] = LlavaOvEncoderConfig
     hf_model_types: ClassVar[Tuple[str, ...]] = ("llava_onevision", "siglip_vision_model", "siglip")
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = TOWER_PREFIXES
+    plugin: ClassVar[str] = "llava_ov"
+    tower_name: ClassVar[str] = "SigLIP"
+    vision_model_type: ClassVar[str] = "siglip_vision_model"
+    hf_vision_extra: ClassVar[Dict[str, Any]] = {"vision_use_head": False}  # no pooling head
 
     def __init__(self, config: LlavaOvEncoderConfig):
         super().__init__(config)
         c = config
         self.output_dim = c.hidden_size
-        self.embeddings = _Embeddings(c)
+        self.embeddings = PatchEmbeddings(c.num_channels, c.patch_size, c.side, c.hidden_size)
         self.encoder = ViTLayers(c)
         self.post_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        # Never run: frozen, so that no optimizer step moves weights that only travel with the checkpoint.
-        for unused in [*self.encoder.layers[c.layers_run:], self.post_layernorm]:
-            unused.requires_grad_(False)
+        self.freeze_unused()
 
     @classmethod
     def processor(cls, config: LlavaOvEncoderConfig) -> LlavaOvProcessor:
         return LlavaOvProcessor(cls.build_config(config))
-
-    def new_projector(self, llm_width: int, **kwargs: Any) -> LlavaOvProjector:
-        return LlavaOvProjector(self.output_dim, llm_width, self.config.layout, **kwargs)
-
-    def fresh_projector(self) -> Dict[str, Any]:
-        """LLaVA's MLP: as wide as the LLM, so that a model trained from scratch exports."""
-        return {"hidden_mult": 1.0}
-
-    def init_rule(self, owner: nn.Module, path: str, attr: str):
-        if path == "embeddings.position_embedding" and attr == "weight":
-            from omni.models.materialize import Computed
-
-            c = self.config
-            return Computed(lambda: sincos_2d(c.side, c.hidden_size))
-        return None
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """One feature row per patch: squares * side^2 per item."""
-        return [int(row[0]) * self.config.side ** 2 for row in sizes.tolist()]
 
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -258,17 +220,6 @@ class LlavaOvEncoder(EncoderAnchor):
                                             self.activation_checkpoint)
 
     # --- what the simulator asks (omni.sim.spec) ------------------------------------------------
-    def attention_heads(self) -> int:
-        return self.config.num_attention_heads
-
-    def layer_modules(self) -> List[nn.Module]:
-        """The layers that run (up to ``vision_feature_layer``); the rest never do."""
-        return list(self.encoder.layers[:self.config.layers_run])
-
-    def simulated_item(self, units: int) -> Tuple[int, int]:
-        """Base image and anyres tiles (``simulated_anyres_image``)."""
-        return simulated_anyres_image(self.config.layout, units)
-
     def simulated_clip(self, frames: int, units: int) -> Tuple[int, int, int]:
         """One item: the frames sampled within [min_frames, max_frames], each squashed to one
         square whatever its size; its rows the pooled frames and a newline."""
@@ -291,41 +242,17 @@ class LlavaOvEncoder(EncoderAnchor):
                        vision_feature_select_strategy=config.vision_feature_select_strategy,
                        image_grid_pinpoints=[list(p) for p in config.image_grid_pinpoints],
                        vision_aspect_ratio=config.vision_aspect_ratio)
-        vision = config if kind == "siglip_vision_model" else config.vision_config
-        if vision.model_type != "siglip_vision_model":
-            raise ValueError(f"this {kind} checkpoint's vision tower is {vision.model_type!r}; the llava_ov encoder "
-                             f"loads SigLIP towers (siglip_vision_model) only")
-        v = vision.to_dict()
-        out.update({k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                      "num_channels", "image_size", "patch_size", "layer_norm_eps", "hidden_act")})
+        out.update(cls.vision_params(config if kind == "siglip_vision_model" else config.vision_config, kind))
         return out
 
     @classmethod
     def params_from_preprocessor_config(cls, pp: Dict[str, Any]) -> Dict[str, Any]:
         """A ``LlavaOnevisionImageProcessor`` preprocessor_config.json -> params (its
         normalisation); settings the processor does not follow are refused, naming the key."""
-        for key in ("do_resize", "do_rescale", "do_normalize", "do_pad"):
-            if pp.get(key) is False:
-                raise ValueError(f"preprocessor_config.json: {key}=false is not supported by the llava_ov processor")
+        refuse_unsupported_steps(pp, "the llava_ov processor", ("do_resize", "do_rescale", "do_normalize", "do_pad"))
         if pp.get("do_center_crop"):
             raise ValueError("preprocessor_config.json: do_center_crop=true is not supported by the llava_ov processor")
-        if pp.get("resample", _BICUBIC) != _BICUBIC:
-            raise ValueError(f"preprocessor_config.json: resample={pp['resample']} is not supported (bicubic, 3, is)")
-        if abs(float(pp.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
-            raise ValueError(f"preprocessor_config.json: rescale_factor={pp['rescale_factor']} is not supported")
         return normalisation_params(pp)
-
-    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
-            return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
-        return tensor
-
-    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
-        if name == "embeddings.patch_embedding.weight":
-            c = self.config
-            return tensor.reshape(tensor.shape[0], c.num_channels, c.patch_size, c.patch_size)
-        return tensor
 
     @classmethod
     def pretrained_projector(cls, path: str) -> Optional[PretrainedProjector]:
@@ -334,19 +261,6 @@ class LlavaOvEncoder(EncoderAnchor):
         return llava_pretrained_projector(path, "llava_onevision", newline=True)
 
     # --- export (omni.models.families) ---------------------------------------------------------
-    def hf_vision_config(self) -> Dict[str, Any]:
-        """The checkpoint's ``vision_config`` (a ``SiglipVisionConfig`` without the pooling head)."""
-        c = self.config
-        return {"model_type": "siglip_vision_model", "hidden_size": c.hidden_size,
-                "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-                "num_attention_heads": c.num_attention_heads, "num_channels": c.num_channels,
-                "image_size": c.image_size, "patch_size": c.patch_size, "layer_norm_eps": c.layer_norm_eps,
-                "hidden_act": c.hidden_act, "vision_use_head": False}
-
     def hf_layout_config(self) -> Dict[str, Any]:
         """The ``LlavaOnevisionConfig`` fields of the feature choice and the layout."""
-        c = self.config
-        return {"vision_feature_layer": c.vision_feature_layer,
-                "vision_feature_select_strategy": c.vision_feature_select_strategy,
-                "image_grid_pinpoints": [list(p) for p in c.image_grid_pinpoints],
-                "vision_aspect_ratio": c.vision_aspect_ratio}
+        return {**super().hf_layout_config(), "vision_aspect_ratio": self.config.vision_aspect_ratio}
