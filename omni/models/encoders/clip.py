@@ -30,8 +30,9 @@ from torch import nn
 from dataloading.media import MediaItem
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
-from omni.models.encoders.images import (BICUBIC, center_cropped, normalisation_params, normalised, padded_to_square,
-                                         refuse_unsupported_steps, resized, rgb_uint8, shortest_edge_size)
+from omni.models.encoders.images import (BICUBIC, center_cropped, checked_mean_std, normalisation_params, normalised,
+                                         padded_to_square, refuse_unsupported_steps, resized, rgb_uint8,
+                                         shortest_edge_size)
 from omni.models.encoders.llava_projector import llava_pretrained_projector
 from omni.models.encoders.vit import FeatureLayerTower, ViTLayers, feature_layers_run, sincos_2d, square
 from omni.models.projector import PretrainedProjector
@@ -97,10 +98,7 @@ class ClipEncoderConfig:
                              f"(CLIP's position table has no other size); set crop_size to image_size")
         if self.shortest_edge is not None and self.shortest_edge < 1:
             raise ValueError(f"shortest_edge must be >= 1, got {self.shortest_edge}")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
 
     @property

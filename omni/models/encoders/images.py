@@ -109,3 +109,13 @@ def refuse_unsupported_steps(pp: Mapping[str, Any], who: str,
         raise ValueError(f"preprocessor_config.json: resample={pp['resample']} is not supported (bicubic, 3, is)")
     if abs(float(pp.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
         raise ValueError(f"preprocessor_config.json: rescale_factor={pp['rescale_factor']} is not supported (1/255 is)")
+
+
+def checked_mean_std(mean: Sequence[float], std: Sequence[float], channels: int,
+                     key: str = "num_channels") -> tuple[list[float], list[float]]:
+    """A config's ``image_mean`` / ``image_std`` as floats, one per channel (``key``: the
+    config's name of the channel count, for the message)."""
+    mean, std = [float(v) for v in mean], [float(v) for v in std]
+    if len(mean) != channels or len(std) != channels:
+        raise ValueError(f"image_mean and image_std need {channels} values ({key})")
+    return mean, std

@@ -35,7 +35,8 @@ from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.clip import TOWER_PREFIXES
 from omni.models.encoders.llava_projector import llava_pretrained_projector
-from omni.models.encoders.images import normalisation_params, refuse_unsupported_steps, resized, rgb_uint8
+from omni.models.encoders.images import (checked_mean_std, normalisation_params, refuse_unsupported_steps, resized,
+                                         rgb_uint8)
 from omni.models.encoders.vit import FeatureLayerTower, PatchEmbeddings, ViTLayers, feature_layers_run, square
 from omni.models.projector import PretrainedProjector
 
@@ -99,10 +100,7 @@ class LlavaOvEncoderConfig:
         self.image_grid_pinpoints = checked_pinpoints(self.image_grid_pinpoints, self.image_size)
         if _ASPECT.match(str(self.vision_aspect_ratio)) is None:
             raise ValueError(f"vision_aspect_ratio={self.vision_aspect_ratio!r} is not of the form anyres_max_N")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         if not 1 <= self.min_frames <= self.max_frames or not self.video_fps > 0:
             raise ValueError(f"need video_fps > 0 and 1 <= min_frames ({self.min_frames}) <= max_frames "
                              f"({self.max_frames})")

@@ -39,7 +39,7 @@ from omni.kernels.segment_attention import segment_attention
 from omni.models.attention import PackedSegments, uses_varlen_kernels
 from omni.models.encoders.base import EncoderAnchor, check_sizes
 from omni.models.encoders.blocks import activation
-from omni.models.encoders.images import normalisation_params
+from omni.models.encoders.images import checked_mean_std, normalisation_params
 from omni.models.encoders.qwen_vl_processor import QwenVisionProcessor
 from omni.models.encoders.qwen_vl_windows import merge_order_positions, window_order
 from omni.models.llm.layers import RMSNorm
@@ -99,10 +99,7 @@ class QwenVisionConfig:
         self.tokens_per_second = int(self.tokens_per_second)
         if not self.tokens_per_second > 0:
             raise ValueError(f"tokens_per_second must be > 0, got {self.tokens_per_second}")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.in_channels or len(self.image_std) != self.in_channels:
-            raise ValueError(f"image_mean and image_std need {self.in_channels} values (in_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.in_channels, "in_channels")
 
     @property
     def head_dim(self) -> int:

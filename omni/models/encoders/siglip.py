@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from dataloading.media import MediaItem
 from parallel.transfer import to_device
-from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
+from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation
 from omni.models.encoders.vit import PackedViT, PatchEmbeddings, square
@@ -65,10 +65,7 @@ class SiglipEncoderConfig:
                              f"at least spatial_merge^2")
         if not 1 <= self.min_patches <= self.max_patches:
             raise ValueError(f"need 1 <= min_patches ({self.min_patches}) <= max_patches ({self.max_patches})")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from dataloading.media import MediaItem
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation
-from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
+from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.vit import PackedViT, PatchEmbeddings, square
 
 # The resize rule's search: the scale of an image is looked for in [SCALE_TOL / 10, MAX_SCALE]
@@ -74,10 +74,7 @@ class Siglip2EncoderConfig:
             self.max_num_patches = self.num_patches
         if self.max_num_patches < 1:
             raise ValueError(f"max_num_patches must be >= 1, got {self.max_num_patches}")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
 
     @property
