@@ -41,7 +41,8 @@ def child(images: int, layers: int, limit_gib: float) -> dict:
 
     import torch
 
-    from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder, smart_resize
+    from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
+    from omni.models.encoders.qwen_vl_processor import smart_resize
 
     limit = int(limit_gib * GIB)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

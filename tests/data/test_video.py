@@ -24,7 +24,8 @@ from dataloading.shards import write_shards
 from dataloading.tokenizer import ByteTokenizer
 from dataloading.video import decode_video, frame_times, sample_count, video_meta
 from media_helpers import clip_bytes as media_clip_bytes
-from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder, merge_order_positions
+from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
+from omni.models.encoders.qwen_vl_windows import merge_order_positions
 
 av = pytest.importorskip("av")
 

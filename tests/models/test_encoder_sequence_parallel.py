@@ -12,7 +12,8 @@ from torch import nn
 # dist_helpers lives beside the parallel tests; spawned ranks inherit sys.path.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"))
 from dist_helpers import run_ranks  # noqa: E402
-from omni.models.encoders.base import EncoderAnchor, packed_segment_ids  # noqa: E402
+from omni.models.encoders.base import EncoderAnchor  # noqa: E402
+from omni.models.encoders.blocks import packed_segment_ids  # noqa: E402
 from omni.models.encoders.sequence_parallel import encode_chunk, encode_long_items, piece_bounds  # noqa: E402
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from omni.models.encoders.qwen_vl import (QwenVisionConfig, QwenVisionEncoder, merge_order_positions, smart_resize,
-                                          window_ids)
+from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
+from omni.models.encoders.qwen_vl_processor import smart_resize
+from omni.models.encoders.qwen_vl_windows import merge_order_positions, window_ids
 
 transformers = pytest.importorskip("transformers")
 

@@ -161,7 +161,7 @@ def test_from_scratch_position_table_varies_in_every_channel():
     """Where a patch sits must be readable from every frequency of the initial 2D sin-cos table
     (the demo's 8x8 grid): with MAE's temperature of 10000 most of them barely change across it
     (the slowest sine spans 7e-4 there)."""
-    from omni.models.encoders.siglip import sincos_2d
+    from omni.models.encoders.vit import sincos_2d
 
     side, dim = 8, 96
     quarter = dim // 4

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from omni.models.build import build_model
 from omni.models.config import EncoderSlot, ModelConfig
-from omni.models.hf_vlm import export_llava, export_qwen_vl
+from omni.models.families.llava import export_llava
+from omni.models.families.qwen_vl import export_qwen_vl
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,8 +21,8 @@ never disagree:
 An item without tiles (``base_only``: the base image and one newline) is what transformers makes
 of the images of a sample with several of them (OneVision).
 
-``AnyresImageProcessor`` cuts the pixels; the projector that lays the features out is
-``omni.models.encoders.llava_ov.LlavaOvProjector``.
+``AnyresImageProcessor`` cuts the pixels; ``LlavaOvProjector`` (both families' projector) lays
+the features out; ``simulated_anyres_image`` is what the simulator draws of an image.
 """
 from __future__ import annotations
 
@@ -33,9 +33,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dataloading.media import MediaItem
+from omni.models.encoders.base import HostSizes
 from omni.models.encoders.images import normalised, padded_to_square, resized, rgb_uint8
+from omni.models.projector import Projector
 
 
 def best_resolution(height: int, width: int, pinpoints: Sequence[Sequence[int]]) -> Tuple[int, int]:
@@ -201,3 +205,111 @@ class AnyresImageProcessor:
         squares = self.squares(img)
         return MediaItem(features=self._patches(squares), size=(len(squares), h, w, 0),
                          num_tokens=self.layout.image_tokens(h, w, base_only=not self.anyres))
+
+
+def simulated_anyres_image(layout: AnyresLayout, units: int) -> Tuple[int, int]:
+    """(tower tokens, LLM rows) of an image of about ``units`` patches for the simulator: a
+    square of sqrt(units) patches, cut into its base image and tiles as the layout cuts it
+    (``side``^2 tokens a square), its rows the layout's (unpadded, shrunk, newlines)."""
+    px = max(1, round(math.sqrt(units) * layout.patch_size))
+    r, c = layout.tiles(px, px)
+    return (1 + r * c) * layout.side ** 2, layout.image_tokens(px, px)
+
+
+class LlavaOvProjector(Projector):
+    """LLaVA-OneVision's (and LLaVA-NeXT's: its ``layout`` has no ``max_tiles``, no video)
+    ``multi_modal_projector`` (``fc1``/``fc2``: its ``linear_1``/``linear_2``) on every tower
+    token, then each item laid out by ``layout`` from its size (module doc), with the learned
+    ``image_newline`` (as wide as the LLM). Needs the items' sizes: rows that are
+    pieces of items (``sizes`` None) are refused."""
+
+    def __init__(self, in_dim: int, out_dim: int, layout: AnyresLayout, **kwargs: Any):
+        super().__init__(in_dim, out_dim, **kwargs)
+        if self.merge != 1:
+            raise ValueError("the anyres (LLaVA-NeXT / OneVision) projector maps each tower token alone (merge 1)")
+        self.layout = layout
+        self.image_newline = nn.Parameter(torch.randn(out_dim) * out_dim ** -0.5)
+
+    def init_rule(self, owner: nn.Module, path: str, attr: str):
+        """The newline as transformers draws it (normal, std = width^-0.5); the rest torch's defaults."""
+        if path == "" and attr == "image_newline":
+            from omni.models.materialize import Normal
+
+            return Normal(self.image_newline.shape[0] ** -0.5)
+        return None
+
+    def forward(self, x: torch.Tensor, sizes: Optional[torch.Tensor] = None) -> torch.Tensor:
+        sizes = HostSizes.unwrap(sizes)
+        if sizes is None:
+            raise ValueError("the anyres (LLaVA-NeXT / OneVision) projector lays out whole items and needs their sizes")
+        y = super().forward(x)
+        s, d = self.layout.side, y.shape[1]
+        newline = self.image_newline.to(y.dtype)
+        out, start = [], 0
+        for squares, h, w, video in sizes.tolist():
+            item = y[start:start + squares * s * s]
+            start += squares * s * s
+            if video:
+                out.append(self._pooled(item.view(squares, s, s, d)))
+                out.append(newline[None])
+            elif squares == 1:
+                out += [item, newline[None]]
+            else:
+                out += [item[:s * s], self._tiled(item[s * s:], squares - 1, h, w, newline)]
+        if start != y.shape[0]:
+            raise ValueError(f"LlavaOvProjector: sizes describe {start} tower tokens but got {y.shape[0]}")
+        return torch.cat(out) if out else y[:0]
+
+    def _pooled(self, frames: torch.Tensor) -> torch.Tensor:
+        """[n, s, s, D] -> [n * p * p, D], each frame bilinearly scaled to p = ceil(s / 2)."""
+        p = self.layout.pooled_side
+        pooled = F.interpolate(frames.permute(0, 3, 1, 2), size=(p, p), mode="bilinear")
+        return pooled.permute(0, 2, 3, 1).reshape(-1, frames.shape[-1])
+
+    def _tiled(self, tiles: torch.Tensor, n: int, height: int, width: int, newline: torch.Tensor) -> torch.Tensor:
+        """The tiles' tokens [n * s * s, D] -> the unpadded, shrunk grid with a newline after each row."""
+        s, d = self.layout.side, tiles.shape[1]
+        r, c, top, rows, left, cols = self.layout.image_grid(height, width)
+        if r * c != n:
+            raise ValueError(f"an image of {height}x{width} pixels has {r}x{c} tiles, but its item holds {n}")
+        grid = tiles.view(r, c, s, s, d).permute(4, 0, 2, 1, 3).reshape(d, r * s, c * s)
+        grid = grid[:, top:top + rows, left:left + cols]
+        small = self.layout.shrunk(rows, cols)
+        if small != (rows, cols):
+            grid = F.interpolate(grid[None], size=small, mode="bilinear")[0]
+        grid = torch.cat([grid, newline[:, None, None].expand(d, grid.shape[1], 1)], dim=2)
+        return grid.flatten(1).transpose(0, 1)
+
+
+class AnyresTower:
+    """What the towers on anyres items (LLaVA-NeXT's, LLaVA-OneVision's) do alike, mixed in
+    before the tower's class: an item is ``squares`` squares of side^2 patches (one feature row
+    each); ``LlavaOvProjector`` lays it out, LLaVA's MLP as wide as the LLM (so that a model
+    trained from scratch exports); the simulator draws an image as ``simulated_anyres_image``
+    (``side``^2 tokens a square: a class token's cost is the tower's ``cost_coefficients``);
+    the checkpoint config's fields of the feature choice and the tilings. Reads ``config``'s
+    ``layout``, ``side``, ``vision_feature_layer``, ``vision_feature_select_strategy`` and
+    ``image_grid_pinpoints``."""
+
+    def new_projector(self, llm_width: int, **kwargs: Any) -> LlavaOvProjector:
+        return LlavaOvProjector(self.output_dim, llm_width, self.config.layout, **kwargs)
+
+    def fresh_projector(self) -> Dict[str, Any]:
+        """LLaVA's MLP: as wide as the LLM, so that a model trained from scratch exports."""
+        return {"hidden_mult": 1.0}
+
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        """One feature row per patch: squares * side^2 per item."""
+        return [int(row[0]) * self.config.side ** 2 for row in sizes.tolist()]
+
+    def simulated_item(self, units: int) -> Tuple[int, int]:
+        """Base image and anyres tiles (``simulated_anyres_image``)."""
+        return simulated_anyres_image(self.config.layout, units)
+
+    # --- export (omni.models.families) ---------------------------------------------------------
+    def hf_layout_config(self) -> Dict[str, Any]:
+        """The family config's fields of the feature choice and the tilings."""
+        c = self.config
+        return {"vision_feature_layer": c.vision_feature_layer,
+                "vision_feature_select_strategy": c.vision_feature_select_strategy,
+                "image_grid_pinpoints": [list(p) for p in c.image_grid_pinpoints]}

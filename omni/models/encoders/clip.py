@@ -28,12 +28,13 @@ import torch
 from torch import nn
 
 from dataloading.media import MediaItem
-from omni.models.encoders.base import (EncoderAnchor, activation, check_sizes, transformer_activation_bytes,
-                                       transformer_flops)
-from omni.models.encoders.images import center_cropped, normalisation_params, normalised, padded_to_square, resized, \
-    rgb_uint8, shortest_edge_size
-from omni.models.encoders.siglip import sincos_2d
-from omni.models.encoders.vit import ViTLayers
+from omni.models.encoders.base import check_sizes
+from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
+from omni.models.encoders.images import (BICUBIC, center_cropped, checked_mean_std, normalisation_params, normalised,
+                                         padded_to_square, refuse_unsupported_steps, resized, rgb_uint8,
+                                         shortest_edge_size)
+from omni.models.encoders.llava_projector import llava_pretrained_projector
+from omni.models.encoders.vit import FeatureLayerTower, ViTLayers, feature_layers_run, sincos_2d, square
 from omni.models.projector import PretrainedProjector
 
 SELECT_STRATEGIES = ("default", "full")
@@ -46,7 +47,6 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # of its own: vision_model.* (4.x, and the full CLIPModel) or no prefix (5.x CLIPVisionModel)).
 TOWER_PREFIXES = ("vision_tower.vision_model.", "vision_tower.", "model.vision_tower.vision_model.",
                   "model.vision_tower.", "vision_model.", "")
-PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 
 
 @dataclass
@@ -80,18 +80,11 @@ class ClipEncoderConfig:
 
     def __post_init__(self) -> None:
         for key in ("image_size", "patch_size"):
-            value = getattr(self, key)
-            if isinstance(value, (list, tuple)):
-                if len(set(value)) != 1:
-                    raise ValueError(f"ClipEncoder needs a square {key}, got {value}")
-                setattr(self, key, int(value[0]))
+            setattr(self, key, square(getattr(self, key), key, "ClipEncoder"))
         if isinstance(self.vision_feature_layer, (list, tuple)) or type(self.vision_feature_layer).__name__ == "ListConfig":
             raise ValueError(f"vision_feature_layer={list(self.vision_feature_layer)}: features concatenated from several "
                              f"layers (newer LLaVA configs) are not supported; the clip encoder takes one layer")
-        n = self.num_hidden_layers
-        if not -(n + 1) <= self.vision_feature_layer <= n:
-            raise ValueError(f"vision_feature_layer={self.vision_feature_layer} is not a hidden state of a tower of {n} "
-                             f"layers (use {-(n + 1)}..{n})")
+        feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
         if self.vision_feature_select_strategy not in SELECT_STRATEGIES:
             raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r} is not one of "
                              f"{SELECT_STRATEGIES}")
@@ -105,10 +98,7 @@ class ClipEncoderConfig:
                              f"(CLIP's position table has no other size); set crop_size to image_size")
         if self.shortest_edge is not None and self.shortest_edge < 1:
             raise ValueError(f"shortest_edge must be >= 1, got {self.shortest_edge}")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
 
     @property
@@ -119,8 +109,7 @@ class ClipEncoderConfig:
     @property
     def layers_run(self) -> int:
         """Layers before the hidden state LLaVA takes."""
-        layer = self.vision_feature_layer
-        return layer if layer >= 0 else self.num_hidden_layers + 1 + layer
+        return feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
 
     @property
     def keeps_class_token(self) -> bool:
@@ -192,17 +181,18 @@ def _position_table(c: ClipEncoderConfig) -> torch.Tensor:
     return torch.cat([torch.zeros(1, c.hidden_size), sincos_2d(c.side, c.hidden_size)])
 
 
-class ClipTower(EncoderAnchor):
+class ClipTower(FeatureLayerTower):
     """CLIP's vision tower, the part LLaVA's families share: its modules (parameter names equal
     transformers' ``CLIPVisionModel``'s, so a checkpoint loads key by key), the run of fixed
     squares with their class tokens, and the checkpoint's tower config. A family's plugin
     (``ClipEncoder``, ``omni.models.encoders.llava_next``) adds what an item is: its processor,
     ``forward`` and projector."""
 
-    modality: ClassVar[str] = "image"
     Config: ClassVar[type] = ClipEncoderConfig
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = TOWER_PREFIXES
-    plugin: ClassVar[str] = "clip"  # the plugin's name, for messages
+    plugin: ClassVar[str] = "clip"
+    tower_name: ClassVar[str] = "CLIP"
+    vision_model_type: ClassVar[str] = "clip_vision_model"
 
     def __init__(self, config: ClipEncoderConfig):
         super().__init__(config)
@@ -212,10 +202,7 @@ class ClipTower(EncoderAnchor):
         self.pre_layrnorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.encoder = ViTLayers(c)
         self.post_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        # Never run (see the module doc): frozen, so that no optimizer step (weight decay on a
-        # zero gradient) moves weights that only travel with the checkpoint.
-        for unused in [*self.encoder.layers[c.layers_run:], self.post_layernorm]:
-            unused.requires_grad_(False)
+        self.freeze_unused()  # the layers after the feature layer never run (see the module doc)
 
     def init_rule(self, owner: nn.Module, path: str, attr: str):
         """From scratch: the class embedding as CLIP draws it (normal, std = width^-0.5), the
@@ -244,14 +231,6 @@ class ClipTower(EncoderAnchor):
         x = x.view(n, s * s + 1, d)
         return (x if c.keeps_class_token else x[:, 1:]).reshape(-1, d)
 
-    # --- what the simulator asks (omni.sim.spec) ------------------------------------------------
-    def attention_heads(self) -> int:
-        return self.config.num_attention_heads
-
-    def layer_modules(self) -> List[nn.Module]:
-        """The layers that run (up to ``vision_feature_layer``); the rest never do."""
-        return list(self.encoder.layers[:self.config.layers_run])
-
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod
     def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
@@ -266,36 +245,8 @@ class ClipTower(EncoderAnchor):
         if kind not in ("clip_vision_model", "clip"):
             out["vision_feature_layer"] = config.vision_feature_layer
             out["vision_feature_select_strategy"] = config.vision_feature_select_strategy
-        vision = config if kind == "clip_vision_model" else config.vision_config
-        if vision.model_type != "clip_vision_model":
-            raise ValueError(f"this {kind} checkpoint's vision tower is {vision.model_type!r}; the {cls.plugin} encoder "
-                             f"loads CLIP towers (clip_vision_model) only")
-        v = vision.to_dict()
-        out.update({k: v[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                      "num_channels", "image_size", "patch_size", "layer_norm_eps", "hidden_act")})
+        out.update(cls.vision_params(config if kind == "clip_vision_model" else config.vision_config, kind))
         return out
-
-    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
-            return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
-        return tensor
-
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
-    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
-        if name == "embeddings.patch_embedding.weight":
-            c = self.config
-            return tensor.reshape(tensor.shape[0], c.num_channels, c.patch_size, c.patch_size)
-        return tensor
-
-    def hf_vision_config(self) -> Dict[str, Any]:
-        """The checkpoint's ``vision_config`` of this tower (a ``CLIPVisionConfig``)."""
-        c = self.config
-        return {"model_type": "clip_vision_model", "hidden_size": c.hidden_size,
-                "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-                "num_attention_heads": c.num_attention_heads, "num_channels": c.num_channels,
-                "image_size": c.image_size, "patch_size": c.patch_size, "layer_norm_eps": c.layer_norm_eps,
-                "hidden_act": c.hidden_act}
 
 
 class ClipEncoder(ClipTower):
@@ -351,13 +302,7 @@ class ClipEncoder(ClipTower):
         """A ``CLIPImageProcessor`` / ``LlavaImageProcessor`` preprocessor_config.json ->
         params; settings the tower cannot take (no resize, no crop of a non-square resize,
         another rescale) are refused, naming the key."""
-        for key in ("do_resize", "do_rescale", "do_normalize"):
-            if pp.get(key) is False:
-                raise ValueError(f"preprocessor_config.json: {key}=false is not supported by the clip encoder's processor")
-        if pp.get("resample", _BICUBIC) != _BICUBIC:
-            raise ValueError(f"preprocessor_config.json: resample={pp['resample']} is not supported (bicubic, 3, is)")
-        if abs(float(pp.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
-            raise ValueError(f"preprocessor_config.json: rescale_factor={pp['rescale_factor']} is not supported (1/255 is)")
+        refuse_unsupported_steps(pp, "the clip encoder's processor")
         out: Dict[str, Any] = normalisation_params(pp)
         size = pp.get("size")
         if isinstance(size, int):
@@ -390,7 +335,7 @@ class ClipEncoder(ClipTower):
         without one (a CLIP model of its own)."""
         return llava_pretrained_projector(path, "llava")
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def hf_preprocessor_config(self) -> Dict[str, Any]:
         """preprocessor_config.json of this tower's processor: a ``CLIPImageProcessor``, or a
         ``LlavaImageProcessor`` when it pads to a square (``params_from_preprocessor_config``
@@ -399,51 +344,10 @@ class ClipEncoder(ClipTower):
         edge = c.shortest_edge or c.image_size
         out = {"image_processor_type": "LlavaImageProcessor" if c.pad_to_square else "CLIPImageProcessor",
                "do_resize": True, "size": {"height": edge, "width": edge} if c.resize_to_square else {"shortest_edge": edge},
-               "resample": _BICUBIC, "do_center_crop": True, "crop_size": {"height": c.image_size, "width": c.image_size},
+               "resample": BICUBIC, "do_center_crop": True, "crop_size": {"height": c.image_size, "width": c.image_size},
                "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(c.image_mean),
                "image_std": list(c.image_std), "do_convert_rgb": True}
         if c.pad_to_square:
             out["do_pad"] = True
         return out
 
-
-_BICUBIC = 3  # PIL's (and transformers' PILImageResampling) code for bicubic resampling
-# LLaVA's projector_hidden_act -> Omni's projector activation (the same function: transformers'
-# "gelu" is the exact GELU, as torch's nn.GELU()).
-LLAVA_ACTIVATIONS = {"gelu": "gelu", "silu": "silu", "relu": "relu"}
-
-
-def llava_projector_names(prefix: str) -> Dict[str, str]:
-    """The projector's tensor names -> LLaVA's (below ``prefix``)."""
-    return {f"{ours}.{kind}": f"{prefix}{theirs}.{kind}" for ours, theirs in (("fc1", "linear_1"), ("fc2", "linear_2"))
-            for kind in ("weight", "bias")}
-
-
-def llava_pretrained_projector(path: str, model_type: str, newline: bool = False) -> Optional[PretrainedProjector]:
-    """The ``multi_modal_projector`` of a LLaVA-family checkpoint (LLaVA's MLP: linear_1, the
-    activation, linear_2, both as wide as the LLM, which is Omni's projector without a merge),
-    and with ``newline`` its learned ``image_newline``; None when ``path`` is not a
-    ``model_type`` checkpoint or lacks them (a tower of its own)."""
-    from omni.models.hf_checkpoint import CheckpointReader, read_hf_config, transformers_config
-
-    hf = read_hf_config(path)
-    if hf.get("model_type") != model_type:
-        return None
-    config = transformers_config(hf)
-    if not config.multimodal_projector_bias:
-        raise ValueError(f"{path}: the LLaVA projector has no biases (multimodal_projector_bias=false), Omni's has; "
-                         f"start a fresh one with projector.pretrained=false")
-    act = LLAVA_ACTIVATIONS.get(config.projector_hidden_act)
-    if act is None:
-        raise ValueError(f"{path}: projector_hidden_act={config.projector_hidden_act!r} has no Omni projector "
-                         f"activation (supported: {', '.join(LLAVA_ACTIVATIONS)})")
-    reader = CheckpointReader(path)
-    prefix = next((p for p in PROJECTOR_PREFIXES if p + "linear_1.weight" in reader), None)
-    names = llava_projector_names(prefix) if prefix is not None else None
-    if newline and names is not None:
-        found = next((n for n in ("image_newline", "model.image_newline") if n in reader), None)
-        names = {**names, "image_newline": found} if found is not None else None
-    if names is None:
-        return None
-    width = int(config.text_config.hidden_size)
-    return PretrainedProjector(out_dim=width, hidden=width, activation=act, names=names)

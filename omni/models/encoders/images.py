@@ -92,3 +92,30 @@ def center_cropped(img: np.ndarray, height: int, width: int) -> np.ndarray:
 def normalisation_params(pp_config: Mapping[str, Any]) -> Dict[str, Any]:
     """``image_mean`` / ``image_std`` of a ``preprocessor_config.json``, where it lists them."""
     return {k: list(pp_config[k]) for k in ("image_mean", "image_std") if isinstance(pp_config.get(k), list)}
+
+
+BICUBIC = 3  # PIL's (and transformers' PILImageResampling) code for bicubic resampling
+
+
+def refuse_unsupported_steps(pp: Mapping[str, Any], who: str,
+                             steps: Sequence[str] = ("do_resize", "do_rescale", "do_normalize")) -> None:
+    """A ValueError naming the key for a preprocessor_config.json whose steps a fixed-square
+    processor (``who``, for the message) does not follow: one of ``steps`` switched off, another
+    resampling than bicubic, another rescale than 1/255."""
+    for key in steps:
+        if pp.get(key) is False:
+            raise ValueError(f"preprocessor_config.json: {key}=false is not supported by {who}")
+    if pp.get("resample", BICUBIC) != BICUBIC:
+        raise ValueError(f"preprocessor_config.json: resample={pp['resample']} is not supported (bicubic, 3, is)")
+    if abs(float(pp.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-12:
+        raise ValueError(f"preprocessor_config.json: rescale_factor={pp['rescale_factor']} is not supported (1/255 is)")
+
+
+def checked_mean_std(mean: Sequence[float], std: Sequence[float], channels: int,
+                     key: str = "num_channels") -> tuple[list[float], list[float]]:
+    """A config's ``image_mean`` / ``image_std`` as floats, one per channel (``key``: the
+    config's name of the channel count, for the message)."""
+    mean, std = [float(v) for v in mean], [float(v) for v in std]
+    if len(mean) != channels or len(std) != channels:
+        raise ValueError(f"image_mean and image_std need {channels} values ({key})")
+    return mean, std

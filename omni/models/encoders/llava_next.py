@@ -12,7 +12,7 @@ features for the LLM.
   centred padding, ``image_size`` tiles), with CLIP's normalisation. Its ``size.shortest_edge``
   and ``crop_size`` resize and crop each square again; both must be ``image_size`` (then they
   leave the squares as they are).
-- **Projector** (``omni.models.encoders.llava_ov.LlavaOvProjector``): LLaVA's two-layer MLP on
+- **Projector** (``omni.models.encoders.anyres.LlavaOvProjector``): LLaVA's two-layer MLP on
   every tile token, then the base image's features, the tiles' grid unpadded to the image's
   aspect ratio with the learned ``image_newline`` after each row. LLaVA-NeXT has no
   ``anyres_max`` limit, so the grid is never shrunk (the layout's ``max_tiles`` is None). The
@@ -30,10 +30,11 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, checked_pinpoints
-from omni.models.encoders.base import check_sizes, transformer_activation_bytes, transformer_flops
-from omni.models.encoders.clip import ClipEncoder, ClipEncoderConfig, ClipTower, llava_pretrained_projector
-from omni.models.encoders.llava_ov import LlavaOvProjector, simulated_anyres_image
+from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, AnyresTower, checked_pinpoints
+from omni.models.encoders.base import check_sizes
+from omni.models.encoders.blocks import transformer_activation_bytes, transformer_flops
+from omni.models.encoders.clip import ClipEncoder, ClipEncoderConfig, ClipTower
+from omni.models.encoders.llava_projector import llava_pretrained_projector
 from omni.models.projector import PretrainedProjector
 
 
@@ -71,7 +72,7 @@ class LlavaNextEncoderConfig(ClipEncoderConfig):
         return AnyresLayout(self.image_size, self.patch_size, tuple(tuple(p) for p in self.image_grid_pinpoints))
 
 
-class LlavaNextEncoder(ClipTower):
+class LlavaNextEncoder(AnyresTower, ClipTower):
     """LLaVA-NeXT's CLIP tower on anyres items (see the module doc).
 
     ``forward(features [sum squares*side*side, C*P*P], sizes int64 [n, 4] = (squares, height,
@@ -85,17 +86,6 @@ class LlavaNextEncoder(ClipTower):
     def processor(cls, config: LlavaNextEncoderConfig) -> AnyresImageProcessor:
         c = cls.build_config(config)
         return AnyresImageProcessor(c.layout, c.num_channels, c.image_mean, c.image_std)
-
-    def new_projector(self, llm_width: int, **kwargs: Any) -> LlavaOvProjector:
-        return LlavaOvProjector(self.output_dim, llm_width, self.config.layout, **kwargs)
-
-    def fresh_projector(self) -> Dict[str, Any]:
-        """LLaVA's MLP: as wide as the LLM, so that a model trained from scratch exports."""
-        return {"hidden_mult": 1.0}
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """One feature row per patch: squares * side^2 per item."""
-        return [int(row[0]) * self.config.side ** 2 for row in sizes.tolist()]
 
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         if any(int(row[3]) for row in sizes.tolist()):
@@ -117,11 +107,6 @@ class LlavaNextEncoder(ClipTower):
         run = tokens + math.ceil(tokens / c.side ** 2)  # each square's class token runs too
         return transformer_activation_bytes(c.layers_run, c.hidden_size, c.intermediate_size, run, element_bytes,
                                             self.activation_checkpoint)
-
-    def simulated_item(self, units: int) -> Tuple[int, int]:
-        """Base image and anyres tiles (``llava_ov.simulated_anyres_image``), ``side``^2 patch
-        tokens a square (its class token's cost is in ``cost_coefficients``)."""
-        return simulated_anyres_image(self.config.layout, units)
 
     # --- checkpoints -------------------------------------------------------------------------
     @classmethod
@@ -148,14 +133,7 @@ class LlavaNextEncoder(ClipTower):
         for a CLIP checkpoint of its own."""
         return llava_pretrained_projector(path, "llava_next", newline=True)
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
-    def hf_layout_config(self) -> Dict[str, Any]:
-        """The ``LlavaNextConfig`` fields of the feature choice and the tilings."""
-        c = self.config
-        return {"vision_feature_layer": c.vision_feature_layer,
-                "vision_feature_select_strategy": c.vision_feature_select_strategy,
-                "image_grid_pinpoints": [list(p) for p in c.image_grid_pinpoints]}
-
+    # --- export (omni.models.families) ---------------------------------------------------------
     def hf_image_processor(self) -> Any:
         """transformers' image processor of this tower's preprocessing (its PIL variant, which
         writes the same preprocessor_config.json as the default one, which needs torchvision)."""

@@ -23,26 +23,25 @@ technical reports, and the configs of their Hugging Face checkpoints):
 
 The encoder returns every patch's hidden state, in the input's merge-window order: the patch
 merger (a norm, then an MLP over each group of ``spatial_merge ** 2`` patches) is the
-projector's job in Omni (``omni.models.projector``), as it is the merger's in Qwen.
+projector's job in Omni (``omni.models.projector``), as it is the merger's in Qwen. The
+processor is ``qwen_vl_processor``; the patches' positions and windows, ``qwen_vl_windows``.
 """
 from __future__ import annotations
 
-import copy
-import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 from torch import nn
 
-from dataloading.media import MediaItem
 from parallel.transfer import to_device
-from dataloading.video import frame_times, sample_count
 from omni.kernels.segment_attention import segment_attention
 from omni.models.attention import PackedSegments, uses_varlen_kernels
-from omni.models.encoders.base import EncoderAnchor, activation, check_sizes
-from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
+from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.blocks import activation
+from omni.models.encoders.images import checked_mean_std, normalisation_params
+from omni.models.encoders.qwen_vl_processor import QwenVisionProcessor
+from omni.models.encoders.qwen_vl_windows import merge_order_positions, window_order
 from omni.models.llm.layers import RMSNorm
 from omni.models.projector import PretrainedProjector
 from omni.models.recompute import recompute
@@ -100,10 +99,7 @@ class QwenVisionConfig:
         self.tokens_per_second = int(self.tokens_per_second)
         if not self.tokens_per_second > 0:
             raise ValueError(f"tokens_per_second must be > 0, got {self.tokens_per_second}")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.in_channels or len(self.image_std) != self.in_channels:
-            raise ValueError(f"image_mean and image_std need {self.in_channels} values (in_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.in_channels, "in_channels")
 
     @property
     def head_dim(self) -> int:
@@ -116,177 +112,6 @@ class QwenVisionConfig:
     def windowed(self, layer: int) -> bool:
         """Whether ``layer`` attends inside windows (Qwen2.5-VL's layers but the full ones)."""
         return self.variant == "qwen2_5_vl" and self.window_size > 0 and layer not in self.fullatt_block_indexes
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> Tuple[int, int]:
-    """The (height, width) in pixels Qwen's image processor resizes an image to: both sides
-    multiples of ``factor`` (patch x merge), the aspect ratio kept as nearly as rounding allows,
-    the area within [min_pixels, max_pixels] (scaled down with floor, up with ceil)."""
-    if height < 1 or width < 1:
-        raise ValueError(f"image has no pixels ({height}x{width})")
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"an image of {height}x{width} has an aspect ratio over 200, which Qwen's processor refuses")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-class QwenVisionProcessor:
-    """uint8 [H, W, C] image -> patches [grid_h*grid_w, C*T*P*P] in merge-window order, size
-    (1, grid_h, grid_w): resized by ``smart_resize`` (PIL bicubic, only when the size changes),
-    x/255, normalised, the frame repeated ``temporal_patch_size`` times (one temporal patch),
-    each patch flattened as (channel, frame, row, col).
-
-    A video (``video``, a ``dataloading.video.Video``) becomes one item of ``t`` temporal
-    patches, as in Qwen2-VL: ``n`` frames sampled at evenly spaced times (``fps`` frames per
-    second within [``min_frames``, ``max_frames``], a multiple of ``temporal_patch_size``),
-    every frame resized alike by ``smart_resize`` within the per-frame limits and the
-    ``max_video_pixels`` budget for the whole clip (n x height x width after resizing; fewer
-    frames, down to ``min_frames``, when even frames resized to ``min_pixels`` do not fit), then
-    consecutive frames grouped by ``temporal_patch_size`` and each temporal patch laid out as an
-    image's: size (t, grid_h, grid_w), t = n / temporal_patch_size."""
-
-    modality = "image"
-
-    def __init__(self, config: QwenVisionConfig):
-        self.patch = config.patch_size
-        self.merge = config.spatial_merge
-        self.frames = config.temporal_patch_size
-        self.channels = config.in_channels
-        self.min_pixels = config.min_pixels
-        self.max_pixels = config.max_pixels
-        self.mean = np.asarray(config.image_mean, dtype=np.float32)
-        self.std = np.asarray(config.image_std, dtype=np.float32)
-        # Qwen2.5-VL spaces a video's temporal positions by time; Qwen2-VL by temporal patch.
-        self.tokens_per_second = float(config.tokens_per_second) if config.variant == "qwen2_5_vl" else None
-        # Video sampling, Qwen2-VL's defaults: 2 frames a second, 4 to 768 of them, and at most
-        # 24576 merge groups' worth of pixels per clip (24576 x 28 x 28 for 14-pixel patches).
-        self.fps = 2.0
-        self.min_frames = 2 * self.frames
-        self.max_frames = 768 // self.frames * self.frames
-        self.max_video_pixels = 24576 * (self.patch * self.merge) ** 2
-
-    def with_options(self, max_pixels: Optional[int] = None, min_pixels: Optional[int] = None,
-                     fps: Optional[float] = None, min_frames: Optional[int] = None, max_frames: Optional[int] = None,
-                     max_video_pixels: Optional[int] = None) -> "QwenVisionProcessor":
-        """A copy with one data source's settings: the pixel budget of an image or a video frame
-        (mixture file ``image:`` options), and video sampling (``video:`` options)."""
-        other = copy.copy(self)
-        other.max_pixels = int(max_pixels) if max_pixels is not None else self.max_pixels
-        other.min_pixels = int(min_pixels) if min_pixels is not None else min(self.min_pixels, other.max_pixels)
-        side = self.patch * self.merge
-        if not side * side <= other.min_pixels <= other.max_pixels:
-            raise ValueError(f"need {side * side} <= min_pixels ({other.min_pixels}) <= max_pixels ({other.max_pixels})")
-        other.fps = float(fps) if fps is not None else self.fps
-        other.max_frames = int(max_frames) if max_frames is not None else self.max_frames
-        other.min_frames = int(min_frames) if min_frames is not None else min(self.min_frames, other.max_frames)
-        other.max_video_pixels = int(max_video_pixels) if max_video_pixels is not None else self.max_video_pixels
-        t = self.frames
-        if not other.fps > 0:
-            raise ValueError(f"fps must be > 0, got {other.fps}")
-        if other.min_frames % t or other.max_frames % t or not t <= other.min_frames <= other.max_frames:
-            raise ValueError(f"need min_frames ({other.min_frames}) <= max_frames ({other.max_frames}), both "
-                             f"multiples of the tower's temporal patch ({t} frames)")
-        return other
-
-    def grid(self, height: int, width: int) -> Tuple[int, int]:
-        h, w = smart_resize(int(height), int(width), self.patch * self.merge, self.min_pixels, self.max_pixels)
-        return h // self.patch, w // self.patch
-
-    def video_grid(self, meta: Dict[str, Any]) -> Tuple[int, int, int]:
-        """(frames sampled, grid_h, grid_w) of a video from its header metadata
-        (``dataloading.video.video_meta``): what ``video`` makes of it and the planner counts."""
-        t, side = self.frames, self.patch * self.merge
-        height, width, budget = int(meta["height"]), int(meta["width"]), self.max_video_pixels
-        wanted = sample_count(meta, self.fps, self.min_frames, self.max_frames, t)
-        least = min(wanted, self.min_frames)  # a clip shorter than min_frames has fewer
-        # The smallest frame: a frame's pixel limit never goes below min_pixels (as in Qwen).
-        sh, sw = smart_resize(height, width, side, self.min_pixels, self.min_pixels)
-        n = min(wanted, budget // (sh * sw) // t * t)  # no more frames than fit at the smallest size
-        if n < least:
-            raise ValueError(f"a {width}x{height} video of {meta['duration']:.3g} s needs at least {least} frames of "
-                             f"{sw}x{sh} pixels ({least * sh * sw} pixels) but max_video_pixels is {budget}; raise "
-                             f"video.max_video_pixels (or lower video.min_frames) for its source in the mixture")
-        share = max(self.min_pixels, min(self.max_pixels, budget // n))
-        h, w = smart_resize(height, width, side, self.min_pixels, share)
-        if n * h * w > budget:  # rounding kept a side at one merge group, or scaled the frame up
-            h, w = sh, sw
-        return n, h // self.patch, w // self.patch
-
-    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
-        if "duration" in meta:  # a video's header (dataloading.video.video_meta)
-            n, gh, gw = self.video_grid(meta)
-            return n // self.frames * gh * gw // (self.merge * self.merge)
-        gh, gw = self.grid(meta["height"], meta["width"])
-        return gh * gw // (self.merge * self.merge)
-
-    def _patches(self, frames: np.ndarray, gh: int, gw: int) -> np.ndarray:
-        """float32 [n, C, H, W] frames (n a multiple of temporal_patch_size) -> patches
-        [n / T * gh * gw, C * T * P * P]: temporal patch after temporal patch, each in
-        merge-window order, each patch flattened as (channel, frame, pixel row, pixel col)."""
-        p, m, c, t = self.patch, self.merge, self.channels, self.frames
-        n = frames.shape[0] // t
-        x = frames.reshape(n, t, c, gh // m, m, p, gw // m, m, p)
-        # -> (temporal patch, group row, group col, row in group, col in group) x (channel, frame, pixel row, pixel col)
-        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(n * gh * gw, c * t * p * p)
-        return np.ascontiguousarray(x)
-
-    def __call__(self, raw: Any) -> MediaItem:
-        img = rgb_uint8(raw, self.channels)
-        gh, gw = self.grid(*img.shape[:2])
-        p, m, c, t = self.patch, self.merge, self.channels, self.frames
-        x = resized_normalised(img, gh * p, gw * p, self.mean, self.std).transpose(2, 0, 1)  # [C, H, W]
-        x = np.broadcast_to(x[None], (t, c, gh * p, gw * p))  # one temporal patch: the frame repeated
-        return MediaItem(features=torch.from_numpy(self._patches(x, gh, gw)), size=(1, gh, gw),
-                         num_tokens=gh * gw // (m * m), rope_grid=(1, gh // m, gw // m, 1.0))
-
-    def video(self, clip: Any) -> MediaItem:
-        """A ``dataloading.video.Video`` -> one item of size (t, grid_h, grid_w). Its temporal
-        rotary step (``rope_grid``'s interval) is Qwen2.5-VL's ``tokens_per_second x
-        temporal_patch_size / fps``, fps the rate the frames were sampled at (n / duration); 1
-        for Qwen2-VL."""
-        meta = clip.meta
-        n, gh, gw = self.video_grid(meta)
-        p, m, c, t = self.patch, self.merge, self.channels, self.frames
-        frames = clip.frames(frame_times(meta["duration"], n))
-        x = np.stack([resized_normalised(rgb_uint8(f, c), gh * p, gw * p, self.mean, self.std) for f in frames])
-        x = x.transpose(0, 3, 1, 2)  # [n, C, H, W]
-        interval = 1.0 if self.tokens_per_second is None else self.tokens_per_second * t * meta["duration"] / n
-        return MediaItem(features=torch.from_numpy(self._patches(x, gh, gw)), size=(n // t, gh, gw),
-                         num_tokens=n // t * gh * gw // (m * m), rope_grid=(n // t, gh // m, gw // m, interval))
-
-
-def merge_order_positions(t: int, h: int, w: int, merge: int) -> torch.Tensor:
-    """(row, col) of each patch of a ``t x h x w`` grid in merge-window order: [t*h*w, 2]."""
-    if h % merge or w % merge:
-        raise ValueError(f"a {h}x{w} patch grid is not a whole number of {merge}x{merge} merge groups")
-    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
-    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
-    # merge-window order: group row, group col, then the merge x merge neighbours row-major
-    rows = rows.permute(0, 2, 1, 3).reshape(-1)
-    cols = cols.permute(0, 2, 1, 3).reshape(-1)
-    return torch.stack([rows, cols], dim=-1).repeat(t, 1)
-
-
-def window_ids(t: int, h: int, w: int, merge: int, window: int) -> torch.Tensor:
-    """Window of each patch (merge-window order), numbered from 0 within the item: windows of
-    ``window`` x ``window`` merge groups, per frame, in raster order; edge windows are cut."""
-    gh, gw = h // merge, w // merge
-    n_w = -(-gw // window)
-    per_frame = -(-gh // window) * n_w
-    grow = torch.arange(gh).view(gh, 1).expand(gh, gw) // window
-    gcol = torch.arange(gw).view(1, gw).expand(gh, gw) // window
-    group_window = (grow * n_w + gcol).reshape(-1)  # per merge group, raster order
-    patch_window = group_window.repeat_interleave(merge * merge)
-    return torch.cat([patch_window + f * per_frame for f in range(t)])
 
 
 class _Attention(nn.Module):
@@ -386,7 +211,7 @@ class QwenVisionEncoder(EncoderAnchor):
             return x
         device = x.device
         pos = torch.cat([merge_order_positions(t, h, w, c.spatial_merge) for t, h, w in grids])
-        order, frames, windows = _window_order(grids, c)
+        order, frames, windows = window_order(grids, c)
         # Window order (each window's patches contiguous, frames too: windows lie inside frames),
         # as transformers' window_index: every layer then attends over contiguous segments whose
         # lengths the host knows, never over a dense mask or lengths read back. Host-built
@@ -526,7 +351,7 @@ class QwenVisionEncoder(EncoderAnchor):
         return {"norm": "layer" if self.config.variant == "qwen2_vl" else "rms",
                 "hidden": self.output_dim * self.tokens_per_row}
 
-    # --- export (omni.models.hf_vlm) ------------------------------------------------------------
+    # --- export (omni.models.families) ---------------------------------------------------------
     def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Our tensor ``name`` in the checkpoint's shape (``convert_hf_tensor``'s inverse)."""
         if name == "patch_embed.weight":
@@ -567,24 +392,3 @@ def merger_names(variant: str, prefix: str) -> Dict[str, str]:
     if variant == "qwen2_vl":
         names["norm.bias"] = "merger.ln_q.bias"
     return {k: prefix + v for k, v in names.items()}
-
-
-def _window_order(grids: Sequence[Tuple[int, int, int]],
-                  c: QwenVisionConfig) -> Tuple[Optional[torch.Tensor], List[int], Optional[List[int]]]:
-    """On the host, from the grids: the permutation that puts the packed patches (merge-window
-    order) in window order (None when no layer uses windows: merge order already keeps every
-    frame contiguous), and the segment lengths in that order: one per frame of each item (full
-    attention) and one per window of each frame (Qwen2.5-VL's window layers; None without)."""
-    frames = [h * w for t, h, w in grids for _ in range(t)]
-    if not any(c.windowed(i) for i in range(c.num_hidden_layers)):
-        return None, frames, None
-    per_side = c.window_size // (c.spatial_merge * c.patch_size)
-    ids, w0 = [], 0
-    for t, h, w in grids:
-        item = window_ids(t, h, w, c.spatial_merge, per_side)
-        ids.append(item + w0)  # numbered across items: frame after frame, item after item
-        w0 += int(item.max()) + 1 if item.numel() else 0
-    ids = torch.cat(ids)
-    order = torch.argsort(ids, stable=True)  # windows in order, each window's patches in merge order
-    counts = torch.bincount(ids, minlength=w0)
-    return order, frames, [int(n) for n in counts.tolist() if n]

@@ -17,20 +17,13 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dataloading.media import MediaItem
 from parallel.transfer import to_device
-from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
-from omni.models.encoders.base import (
-    EncoderAnchor,
-    activation,
-    check_sizes,
-    AttentionSpec,
-    transformer_activation_bytes,
-    transformer_flops,
-)
-from omni.models.encoders.vit import ViTLayers
+from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
+from omni.models.encoders.base import check_sizes
+from omni.models.encoders.blocks import activation
+from omni.models.encoders.vit import PackedViT, PatchEmbeddings, square
 
 
 @dataclass
@@ -57,14 +50,8 @@ class SiglipEncoderConfig:
     spatial_merge: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.image_size, (list, tuple)):
-            if len(set(self.image_size)) != 1:
-                raise ValueError(f"SiglipEncoder needs a square image_size, got {self.image_size}")
-            self.image_size = int(self.image_size[0])
-        if isinstance(self.patch_size, (list, tuple)):
-            if len(set(self.patch_size)) != 1:
-                raise ValueError(f"SiglipEncoder needs a square patch_size, got {self.patch_size}")
-            self.patch_size = int(self.patch_size[0])
+        self.image_size = square(self.image_size, "image_size", "SiglipEncoder")
+        self.patch_size = square(self.patch_size, "patch_size", "SiglipEncoder")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
@@ -78,10 +65,7 @@ class SiglipEncoderConfig:
                              f"at least spatial_merge^2")
         if not 1 <= self.min_patches <= self.max_patches:
             raise ValueError(f"need 1 <= min_patches ({self.min_patches}) <= max_patches ({self.max_patches})")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
 
 
@@ -178,45 +162,6 @@ class SiglipProcessor:
                          num_tokens=gh * gw // (self.merge * self.merge))
 
 
-class _Embeddings(nn.Module):
-    def __init__(self, config: SiglipEncoderConfig):
-        super().__init__()
-        d, p = config.hidden_size, config.patch_size
-        self.patch_embedding = nn.Linear(config.num_channels * p * p, d)
-        side = config.image_size // p
-        self.position_embedding = nn.Embedding(side * side, d)
-        # From scratch, start from a 2D sin-cos table (as MAE does) rather than noise: where a
-        # patch sits is then readable from step 0, which a randomly initialised table takes
-        # thousands of steps to learn. Loading a checkpoint overwrites it.
-        with torch.no_grad():
-            self.position_embedding.weight.copy_(sincos_2d(side, d))
-
-
-def sincos_2d(side: int, dim: int) -> torch.Tensor:
-    """[side*side, dim] table, row-major over (y, x): half the channels encode y, half x.
-
-    The frequencies fall geometrically from 1 (about six patches per period) to 1/(2*side)
-    (half a radian across the grid), so every channel varies over the grid. MAE's temperature
-    of 10000 is made for sequences of thousands of positions: over the demo's 8x8 grid it left
-    most channels nearly constant, and the demo's tiny LLM took most of its 800
-    steps to tell left from right (held-out accuracy 0.81 at step 800; 0.94 at step 500 with
-    this table, docs/benchmarks.md "Demo: held-out accuracy by step").
-    """
-    quarter = dim // 4
-    temperature = 2.0 * max(1, side)
-    freqs = 1.0 / (temperature ** (torch.arange(quarter, dtype=torch.float64) / max(1, quarter)))
-    coords = torch.arange(side, dtype=torch.float64)
-    y, x = torch.meshgrid(coords, coords, indexing="ij")
-    parts = []
-    for c in (y.reshape(-1), x.reshape(-1)):
-        angles = c[:, None] * freqs[None, :]
-        parts += [angles.sin(), angles.cos()]
-    table = torch.cat(parts, dim=1)
-    if table.shape[1] < dim:  # dim not a multiple of 4: pad the rest with zeros
-        table = torch.cat([table, table.new_zeros(table.shape[0], dim - table.shape[1])], dim=1)
-    return table.float()
-
-
 def merge_order(grid_h: int, grid_w: int, m: int) -> torch.Tensor:
     """[grid_h*grid_w] raster indices of an image's patches in merge order: the m x m blocks
     in raster order, and inside each block its patches in raster order."""
@@ -224,26 +169,21 @@ def merge_order(grid_h: int, grid_w: int, m: int) -> torch.Tensor:
     return idx.permute(0, 2, 1, 3).reshape(-1)
 
 
-class SiglipEncoder(EncoderAnchor):
+class SiglipEncoder(PackedViT):
     """Packed SigLIP vision tower; output: post-layernorm hidden state, one token per patch.
 
     Parameter names equal transformers' SiglipVisionModel (without its pooling head), so a
     checkpoint loads key by key.
     """
 
-    modality: ClassVar[str] = "image"
     Config: ClassVar[type] = SiglipEncoderConfig
     hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip_vision_model", "siglip")
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("vision_model.", "")
-    supports_sequence_parallel: ClassVar[bool] = True
 
     def __init__(self, config: SiglipEncoderConfig):
-        super().__init__(config)
-        self.output_dim = config.hidden_size
+        p = config.patch_size
+        super().__init__(config, PatchEmbeddings(config.num_channels, p, config.image_size // p, config.hidden_size))
         self.spatial_merge = config.spatial_merge
-        self.embeddings = _Embeddings(config)
-        self.encoder = ViTLayers(config)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     @classmethod
     def processor(cls, config: SiglipEncoderConfig) -> SiglipProcessor:
@@ -258,21 +198,6 @@ class SiglipEncoder(EncoderAnchor):
     @classmethod
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:
         return normalisation_params(pp_config)
-
-    def init_rule(self, owner: nn.Module, path: str, attr: str):
-        """The position table starts as the 2D sin-cos table (see ``_Embeddings``); the rest
-        takes torch's defaults (``omni.models.materialize``)."""
-        if path == "embeddings.position_embedding" and attr == "weight":
-            from omni.models.materialize import Computed
-
-            c = self.config
-            return Computed(lambda: sincos_2d(c.image_size // c.patch_size, c.hidden_size))
-        return None
-
-    def convert_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name == "embeddings.patch_embedding.weight" and tensor.dim() == 4:
-            return tensor.reshape(tensor.shape[0], -1)  # Conv2d [D, C, p, p] -> Linear [D, C*p*p]
-        return tensor
 
     def position_embeddings(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """[grid_h*grid_w, D]: the learned table, bicubically interpolated to the grid as
@@ -293,7 +218,7 @@ class SiglipEncoder(EncoderAnchor):
         the blocks and inside each block), what the projector's merge takes. Attention within
         an image does not depend on the order: the positions travel with the tokens."""
         if sizes.shape[0] == 0:
-            return features.new_zeros(0, self.output_dim, dtype=self.post_layernorm.weight.dtype), []
+            return self.no_items(features)
         grids = [(int(h), int(w)) for h, w in sizes.tolist()]
         m = self.spatial_merge
         if any(h % m or w % m for h, w in grids):
@@ -301,12 +226,7 @@ class SiglipEncoder(EncoderAnchor):
             raise ValueError(f"SiglipEncoder: an image of {bad[0]}x{bad[1]} patches does not split into "
                              f"{m}x{m} blocks (spatial_merge={m}); its processor makes grids of multiples of {m}")
         tokens = check_sizes("SiglipEncoder", features, (h * w for h, w in grids))
-        x = self.embeddings.patch_embedding(features.to(self.embeddings.patch_embedding.weight.dtype))
-        cache: Dict[Tuple[int, int], torch.Tensor] = {}
-        for g in grids:
-            if g not in cache:
-                cache[g] = self.position_embeddings(*g)
-        x = x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype)
+        x = self.embedded(features, grids)
         if m > 1:
             order, start = [], 0
             for h, w in grids:
@@ -314,30 +234,3 @@ class SiglipEncoder(EncoderAnchor):
                 start += h * w
             x = x.index_select(0, to_device([torch.cat(order)], x.device)[0])  # built on the host
         return x, tokens
-
-    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        return self.run_layers(self.encoder.layers, x, attention)
-
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_layernorm(x)
-
-    def attention_heads(self) -> int:
-        return self.config.num_attention_heads
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """One feature row (patch) per token: grid_h * grid_w per image."""
-        return [int(h) * int(w) for h, w in sizes.tolist()]
-
-    def layer_modules(self) -> List[nn.Module]:
-        return list(self.encoder.layers)
-
-    def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
-        c = self.config
-        return transformer_activation_bytes(c.num_hidden_layers, c.hidden_size, c.intermediate_size, tokens, element_bytes,
-                                            self.activation_checkpoint)
-
-    def cost_coefficients(self) -> Tuple[float, float]:
-        c = self.config
-        alpha, beta = transformer_flops(c.num_hidden_layers, c.hidden_size, c.intermediate_size)
-        beta += 2.0 * c.num_channels * c.patch_size**2 * c.hidden_size  # patch embedding
-        return alpha, beta

@@ -28,14 +28,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dataloading.media import MediaItem
-from omni.models.encoders.base import (AttentionSpec, EncoderAnchor, activation, check_sizes,
-                                       transformer_activation_bytes, transformer_flops)
-from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
-from omni.models.encoders.siglip import sincos_2d
-from omni.models.encoders.vit import ViTLayers
+from omni.models.encoders.base import check_sizes
+from omni.models.encoders.blocks import activation
+from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
+from omni.models.encoders.vit import PackedViT, PatchEmbeddings, square
 
 # The resize rule's search: the scale of an image is looked for in [SCALE_TOL / 10, MAX_SCALE]
 # until the bracket is narrower than SCALE_TOL (see naflex_grid).
@@ -65,10 +63,7 @@ class Siglip2EncoderConfig:
     image_std: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
 
     def __post_init__(self) -> None:
-        if isinstance(self.patch_size, (list, tuple)):
-            if len(set(self.patch_size)) != 1:
-                raise ValueError(f"Siglip2Encoder needs a square patch_size, got {self.patch_size}")
-            self.patch_size = int(self.patch_size[0])
+        self.patch_size = square(self.patch_size, "patch_size", "Siglip2Encoder")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
                              f"{self.num_attention_heads}")
@@ -79,10 +74,7 @@ class Siglip2EncoderConfig:
             self.max_num_patches = self.num_patches
         if self.max_num_patches < 1:
             raise ValueError(f"max_num_patches must be >= 1, got {self.max_num_patches}")
-        self.image_mean = [float(v) for v in self.image_mean]
-        self.image_std = [float(v) for v in self.image_std]
-        if len(self.image_mean) != self.num_channels or len(self.image_std) != self.num_channels:
-            raise ValueError(f"image_mean and image_std need {self.num_channels} values (num_channels)")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
 
     @property
@@ -163,38 +155,22 @@ class Siglip2Processor:
         return MediaItem(features=torch.from_numpy(np.ascontiguousarray(patches)), size=(gh, gw), num_tokens=gh * gw)
 
 
-class _Embeddings(nn.Module):
-    def __init__(self, config: Siglip2EncoderConfig):
-        super().__init__()
-        d, p = config.hidden_size, config.patch_size
-        self.patch_embedding = nn.Linear(config.num_channels * p * p, d)
-        self.position_embedding = nn.Embedding(config.num_patches, d)
-        # From scratch the table starts as siglip's 2-D sin-cos table (see sincos_2d for why);
-        # a checkpoint overwrites it.
-        with torch.no_grad():
-            self.position_embedding.weight.copy_(sincos_2d(config.position_side, d))
-
-
-class Siglip2Encoder(EncoderAnchor):
+class Siglip2Encoder(PackedViT):
     """Packed SigLIP2 NaFlex vision tower; output: post-layernorm hidden state, one token per patch.
 
     Parameter names equal transformers' ``Siglip2VisionModel`` (without its pooling head), so
     a checkpoint loads key by key."""
 
-    modality: ClassVar[str] = "image"
     Config: ClassVar[type] = Siglip2EncoderConfig
     hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip2_vision_model", "siglip2")
     # Siglip2Model and transformers-4 Siglip2VisionModel files: vision_model.*; transformers 5
     # writes a Siglip2VisionModel without the prefix.
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("vision_model.", "")
-    supports_sequence_parallel: ClassVar[bool] = True
 
     def __init__(self, config: Siglip2EncoderConfig):
-        super().__init__(config)
-        self.output_dim = config.hidden_size
-        self.embeddings = _Embeddings(config)
-        self.encoder = ViTLayers(config)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        # The learned table is one square grid (num_patches entries), resized to each image's.
+        super().__init__(config, PatchEmbeddings(config.num_channels, config.patch_size, config.position_side,
+                                                 config.hidden_size))
 
     @classmethod
     def processor(cls, config: Siglip2EncoderConfig) -> Siglip2Processor:
@@ -213,16 +189,6 @@ class Siglip2Encoder(EncoderAnchor):
             params["max_num_patches"] = pp_config["max_num_patches"]
         return params
 
-    def init_rule(self, owner: nn.Module, path: str, attr: str):
-        """The position table starts as the 2-D sin-cos table (see ``_Embeddings``); the rest
-        takes torch's defaults (``omni.models.materialize``)."""
-        if path == "embeddings.position_embedding" and attr == "weight":
-            from omni.models.materialize import Computed
-
-            c = self.config
-            return Computed(lambda: sincos_2d(c.position_side, c.hidden_size))
-        return None
-
     def position_embeddings(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """[grid_h*grid_w, D]: the square table resized to the image's grid by antialiased
         bilinear interpolation (what transformers' Siglip2VisionEmbeddings computes), in fp32
@@ -238,44 +204,12 @@ class Siglip2Encoder(EncoderAnchor):
     def embed_inputs(self, features: torch.Tensor, sizes: torch.Tensor) -> Tuple[torch.Tensor, List[int]]:
         """Patch embedding plus each image's resized position table."""
         if sizes.shape[0] == 0:
-            return features.new_zeros(0, self.output_dim, dtype=self.post_layernorm.weight.dtype), []
+            return self.no_items(features)
         grids = [(int(h), int(w)) for h, w in sizes.tolist()]
         if any(h < 1 or w < 1 for h, w in grids):
             raise ValueError(f"Siglip2Encoder: an image has an empty patch grid ({next(g for g in grids if min(g) < 1)})")
         tokens = check_sizes("Siglip2Encoder", features, (h * w for h, w in grids))
-        x = self.embeddings.patch_embedding(features.to(self.embeddings.patch_embedding.weight.dtype))
-        cache: Dict[Tuple[int, int], torch.Tensor] = {}
-        for g in grids:
-            if g not in cache:
-                cache[g] = self.position_embeddings(*g)
-        return x + torch.cat([cache[g] for g in grids], dim=0).to(x.dtype), tokens
-
-    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        return self.run_layers(self.encoder.layers, x, attention)
-
-    def finish(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_layernorm(x)
-
-    def attention_heads(self) -> int:
-        return self.config.num_attention_heads
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """One feature row (patch) per token: grid_h * grid_w per image."""
-        return [int(h) * int(w) for h, w in sizes.tolist()]
-
-    def layer_modules(self) -> List[nn.Module]:
-        return list(self.encoder.layers)
-
-    def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
-        c = self.config
-        return transformer_activation_bytes(c.num_hidden_layers, c.hidden_size, c.intermediate_size, tokens,
-                                            element_bytes, self.activation_checkpoint)
-
-    def cost_coefficients(self) -> Tuple[float, float]:
-        c = self.config
-        alpha, beta = transformer_flops(c.num_hidden_layers, c.hidden_size, c.intermediate_size)
-        beta += 2.0 * c.num_channels * c.patch_size**2 * c.hidden_size  # patch embedding
-        return alpha, beta
+        return self.embedded(features, grids), tokens
 
     def simulated_item(self, units: int) -> Tuple[int, int]:
         """An image of about ``units`` patches (a square of sqrt(units) patches), resized as the

@@ -23,15 +23,9 @@ from torch import nn
 
 from dataloading.media import MediaItem
 from parallel.transfer import to_device
-from omni.models.encoders.base import (
-    EncoderAnchor,
-    activation,
-    check_sizes,
-    AttentionSpec,
-    packed_self_attention,
-    transformer_activation_bytes,
-    transformer_flops,
-)
+from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.blocks import (AttentionSpec, activation, packed_self_attention,
+                                         transformer_activation_bytes, transformer_flops)
 
 
 @dataclass

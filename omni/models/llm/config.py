@@ -196,7 +196,7 @@ class DecoderConfig:
         f = self.family
         if self.mrope_section is not None and not text_of_vlm:
             raise ValueError("a backbone with M-RoPE (model.mrope_section) is a Qwen2-VL text model: it exports "
-                             "with its vision tower as a Qwen2-VL checkpoint (omni.models.hf_vlm.export_qwen_vl)")
+                             "with its vision tower as a Qwen2-VL checkpoint (omni.models.families.qwen_vl.export_qwen_vl)")
         if f in ("llama", "qwen2") and self.num_experts > 0:
             raise ValueError(f"family={f!r} has no MoE layers; set family='mixtral' or 'qwen2_moe' for num_experts>0.")
         if f in MOE_FAMILIES and self.num_experts == 0:
