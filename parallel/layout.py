@@ -306,7 +306,7 @@ def encoder_mesh(layout: Layout, first_stage_only: bool, shard_group: int | None
     ranks = layout.world_size if whole else layout.stage_world
     if shard_group is None:
         shape, names = (ranks,), ("encoder",)
-    else:  # a divisor of ``ranks`` (omni.multiplex.rules.encoder_shard_group checks it)
+    else:  # a divisor of ``ranks`` (omni.step.multiplex_rules.encoder_shard_group checks it)
         shape, names = (ranks // shard_group, shard_group), ("encoder_replicate", "encoder_shard")
     if whole:
         return init_device_mesh(dev, shape, mesh_dim_names=names,

@@ -233,7 +233,7 @@ def _modules(cfg: OmniConfig) -> None:
 
 def check_multiplex(cfg) -> None:
     """The ``multiplex`` group on its own (training's config and ``omni simulate``'s share it)."""
-    from omni.multiplex.rules import BUBBLE_SETTINGS, PLACEMENTS, WEIGHT_MODES, check_shard_group_setting, \
+    from omni.step.multiplex_rules import BUBBLE_SETTINGS, PLACEMENTS, WEIGHT_MODES, check_shard_group_setting, \
         chunks_per_cut_setting, memory_budget_setting
     from parallel.reshard import EXCHANGE_MODES
 
@@ -288,18 +288,16 @@ def _parallel(cfg: OmniConfig, arch, world_size: int | None) -> None:
                      fp8=p.fp8, hidden_size=arch.hidden_size)
     check_sequence(sizes, cfg.data.micro_batch_tokens)
     if cfg.encoders:
-        _encoder_shard_group(cfg, sizes)
+        _multiplex_on_layout(cfg, sizes)
 
 
-def _encoder_shard_group(cfg: OmniConfig, sizes) -> None:
-    """Hybrid encoder weights: the shard group must divide the ranks that encode; and
-    ``multiplex.fill_bubbles=true`` must be able to apply (``fills_bubbles``)."""
-    from omni.multiplex.rules import encoder_ranks, encoder_shard_group, fills_bubbles
+def _multiplex_on_layout(cfg: OmniConfig, sizes) -> None:
+    """The multiplex config's rules on this layout, the runtime's own (``check_multiplex_layout``:
+    encoder SP blocks, the hybrid shard group, ``fill_bubbles=true`` where it cannot apply, the
+    pipeline schedule a placement needs)."""
+    from omni.step.multiplex_rules import check_multiplex_layout
 
-    x = cfg.multiplex
     try:
-        shard = encoder_shard_group(x.encoder_weights, x.encoder_shard_group, cfg.parallel.gpus_per_node,
-                                    len(encoder_ranks(sizes, x.placement)))
-        fills_bubbles(x.fill_bubbles, x.placement, sizes, x.encoder_weights, shard, x.exchange)
+        check_multiplex_layout(cfg.multiplex, sizes, cfg.parallel.gpus_per_node, cfg.parallel.pp_schedule)
     except ValueError as exc:  # the runtime's LayoutError, a config mistake here
         raise ConfigError(str(exc)) from None

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from recipes.schema import register_configs
 
 CONFIG_MODULE = "conf"
-GROUPS = ("model", "encoders", "data", "parallel", "optim", "trainer", "checkpoint", "experiment")
+GROUPS = ("model", "encoders", "data", "parallel", "multiplex", "optim", "trainer", "checkpoint", "experiment")
 
 
 def compose_config(overrides: list[str], config_name: str = "config") -> DictConfig:

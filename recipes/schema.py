@@ -9,7 +9,8 @@ from hydra.core.config_store import ConfigStore
 
 from dataloading.config import DataConfig
 from omni.models.config import EncoderSlot, ModelConfig
-from omni.runtime.config import CheckpointConfig, MultiplexConfig, OptimConfig, TrainerConfig
+from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
+from omni.step.config import MultiplexConfig
 from parallel.config import ParallelConfig
 
 

@@ -205,7 +205,7 @@ def test_zero_bubble_schedule_needs_encoder_first():
     import pytest
     import torch
 
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.multiplex.runtime import Multiplexer
     from parallel.config import ParallelConfig
     from parallel.layout import Layout, LayoutError, Sizes

@@ -5,7 +5,7 @@ items to ranks, on the device.
   the coefficients of ``dataloading.cost.CostModel`` (its LLM terms, or an encoder's): the same
   formula the planner balances, never a second copy of the coefficients.
 - ``greedy_assign``: items sorted heaviest first, each to the least-loaded rank — the LPT rule of
-  ``dataloading.balance`` and ``omni.multiplex.planning`` — in one program that walks the items.
+  ``dataloading.balance`` and ``omni.step.encoder_plan`` — in one program that walks the items.
 
 Both accumulate in fp64 and equal ``omni.kernels.reference`` bit for bit on integer costs.
 ``backend="auto"`` runs the kernels on CUDA tensors and the references elsewhere.

@@ -1,5 +1,4 @@
-"""Encoder-LLM multiplexing in one room: the pure rules (``rules``: placements, action lists,
-weight groups and reduction timing), the encoder planner (``planning``: which rank encodes which
-item, long-short split, routes), the runtime that executes a step's encoder work at the
-pipeline's cuts (``runtime``) and the encoders' own module (``media_tower``). The simulator
-(``omni.sim``) imports ``rules`` and ``planning`` only."""
+"""Encoder-LLM multiplexing at run time: the ``Multiplexer`` (``runtime``) that runs a step's
+encoder calls at the pipeline's cuts and tail cuts, and the encoders' own FSDP module
+(``media_tower``). What it runs is planned in ``omni.step`` (the multiplexing rules, the encoder
+planner, the bubble selection and the step's calls), which the simulator reads too."""

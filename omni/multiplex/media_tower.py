@@ -41,7 +41,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fs
 
 from omni.models.encoders.base import HostSizes
 from parallel.fsdp import shard_model
-from omni.multiplex.rules import encoder_gradient_reduction, tower_reshards_after_backward
+from omni.step.multiplex_rules import encoder_gradient_reduction, tower_reshards_after_backward
 
 
 class MediaTower(nn.Module):

@@ -2,7 +2,7 @@
 
 Each step, the media of micro-batch j of *every* data-parallel group form encoder chunk j.
 The ``multiplex.chunks_per_cut`` chunks of one insertion point (a *cut group*) are encoded by
-all encoder ranks together in one call (``omni.multiplex.planning.plan_cut``: short items
+all encoder ranks together in one call (``omni.step.encoder_plan.plan_cut``: short items
 whole and balanced by cost, long items split over an SP block with Ulysses attention): one
 feature exchange and one encoder pass per modality, and one exchange of the outputs straight
 to the LLM ranks that embed them (first pipeline stage, the CP chunk and the TP/SP shard
@@ -29,10 +29,10 @@ actions of their own, and ``placement`` decides where they go:
 - ``encoder_first``: every F before the LLM pipeline, every B after it: one insertion point,
   so the whole step's chunks are one call.
 
-Under ``colocated`` with pipeline parallelism, *bubble calls* (``omni.multiplex.bubbles``)
+Under ``colocated`` with pipeline parallelism, *bubble calls* (``omni.step.bubbles``)
 take some items off the cut groups: the later pipeline ranks encode them right after cut 0,
 the rows reach stage 0 at the window's delivery cut, and the gradients come back at a tail
-cut in the cool-down, where those ranks run the backward. ``omni.multiplex.step_plan`` plans
+cut in the cool-down, where those ranks run the backward. ``omni.step.encoder_calls`` plans
 every call of a step; this module runs them.
 
 Every rank runs the same action list in the same order, so the collectives always match
@@ -50,21 +50,19 @@ from torch import nn
 
 from dataloading.batch import MicroBatch
 from dataloading.cost import CostModel
-from omni.multiplex.planning import MediaManifest, describe_media, row_doc_lengths
-from omni.multiplex.step_plan import Call, ChunkView, StepMedia, StepPlanner
+from omni.step.encoder_plan import MediaManifest, describe_media, row_doc_lengths
+from omni.step.encoder_calls import Call, ChunkView, StepMedia, StepPlanner
 from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel
-from omni.runtime.config import MultiplexConfig
+from omni.step.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
-from omni.multiplex.rules import (PLACEMENTS, BEFORE_PIPELINE, chunks_per_cut_setting, cut_group_size, encoder_segments,
-                                  encoder_ranks, memory_budget_setting, step_fills_bubbles)
+from omni.step.multiplex_rules import (BEFORE_PIPELINE, check_multiplex_layout, cut_group_size, encoder_segments,
+                                       encoder_ranks, memory_budget_setting, step_fills_bubbles)
 from parallel.device_rules import free_memory_at_steady_state
 from parallel.layout import Layout, LayoutError, host_group, new_group
-from parallel.pipeline_schedule import EXECUTOR_SCHEDULES
-from parallel.reshard import EXCHANGE_MODES, exchange_rows
+from parallel.reshard import exchange_rows
 from parallel.sizing import reduces_every_microbatch
 
-INSERTING_SCHEDULES = EXECUTOR_SCHEDULES
 
 
 class Multiplexer:
@@ -75,16 +73,8 @@ class Multiplexer:
         map to. ``held``: this rank's other model parts (the LLM chunks), whose gradients and
         optimizer state the memory budget leaves room for. Built on every rank, in the same
         order (it creates process groups)."""
-        if cfg.placement not in PLACEMENTS:
-            raise LayoutError(f"multiplex.placement={cfg.placement!r} is not one of {', '.join(PLACEMENTS)}")
-        if cfg.exchange not in EXCHANGE_MODES:
-            raise LayoutError(f"multiplex.exchange={cfg.exchange!r} is not one of {', '.join(EXCHANGE_MODES)}")
         sizes, pcfg = layout.sizes, layout.config
-        if cfg.placement != "encoder_first" and sizes.pp > 1 and pcfg.pp_schedule not in INSERTING_SCHEDULES:
-            raise LayoutError(
-                f"multiplex.placement={cfg.placement} inserts encoder work into the {'/'.join(INSERTING_SCHEDULES)} "
-                f"pipeline schedules, not {pcfg.pp_schedule}: set parallel.pp_schedule=1f1b or "
-                f"multiplex.placement=encoder_first")
+        check_multiplex_layout(cfg, sizes, pcfg.gpus_per_node, pcfg.pp_schedule)
         self.cfg, self.layout, self.cost, self.timeline = cfg, layout, cost, timeline
         self.tower, self.hidden_size = tower, hidden_size
         self.device = layout.device
@@ -96,16 +86,9 @@ class Multiplexer:
             self.group = layout.group("stage") if self.active else None
         self.host_group = host_group(layout)
         self.group_of = [sizes.dp_group(r) for r in self.members]
-        sp = int(cfg.encoder_sp)
-        if sp < 1 or len(self.members) % sp or sp > max(1, pcfg.gpus_per_node):
-            raise LayoutError(f"multiplex.encoder_sp={sp} must divide the {len(self.members)} encoder ranks and fit "
-                              f"in a node (parallel.gpus_per_node={pcfg.gpus_per_node})")
-        self.sp = sp
-        chunks_per_cut_setting(cfg.chunks_per_cut)  # fail at start-up, not at the first step
+        sp = self.sp = int(cfg.encoder_sp)
         self.chunks_per_cut = 1  # this step's (cut_group_size, set in plan)
         self.lookahead = int(cfg.lookahead)
-        if self.lookahead < 0:
-            raise LayoutError(f"multiplex.lookahead={cfg.lookahead} must be >= 0 (0: off)")
         self.sp_group = self._sp_groups(layout, sp)
         encoders = tower.encoders if tower is not None else {}
         self.sp_modalities = [m for m, enc in encoders.items() if getattr(enc, "supports_sequence_parallel", False)]
@@ -128,7 +111,7 @@ class Multiplexer:
         # Sharded weights: reduce-scatter a modality's gradients once, in its last backward of
         # the step, unless the LLM reduces every micro-batch too.
         self.reduce_every_chunk = reduces_every_microbatch(pcfg, layout.sizes.pp)
-        # Bubble calls (omni.multiplex.bubbles): the later pipeline ranks' idle time, in the
+        # Bubble calls (omni.step.bubbles): the later pipeline ranks' idle time, in the
         # bubble windows of the step's program (which then holds their tail cuts).
         self.fill_bubbles = step_fills_bubbles(cfg, sizes, pcfg.gpus_per_node)
         if (self.exchange == "p2p" or self.fill_bubbles) and self.active and len(self.members) > 1:

@@ -30,11 +30,11 @@ from omni.models.llm.fp8 import convert_blocks_to_fp8
 from omni.models.llm.moe import MoE
 from omni.models.llm.parallel_plan import apply_tensor_parallel
 from omni.models.multimodal import OmniModel
-from omni.runtime.config import MultiplexConfig
+from omni.step.config import MultiplexConfig
 from omni.multiplex.media_tower import MediaTower
-from omni.multiplex.rules import WEIGHT_MODES, encoder_shard_group, step_fills_bubbles
+from omni.step.multiplex_rules import WEIGHT_MODES, encoder_shard_group, step_fills_bubbles
 from omni.multiplex.runtime import Multiplexer
-from omni.multiplex.rules import encoder_ranks
+from omni.step.multiplex_rules import encoder_ranks
 from omni.runtime.timeline import Timeline
 from omni.step import StepShape
 from parallel.data_parallel import all_reduce_coalesced

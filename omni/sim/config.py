@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omni.models.config import EncoderSlot, ModelConfig
-from omni.runtime.config import MultiplexConfig
+from omni.step.config import MultiplexConfig
 from parallel.config import ParallelConfig
 
 # megatron: Megatron-LM as its users run it (encoders inside stage 0; its layout searched, packing

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.multiplex.rules import chunks_per_cut_setting
+from omni.step.multiplex_rules import chunks_per_cut_setting
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import SimConfig

@@ -1,6 +1,6 @@
 """The encoder side of a simulated step: each encoder call (a cut group of
 multiplex.chunks_per_cut chunks, encoded together as the runtime does) assigned by the
-runtime's own planner (``omni.multiplex.planning.assign_items``: long-short split and cost
+runtime's own planner (``omni.step.encoder_plan.assign_items``: long-short split and cost
 balancing, with the loads of the step's earlier calls carried over as in the runtime), then
 timed per GPU. The routes themselves are not built: the exchanges are timed from the bytes
 each GPU sends.
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omni.multiplex.bubbles import BubbleCall, select_bubble_items
-from omni.multiplex.planning import ItemMeta, assign_items
-from omni.runtime.config import MultiplexConfig
-from omni.multiplex.rules import chunks_per_call
+from omni.step.bubbles import BubbleCall, select_bubble_items
+from omni.step.encoder_plan import ItemMeta, assign_items
+from omni.step.config import MultiplexConfig
+from omni.step.multiplex_rules import chunks_per_call
 from omni.sim.data import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
@@ -94,7 +94,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
                 receivers: int, memory_limit: float | None, placement: str = "colocated",
                 member_ranks: list[int] | None = None, group_node: dict[int, int] | None = None,
                 taken: frozenset | set = frozenset(), busy: Callable[[int], set[int]] | None = None) -> list[ChunkTimes]:
-    """The step's encoder calls, one per cut group (``omni.multiplex.rules.chunks_per_call``:
+    """The step's encoder calls, one per cut group (``omni.step.multiplex_rules.chunks_per_call``:
     multiplex.chunks_per_cut chunks, or the whole step under encoder_first), each planned as
     one assignment as the runtime's ``plan_cut`` does (item indices continue over the group's
     chunks), balanced on top of the step's earlier calls. ``micro_batches[g][j]``: DP group
@@ -107,7 +107,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
     ``p2p`` sends over NVLink to a peer in the node and over the NIC share to one outside.
     ``taken``: items (chunk, modality, group, index) that bubble calls encode instead
     (``plan_bubble_calls``); ``busy(c)``: the member GPUs still in a bubble call when call c's
-    forward runs, which take none of its items (as ``omni.multiplex.bubbles.busy_ranks``)."""
+    forward runs, which take none of its items (as ``omni.step.bubbles.busy_ranks``)."""
     n = max((len(g) for g in micro_batches), default=0)
     world = len(group_of)
     sp = int(mux.encoder_sp)
@@ -225,7 +225,7 @@ def call_of_chunks(calls: list[ChunkTimes]) -> list[int]:
 
 def call_actions(actions: list[tuple[str, int]], calls: list[ChunkTimes]) -> list[tuple[str, int]]:
     """The runtime's chunk actions as call actions: a cut group's forwards are one call, its
-    backwards one (``omni.multiplex.rules.encoder_segments`` keeps each set together)."""
+    backwards one (``omni.step.multiplex_rules.encoder_segments`` keeps each set together)."""
     of = call_of_chunks(calls)
     out: list[tuple[str, int]] = []
     for kind, j in actions:
@@ -236,7 +236,7 @@ def call_actions(actions: list[tuple[str, int]], calls: list[ChunkTimes]) -> lis
 
 @dataclass
 class BubbleTimes:
-    """One bubble call (``omni.multiplex.bubbles``) on the GPUs of its pipeline rank: per cell
+    """One bubble call (``omni.step.bubbles``) on the GPUs of its pipeline rank: per cell
     (DP group, pipeline rank) its forward and backward, on its slowest GPU (the cell's GPUs go
     on to the LLM's work together) and on average, the activations its largest GPU keeps from
     the forward to the backward; per DP group the transfer of its rows to the group's first

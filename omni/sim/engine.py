@@ -4,7 +4,7 @@ Every (DP group, pipeline rank) pair is a *cell*: its TP x CP GPUs run in lockst
 timeline stands for them. Each cell runs its pipeline rank's program from
 ``parallel.pipeline_executor`` (GPipe, 1F1B or interleaved 1F1B, with the consistent cuts
 where encoder work joins in; without PP: a cut before each micro-batch's forward), and the
-encoder chunks run at the cuts in the order ``omni.multiplex.rules.encoder_segments`` gives
+encoder chunks run at the cuts in the order ``omni.step.multiplex_rules.encoder_segments`` gives
 — the same lists the training runtime follows. An action starts when its cell is free and its
 input has arrived (the previous stage's activation or the next stage's gradient, plus the
 point-to-point transfer); an encoder chunk is a collective: it starts when every encoder cell
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from omni.multiplex.rules import BEFORE_PIPELINE, encoder_segments
+from omni.step.multiplex_rules import BEFORE_PIPELINE, encoder_segments
 from omni.sim.encoders import BubbleTimes, ChunkTimes
 from omni.sim.timing import StageWork
 from omni.step import StepShape, plan_step
@@ -99,7 +99,7 @@ def simulate_step(*, pp: int, virtual: int, schedule: str, groups: int, n_micro:
     ``chunks``: the step's encoder calls, ``call_of[j]`` the one that encodes chunk j (None:
     one call per chunk); a call's forward runs at its first chunk's F action, its backward at
     its first B action (the runtime's Multiplexer runs a cut group as one call).
-    ``bubbles``: the step's bubble calls (``omni.multiplex.bubbles``), which run as the
+    ``bubbles``: the step's bubble calls (``omni.step.bubbles``), which run as the
     runtime's Multiplexer runs them: each cell of their pipeline rank encodes right after
     its cut 0, its rows go to its group's first-stage cell at the window's delivery cut and
     their gradients come back at its tail cut, each a point-to-point exchange between the

@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.multiplex.bubbles import busy_ranks, closing_modalities, forward_unit_cost
-from omni.multiplex.rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call,
-                                  chunks_per_cut_candidates, chunks_per_cut_setting, cut_group_size, encoder_actions,
-                                  encoder_ranks, forward_insertion_points, memory_budget_setting, step_fills_bubbles)
+from omni.step.bubbles import busy_ranks, closing_modalities, forward_unit_cost
+from omni.step.multiplex_rules import (CUT_PLACEMENTS, chunks_backward_after_pipeline, chunks_per_call,
+                                  chunks_per_cut_candidates, cut_group_size, encoder_actions,
+                                  encoder_ranks, forward_insertion_points, memory_budget_setting, step_fills_bubbles,
+                                  PLACEMENTS, check_multiplex_layout)
 from omni.sim import disaggregated, megatron
 from omni.sim import memory as mem
 from omni.sim import sync
@@ -76,22 +77,14 @@ def llm_sizes(parallel: ParallelConfig, world: int, spec: ModelSpec, tokens: int
 
 
 def check_encoder_sp(cfg: SimConfig, sizes: Sizes, placement: str, pool: int = 0) -> None:
-    """multiplex.encoder_sp must split the encoder GPUs into whole SP blocks (and
-    multiplex.chunks_per_cut be auto or a count)."""
+    """The multiplex config's rules on the layout a placement runs (the runtime's own,
+    ``check_multiplex_layout``): multiplex.encoder_sp splits the encoder GPUs (``pool`` of them
+    for the disaggregated baseline) into whole SP blocks inside a node, and so on."""
+    mux = dataclasses.replace(cfg.multiplex, placement=placement if placement in PLACEMENTS else "colocated")
     try:
-        chunks_per_cut_setting(cfg.multiplex.chunks_per_cut)
+        check_multiplex_layout(mux, sizes, cfg.cluster.gpus_per_node, cfg.parallel.pp_schedule, encoder_gpus=pool)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    sp = int(cfg.multiplex.encoder_sp)
-    members = pool or (sizes.world // sizes.pp if placement == "stage0" else sizes.world)
-    if sp < 1 or members % sp:
-        raise ConfigError(f"multiplex.encoder_sp={sp} must divide the {members} GPUs that run encoders under "
-                          f"placement {placement}; choose a divisor of {members}")
-    own = sizes.tp * sizes.cp
-    if placement == "stage0" and own % sp:
-        raise ConfigError(f"multiplex.encoder_sp={sp}: under placement stage0 a DP group's items stay on its "
-                          f"{own} first-stage GPUs (tp x cp), so an SP block cannot span more; use encoder_sp "
-                          f"dividing {own}")
 
 
 def disaggregated_split(cfg: SimConfig) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import product
 
-from omni.multiplex.rules import encoder_gradient_reduction, encoder_shard_group, tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
+from omni.step.multiplex_rules import encoder_gradient_reduction, encoder_shard_group, tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
 from omni.sim.config import SimConfig
 from omni.sim.encoders import ChunkTimes
 from omni.sim.spec import ModelSpec
@@ -231,7 +231,7 @@ def add_encoder_collectives(m: Machine, cfg: SimConfig, spec: ModelSpec, chunks:
     (the last one's is the step's sync, ``encoder_grad_sync``). Layer-by-layer prefetch hides
     them behind the chunk's compute where the compute is longer; what is exposed is also kept
     as the chunk's ``weights_forward_s`` / ``weights_backward_s``. ``actions``: the step's
-    encoder actions (``omni.multiplex.rules.encoder_actions``)."""
+    encoder actions (``omni.step.multiplex_rules.encoder_actions``)."""
     if not encoder_weights_sharded(cfg) or not chunks:
         return
     shard, replicate = encoder_groups(cfg, members, gpus_per_node)

@@ -46,7 +46,8 @@ def _rank(rank: int, world: int, store: str, tokens: int, impl: str, layers: int
     from dataloading.context_parallel import slice_for_cp
     from omni.models.llm import Decoder, DecoderConfig
     from omni.models.multimodal import OmniModel
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig, OptimConfig, TrainerConfig
+    from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.runtime.trainer import Trainer
     from parallel.config import ParallelConfig

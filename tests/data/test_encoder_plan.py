@@ -11,7 +11,7 @@ import torch
 
 from dataloading.batch import MediaInputs, MicroBatch
 from dataloading.cost import CostModel
-from omni.multiplex.planning import ItemMeta, describe_media, piece_bounds, plan_chunk
+from omni.step.encoder_plan import ItemMeta, describe_media, piece_bounds, plan_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dataloading.cost import CostModel
-from omni.multiplex.planning import ItemMeta, piece_bounds, plan_chunk, plan_cut, splits
+from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk, plan_cut, splits
 from test_encoder_plan import _expected as expected_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})

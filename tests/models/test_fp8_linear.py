@@ -89,7 +89,7 @@ def test_parallelize_converts_the_blocks():
     import torch.distributed as dist
     from torchao.float8.float8_linear import Float8Linear
 
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout

@@ -280,7 +280,7 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     ``attn_backend``: ``model.attn_backend`` (auto: as the device rules take it)."""
     from torch.distributed.tensor import DTensor
 
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.runtime.trainer import Trainer
     from parallel.config import ParallelConfig

@@ -79,7 +79,7 @@ def test_the_setting_names_a_bad_block():
 def test_parallelize_sets_the_chosen_blocks():
     import torch.distributed as dist
 
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout

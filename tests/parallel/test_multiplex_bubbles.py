@@ -1,4 +1,4 @@
-"""Bubble calls (multiplex.fill_bubbles, omni/multiplex/bubbles.py): the later pipeline ranks
+"""Bubble calls (multiplex.fill_bubbles, omni/step/bubbles.py): the later pipeline ranks
 encode some of their data group's items while they wait for their first activation, deliver
 the rows to stage 0 at their window's delivery cut, take the gradients back at its tail cut
 and run the backward there. Every layout trains like the single-process run with inline

@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 
-from omni.runtime.config import MultiplexConfig
+from omni.step.config import MultiplexConfig
 from layout_harness import MICRO_PER_STEP, check_named_layouts, run_named_layouts
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
@@ -300,7 +300,7 @@ def test_hybrid_shard_group_rules():
     from omegaconf import OmegaConf
 
     from omni.errors import ConfigError
-    from omni.multiplex.rules import encoder_shard_group
+    from omni.step.multiplex_rules import encoder_shard_group
     from parallel.layout import LayoutError
     from recipes.checks import check_config
     from recipes.compose import compose_config

@@ -19,7 +19,7 @@ from dist_helpers import run_ranks
 def _worker(rank, world, sizes, out_dir, mux_options=None):
     from dataloading.context_parallel import slice_for_cp
     from layout_harness import build, global_batches
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.step import plan_step
     from parallel.config import ParallelConfig

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dataloading.cost import CostModel
-from omni.multiplex.planning import ItemMeta, plan_cut
+from omni.step.encoder_plan import ItemMeta, plan_cut
 from parallel.reshard import p2p_transfers
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})

@@ -1,5 +1,5 @@
-"""Bubble calls' planning (omni/multiplex/bubbles.py) and when they apply
-(omni.multiplex.rules.fills_bubbles), on plain numbers: a call takes only items of its
+"""Bubble calls' planning (omni/step/bubbles.py) and when they apply
+(omni.step.multiplex_rules.fills_bubbles), on plain numbers: a call takes only items of its
 window's micro-batches and of its own cell's data group, never more per GPU than the window's
 capacity, never more activations per GPU than the memory budget, and only modalities whose last backward is a
 cut group's after every window; the rows of a subset are renumbered consistently; a rank busy
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from dataloading.cost import CostModel
-from omni.multiplex.bubbles import (busy_ranks, capacity, closing_modalities, forward_unit_cost, select_bubble_items,
+from omni.step.bubbles import (busy_ranks, capacity, closing_modalities, forward_unit_cost, select_bubble_items,
                                     split_items, split_rows)
-from omni.multiplex.planning import ItemMeta
-from omni.multiplex.rules import fills_bubbles
+from omni.step.encoder_plan import ItemMeta
+from omni.step.multiplex_rules import fills_bubbles
 from parallel.pipeline_schedule import BubbleWindow, bubble_windows
 from parallel.sizing import LayoutError, Sizes
 

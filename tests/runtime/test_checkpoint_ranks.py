@@ -107,7 +107,8 @@ def _fingerprints(rank, world, out_dir):
     from layout_harness import build
 
     from omni.runtime.checkpoint import Checkpointer
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig
+    from omni.runtime.config import CheckpointConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout

@@ -1,11 +1,11 @@
-"""multiplex.chunks_per_cut=auto (``omni.multiplex.rules.cut_group_size``): per step, the
+"""multiplex.chunks_per_cut=auto (``omni.step.multiplex_rules.cut_group_size``): per step, the
 largest cut group whose live encoder activations fit the per-rank budget, one call per step
 without a budget; the settings it accepts; and the simulator choosing by the same rule."""
 from __future__ import annotations
 
 import pytest
 
-from omni.multiplex.rules import (chunks_per_cut_candidates, chunks_per_cut_setting, cut_group_size,
+from omni.step.multiplex_rules import (chunks_per_cut_candidates, chunks_per_cut_setting, cut_group_size,
                                   peak_live_encoder_bytes)
 from parallel.sizing import LayoutError
 

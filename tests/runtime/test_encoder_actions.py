@@ -3,7 +3,7 @@ forward and backward exactly once, forwards in time for their micro-batch, backw
 stage 0 has finished the micro-batch, grouped by multiplex.chunks_per_cut."""
 import pytest
 
-from omni.multiplex.rules import encoder_actions, encoder_segments
+from omni.step.multiplex_rules import encoder_actions, encoder_segments
 from parallel.pipeline_schedule import encoder_backward_cuts, place_cuts, rank_programs
 
 

@@ -14,7 +14,7 @@ from dist_helpers import run_ranks  # noqa: E402
 
 def _worker(rank, world, out_dir):
     from layout_harness import build, global_batches
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.step import plan_step
     from parallel.config import ParallelConfig

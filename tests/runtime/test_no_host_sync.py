@@ -78,7 +78,8 @@ def _reads_per_step(sizes: dict, micro: int, moe: bool = True, backend: str = "t
     step and rank. ``backend``: the varlen kernels' path (what ``auto`` picks on a GPU; the
     Triton interpreter here), whose lengths come from the host."""
     from omni.runtime.parallelize import parallelize
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig, TrainerConfig
+    from omni.runtime.config import CheckpointConfig, TrainerConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.trainer import Trainer
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout
@@ -184,7 +185,8 @@ def test_cuda_step_synchronises_once():
 
     import torch.distributed as dist
 
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig, TrainerConfig
+    from omni.runtime.config import CheckpointConfig, TrainerConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.runtime.trainer import Trainer
     from parallel.config import ParallelConfig

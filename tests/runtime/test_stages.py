@@ -66,7 +66,8 @@ def fit(sizes: dict, run_dir: str, stages=(), freeze=(), stop_at=None, every=0, 
 
     from dataloading.batch import StepBatch
     from omni.models.freeze import ModuleNames, freeze as freeze_units
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig, StageConfig, TrainerConfig
+    from omni.runtime.config import CheckpointConfig, StageConfig, TrainerConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.runtime.trainer import Trainer
     from parallel.config import ParallelConfig
@@ -116,7 +117,8 @@ def _layouts(rank, world, out_dir, init_ckpt):
     # model.init_from: the single process's checkpoint into dp_shard=2 (another layout).
     from omni.runtime.parallelize import parallelize
     from omni.runtime.checkpoint import Checkpointer
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig
+    from omni.runtime.config import CheckpointConfig
+    from omni.step.config import MultiplexConfig
     from layout_harness import build
     from parallel.config import ParallelConfig
     from parallel.layout import init_layout

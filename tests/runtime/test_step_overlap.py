@@ -43,7 +43,8 @@ class _Loader:
 def _trainer(steps: int, media: tuple = (), every: int = 0, timeline_every: int = 10, **trainer):
     import torch.distributed as dist  # noqa: F401
 
-    from omni.runtime.config import CheckpointConfig, MultiplexConfig, TrainerConfig
+    from omni.runtime.config import CheckpointConfig, TrainerConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from omni.runtime.trainer import Trainer
     from parallel.config import ParallelConfig
@@ -121,7 +122,7 @@ def test_the_timeline_is_gathered_only_on_the_steps_it_reports(single_process, m
 
 
 def _coalesced(rank, world, out_dir):
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize
     from parallel.config import ParallelConfig
     from parallel.data_parallel import all_reduce_coalesced
@@ -167,7 +168,7 @@ def test_replicated_gradients_are_summed_in_few_collectives(tmp_path):
 
 def _replicated(rank, world, out_dir, sizes):
     from omni.models.materialize import named_tensors
-    from omni.runtime.config import MultiplexConfig
+    from omni.step.config import MultiplexConfig
     from omni.runtime.full_model import replicate_full_model
     from omni.runtime.parallelize import parallelize
     from parallel.config import ParallelConfig

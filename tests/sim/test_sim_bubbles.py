@@ -1,5 +1,5 @@
 """Bubble calls in the simulator (multiplex.fill_bubbles): it plans them with the runtime's own
-rule and selection (omni.multiplex.bubbles), runs them where the runtime does (after cut 0 on
+rule and selection (omni.step.bubbles), runs them where the runtime does (after cut 0 on
 the later pipeline ranks, rows to stage 0 at the delivery cut, gradients back and the
 backward at the tail cut), books their activations from forward to backward, and a step that
 moves encoder work off stage 0's critical path into the later stages' idle time is faster."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni.multiplex.rules import chunks_per_call
+from omni.step.multiplex_rules import chunks_per_call
 from omni.sim.simulate import one_step_for_calibration
 from recipes.simulate_cmd import load_sim_config
 
@@ -120,7 +120,7 @@ def test_chunks_per_cut_search_takes_the_fastest_group_that_fits():
     """sim.chunks_per_cut_search: colocated runs with the multiplex.chunks_per_cut of the
     fastest candidate (1, 2, 4, ... up to one call per step) that fits at every simulated step,
     exactly that candidate's simulation; with less memory a smaller group wins."""
-    from omni.multiplex.rules import chunks_per_cut_candidates
+    from omni.step.multiplex_rules import chunks_per_cut_candidates
 
     assert chunks_per_cut_candidates(7) == [1, 2, 4, 7] and chunks_per_cut_candidates(4) == [1, 2, 4]
     assert chunks_per_cut_candidates(1) == [1]

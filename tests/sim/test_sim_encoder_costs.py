@@ -19,7 +19,7 @@ from torch import nn
 
 from omni.multiplex.media_tower import MediaTower
 
-from omni.multiplex.rules import tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
+from omni.step.multiplex_rules import tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
 from omni.sim import sync
 from omni.sim.data import MicroBatchWork, StepWork
 from omni.sim.encoders import empty_call

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from omni.multiplex.rules import encoder_gradient_reduction, tower_grads_unsharded
-from omni.multiplex.rules import encoder_ranks
+from omni.step.multiplex_rules import encoder_gradient_reduction, tower_grads_unsharded
+from omni.step.multiplex_rules import encoder_ranks
 from omni.sim import sync
 from omni.sim.encoders import ChunkTimes
 from omni.sim.simulate import llm_sizes, one_step_for_calibration

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.transfer import to_device
-from omni.multiplex.planning import piece_bounds  # the routing plan uses the same pieces
+from omni.step.encoder_plan import piece_bounds  # the routing plan uses the same pieces
 from omni.kernels.segment_attention import segment_attention
 from omni.models.attention import PackedSegments
 

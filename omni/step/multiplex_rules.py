@@ -203,12 +203,53 @@ def step_fills_bubbles(cfg, sizes: Sizes, gpus_per_node: int) -> bool:
     return fills_bubbles(cfg.fill_bubbles, cfg.placement, sizes, cfg.encoder_weights, shard, cfg.exchange)
 
 
+def check_multiplex_layout(cfg, sizes: Sizes, gpus_per_node: int, pp_schedule: str, encoder_gpus: int = 0) -> None:
+    """Every rule of a ``multiplex`` config (``omni.step.config.MultiplexConfig``) on an LLM layout,
+    in one place: the runtime's ``Multiplexer`` runs it at start-up, ``recipes.checks`` before
+    anything starts, the simulator for each layout it costs. ``encoder_gpus``: the GPUs that
+    encode when they are not the layout's own (the simulator's disaggregated pool); raises
+    ``LayoutError`` naming the key and the fix."""
+    from parallel.pipeline_schedule import EXECUTOR_SCHEDULES
+    from parallel.reshard import EXCHANGE_MODES
+
+    if cfg.placement not in PLACEMENTS:
+        raise LayoutError(f"multiplex.placement={cfg.placement!r} is not one of {', '.join(PLACEMENTS)}")
+    if cfg.exchange not in EXCHANGE_MODES:
+        raise LayoutError(f"multiplex.exchange={cfg.exchange!r} is not one of {', '.join(EXCHANGE_MODES)}")
+    if cfg.placement != "encoder_first" and sizes.pp > 1 and pp_schedule not in EXECUTOR_SCHEDULES:
+        raise LayoutError(
+            f"multiplex.placement={cfg.placement} inserts encoder work into the {'/'.join(EXECUTOR_SCHEDULES)} "
+            f"pipeline schedules, not {pp_schedule}: set parallel.pp_schedule=1f1b or "
+            f"multiplex.placement=encoder_first")
+    try:
+        chunks_per_cut_setting(cfg.chunks_per_cut)
+    except ValueError as exc:
+        raise LayoutError(str(exc)) from None
+    if isinstance(cfg.lookahead, bool) or not isinstance(cfg.lookahead, int) or cfg.lookahead < 0:
+        raise LayoutError(f"multiplex.lookahead={cfg.lookahead} must be a whole number of cut groups >= 0 (0: off)")
+    members = encoder_gpus or len(encoder_ranks(sizes, cfg.placement))
+    sp = int(cfg.encoder_sp)
+    if sp < 1 or members % sp:
+        raise LayoutError(f"multiplex.encoder_sp={sp} must divide the {members} encoder ranks (the GPUs that run "
+                          f"encoders under placement {cfg.placement}); choose a divisor of {members}")
+    if sp > max(1, gpus_per_node):
+        raise LayoutError(f"multiplex.encoder_sp={sp} must fit in a node (parallel.gpus_per_node={gpus_per_node}): "
+                          f"an SP block's all-to-alls run every encoder layer")
+    own = sizes.tp * sizes.cp
+    if cfg.placement == "stage0" and own % sp:
+        raise LayoutError(f"multiplex.encoder_sp={sp}: under placement stage0 a DP group's items stay on its "
+                          f"{own} first-stage GPUs (tp x cp), so an SP block cannot span more; use encoder_sp "
+                          f"dividing {own}")
+    if not encoder_gpus:
+        step_fills_bubbles(cfg, sizes, gpus_per_node)  # fill_bubbles=true where it cannot apply; the shard group
+
+
 BUBBLE_SETTINGS = ("auto", "true", "false")
 
 
 def fills_bubbles(setting: str, placement: str, sizes: Sizes, weights: str, shard_group: int, exchange: str) -> bool:
     """Whether a step gives the later pipeline ranks' idle time encoder work (bubble calls,
-    ``omni.multiplex.bubbles``): ``multiplex.fill_bubbles`` = auto (where it applies and the
+    ``omni.step.bubbles``): ``multiplex.fill_bubbles`` = auto (where it applies and the
     exchanges are point to point, so a cut waits only for its partners), true (where it
     applies, else an error naming why) or false.
 

@@ -204,7 +204,7 @@ def assign_items(
     arguments). ``base_loads``: cost each rank already carries (e.g. earlier chunks of the step)
     that the balancing evens out too; None: zeros. ``split_fixed_cost``: see ``splits``.
     ``pinned``: item key -> the rank that encodes it whole, decided elsewhere (a bubble call's
-    items, ``omni.multiplex.bubbles``)."""
+    items, ``omni.step.bubbles``)."""
     if sp < 1 or world % sp:
         raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
     group_arr = np.asarray(group_of, dtype=np.int64)

@@ -1,6 +1,6 @@
 """A step's encoder calls, planned on every rank from the step's gathered manifests (plain
 host numbers; the one device copy is the index upload at the end): the cut groups' calls
-(``omni.multiplex.planning.plan_cut``), the bubble calls (``omni.multiplex.bubbles``), and, on a
+(``omni.step.encoder_plan.plan_cut``), the bubble calls (``omni.step.bubbles``), and, on a
 consumer rank, where each micro-batch's rows land in the calls' receive buffers. The
 multiplexing runtime (``omni.multiplex.runtime``) runs what this plans.
 """
@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from dataloading.cost import CostModel
-from omni.multiplex.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
+from omni.step.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
                                     select_bubble_items, split_items, split_rows)
-from omni.multiplex.planning import CutPlan, ItemMeta, MediaManifest, plan_cut
-from omni.multiplex.rules import chunks_backward_after_pipeline, chunks_per_call, forward_insertion_points
+from omni.step.encoder_plan import CutPlan, ItemMeta, MediaManifest, plan_cut
+from omni.step.multiplex_rules import chunks_backward_after_pipeline, chunks_per_call, forward_insertion_points
 from parallel.sizing import Sizes
 from parallel.transfer import to_device
 
@@ -132,7 +132,7 @@ class StepPlanner:
              backward_cuts: list[int | None], windows: list, group: int) -> StepPlan:
         """Every call of the step; ``backward_cuts``, ``windows``: the pipeline's (encoder
         backward cut per chunk, ``bubble_windows``); ``group``: the step's chunks per cut
-        (``omni.multiplex.rules.cut_group_size``)."""
+        (``omni.step.multiplex_rules.cut_group_size``)."""
         n = media.n_chunks
         needs_by_chunk = [{i: everyone[r]["needs"][j] for i, r in enumerate(self.members)
                            if everyone[r]["needs"] is not None and j < len(everyone[r]["needs"])}
@@ -201,7 +201,7 @@ class StepPlanner:
 
     def _bubble_calls(self, media: StepMedia, n: int, size: int, backward_cuts: list[int | None],
                       windows: list) -> list[BubbleCall]:
-        """This step's bubble calls (``omni.multiplex.bubbles``), the same on every rank."""
+        """This step's bubble calls (``omni.step.bubbles``), the same on every rank."""
         windows = [w for w in windows if w is not None]
         if not windows:
             return []

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataloading.cost import CostModel
-from omni.multiplex.planning import ItemMeta
+from omni.step.encoder_plan import ItemMeta
 from parallel.pipeline_schedule import BubbleWindow
 
 # A forward of a model chunk is one time unit of the pipeline programs, its backward two; the
