@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.chat import last_answer, render_segments
+from dataloading.chat import last_answer
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
                               encoder_modality, processor_for)
 from dataloading.mixture import SourceOptions
 from dataloading.pieces import PIECE_SEP, split_piece
 from dataloading.positions import mrope_position_ids
-from dataloading.sample import DecodedSample, decode_sample
+from dataloading.sample import DecodedSample, decode_sample, text_segments
 from dataloading.shards import ShardPool, SourceReader
 from dataloading.tokenizer import Tokenizer
 
@@ -106,25 +106,9 @@ class SampleConstructor:
         return items
 
     def segments(self, sample: DecodedSample, prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
-        """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target.
-
-        A conversation is its chat-template rendering, the assistant turns (per the source's
-        ``assistant_loss``) the targets, each closed by the template's own end of turn; held out
-        (``prompt_only``) it is the turns before its last answer with the generation prompt.
-        A prompt and response: the prompt (in the source's ``chat_template``) then the response
-        and EOS as targets; a text alone is all target."""
-        options = self._options(sample.sample_id)
-        if sample.messages is not None:
-            if prompt_only:
-                question, _ = last_answer(sample.messages)
-                return [(self.tokenizer.render_chat(question, add_generation_prompt=True), False)], False
-            return render_segments(self.tokenizer, sample.sample_id, sample.messages, options.assistant_loss), False
-        text = options.chat_template.replace("{prompt}", sample.text) if options.chat_template else sample.text
-        if prompt_only:
-            return [(text, False)], False
-        if sample.response is None:
-            return [(text, True)], True
-        return [(text, False), (sample.response, True)], True
+        """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target
+        (``text_segments`` under the sample's source options)."""
+        return text_segments(self.tokenizer, sample, self._options(sample.sample_id), prompt_only)
 
     def tokenize(self, sample: DecodedSample, prompt_only: bool = False) -> Tokenized:
         tok = self.tokenizer

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dataloading.chat import MESSAGES_FIELD, parse_messages, prompt_text
+from dataloading.chat import MESSAGES_FIELD, last_answer, parse_messages, prompt_text, render_segments
 from dataloading.errors import DataError
 from dataloading.media import MEDIA_PLACEHOLDERS, MODALITY_EXTENSIONS
 
@@ -207,3 +207,26 @@ def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
         except Exception as e:
             raise _media_error(sample_id, name, e) from None
     return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta, raw.messages)
+
+
+def text_segments(tokenizer, sample: DecodedSample, options, prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
+    """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target.
+    ``options``: its source's ``SourceOptions`` (``assistant_loss``, ``chat_template``). One home
+    for the constructor, which builds the sample from it, and the planner's token counts.
+
+    A conversation is its chat-template rendering, the assistant turns (per the source's
+    ``assistant_loss``) the targets, each closed by the template's own end of turn; held out
+    (``prompt_only``) it is the turns before its last answer with the generation prompt.
+    A prompt and response: the prompt (in the source's ``chat_template``) then the response
+    and EOS as targets; a text alone is all target."""
+    if sample.messages is not None:
+        if prompt_only:
+            question, _ = last_answer(sample.messages)
+            return [(tokenizer.render_chat(question, add_generation_prompt=True), False)], False
+        return render_segments(tokenizer, sample.sample_id, sample.messages, options.assistant_loss), False
+    text = options.chat_template.replace("{prompt}", sample.text) if options.chat_template else sample.text
+    if prompt_only:
+        return [(text, False)], False
+    if sample.response is None:
+        return [(text, True)], True
+    return [(text, False), (sample.response, True)], True
