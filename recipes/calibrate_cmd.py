@@ -3,7 +3,7 @@
 Micro-batches are built from the configured data with varied packing (1 to 12 samples per
 row, under the budget), so short and long documents and different media counts all appear;
 each is timed forward+backward on the configured model and device, and
-``dataloading.cost.fit_cost_model`` fits the coefficients (least squares, kept >= 0).
+``dataloading.plan.cost.fit_cost_model`` fits the coefficients (least squares, kept >= 0).
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ def calibrate_main(overrides: list[str], micro_batches: int = 48, repeats: int =
     import torch
     from tqdm import tqdm
 
-    from dataloading.constructor import SampleConstructor
-    from dataloading.cost import fit_cost_model
+    from dataloading.construct.constructor import SampleConstructor
+    from dataloading.plan.cost import fit_cost_model
     from dataloading.errors import ProblemCounter
-    from dataloading.loader import build_planner
+    from dataloading.serve.loader import build_planner
     from omni.models.build import build_model, media_processors
     from omni.models.cost import default_cost_model
     from omni.runtime.calibrate import micro_batch_work, time_micro_batches

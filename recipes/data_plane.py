@@ -25,7 +25,7 @@ def mixture_path(cfg: OmniConfig, is_main: bool = True, progress: bool = True, b
 
 def cost_model(cfg: OmniConfig, model):
     """The calibrated cost file when given, else FLOP-based defaults from the model config."""
-    from dataloading.cost import CostModel
+    from dataloading.plan.cost import CostModel
     from omni.models.cost import default_cost_model
 
     return CostModel.load(cfg.data.cost_file) if cfg.data.cost_file else default_cost_model(model)
@@ -42,7 +42,7 @@ def planner_kwargs(cfg: OmniConfig, model) -> dict:
 
 def build_training_loader(cfg: OmniConfig, mixture: str, tokenizer, model, processors, dp_size: int, dp_rank: int,
                           progress: bool):
-    from dataloading.loader import build_loader
+    from dataloading.serve.loader import build_loader
 
     d = cfg.data
     return build_loader(mixture, tokenizer, processors, dp_size=dp_size, dp_rank=dp_rank, on_error=d.on_error,

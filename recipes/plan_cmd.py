@@ -54,7 +54,7 @@ def _state_from_file(path: str) -> dict:
 
 def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = None, as_json: bool = False,
               save_state: str | None = None, load_state: str | None = None, out=None) -> int:
-    from dataloading.loader import build_planner
+    from dataloading.serve.loader import build_planner
     from omni.models.build import media_processors
     from recipes.compose import compose_config
     from recipes.data_plane import mixture_path, model_for_planning, planner_kwargs
@@ -63,7 +63,7 @@ def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = N
     out = out or sys.stdout
     cfg = OmegaConf.to_object(compose_config(overrides))
     if balance is not None:
-        from dataloading.balance import METHODS
+        from dataloading.plan.balance import METHODS
         from recipes.checks import one_of
 
         one_of("--balance", balance, METHODS)

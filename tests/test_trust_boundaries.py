@@ -41,7 +41,7 @@ def test_local_ray_listens_on_loopback_only():
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants
 
-    from dataloading.ray_backend import RayStepLoader
+    from dataloading.serve.ray_backend import RayStepLoader
 
     assert not ray.is_initialized(), "another test left a Ray running in this process"
     switch = ray_constants.ENABLE_RAY_CLUSTER
@@ -69,12 +69,12 @@ def test_local_ray_listens_on_loopback_only():
 
 def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     pytest.importorskip("ray")
-    import dataloading.loader as loader_mod
-    import dataloading.ray_backend as ray_backend
+    import dataloading.serve.loader as loader_mod
+    import dataloading.serve.ray_backend as ray_backend
     import recipes.data_plane as data_plane
     from dataloading.config import DataConfig
-    from dataloading.ray_local import check_bind
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.serve.ray_local import check_bind
+    from dataloading.formats.tokenizer import ByteTokenizer
     from recipes.schema import OmniConfig
 
     assert DataConfig().ray_bind == "127.0.0.1"
@@ -253,7 +253,7 @@ def test_tokenizer_with_custom_code_is_refused(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import models, pre_tokenizers
 
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.formats.tokenizer import load_tokenizer
 
     core = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "</s>": 2}, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from dataloading.tokenizer import PlaceholderTokens, Tokenizer, load_tokenizer
+from dataloading.formats.tokenizer import PlaceholderTokens, Tokenizer, load_tokenizer
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.models.hf_checkpoint import read_hf_config
@@ -142,7 +142,7 @@ def _is_llava(model: OmniModel) -> bool:
 def _export_llava_onevision(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
     """The model and its processor's settings; the video placeholder is the vocabulary's
     ``<video>`` (-1 without one: Omni itself writes a video's rows at image placeholders,
-    ``dataloading.media.as_encoder_placeholders``)."""
+    ``dataloading.formats.media.as_encoder_placeholders``)."""
     from omni.models.hf_vlm import export_llava_onevision
 
     image = tokenizer.placeholder_ids["image"]

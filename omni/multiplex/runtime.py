@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dataloading.batch import MicroBatch
-from dataloading.cost import CostModel
+from dataloading.construct.batch import MicroBatch
+from dataloading.plan.cost import CostModel
 from omni.multiplex.planning import MediaManifest, describe_media, row_doc_lengths
 from omni.multiplex.step_plan import Call, ChunkView, StepMedia, StepPlanner
 from omni.kernels.reshard import scatter_rows

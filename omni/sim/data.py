@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.balance import METHODS, arrange
+from dataloading.plan.balance import METHODS, arrange
 from omni.errors import ConfigError
 from omni.sim.config import SimDataConfig
 from omni.sim.spec import ModelSpec
@@ -440,8 +440,8 @@ def mixture_steps(cfg: SimDataConfig) -> list[int]:
 
 
 def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) -> list[StepWork]:
-    from dataloading.loader import build_planner
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.serve.loader import build_planner
+    from dataloading.formats.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer)
     planner, _ = build_planner(cfg.mixture, tokenizer, spec.processors, dp_size=dp, progress=False,

@@ -100,8 +100,8 @@ def ensure_data(root: Path, sources: int, side: int = IMAGE_SIDE) -> Path:
     balancer deal each source's samples to the same ranks step after step)."""
     import numpy as np
 
-    from dataloading.index import build_index
-    from dataloading.shards import write_shards
+    from dataloading.index.source_index import build_index
+    from dataloading.index.shards import write_shards
 
     data = root / (f"memory-s{sources}-v2" + ("" if side == IMAGE_SIDE else f"-px{side}"))
     if (data / ".complete").exists():
@@ -137,10 +137,10 @@ def _imports():
     import webdataset  # noqa: F401
     import wids  # noqa: F401
 
-    import dataloading.constructor  # noqa: F401
-    import dataloading.index  # noqa: F401
-    import dataloading.loader  # noqa: F401
-    import dataloading.planner  # noqa: F401
+    import dataloading.construct.constructor  # noqa: F401
+    import dataloading.index.source_index  # noqa: F401
+    import dataloading.serve.loader  # noqa: F401
+    import dataloading.plan.planner  # noqa: F401
 
 
 class PatchProcessor:
@@ -160,7 +160,7 @@ class PatchProcessor:
         import torch
         from PIL import Image
 
-        from dataloading.media import MediaItem
+        from dataloading.formats.media import MediaItem
 
         gh, gw = self._grid(*raw.shape[:2])
         if raw.shape[:2] != (gh * PATCH, gw * PATCH):
@@ -277,10 +277,10 @@ def _replicated_stream(args, seed: int):
 
     import webdataset as wds
 
-    from dataloading.constructor import SampleConstructor, assemble, pack
-    from dataloading.sample import decode_sample
-    from dataloading.shards import list_shards
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.construct.constructor import SampleConstructor, assemble, pack
+    from dataloading.formats.sample import decode_sample
+    from dataloading.index.shards import list_shards
+    from dataloading.formats.tokenizer import ByteTokenizer
 
     random.seed(1000 + seed)
     data = Path(args.data)
@@ -309,7 +309,7 @@ def _replicated_stream(args, seed: int):
 def role_replicated(args):
     import torch.utils.data as tud
 
-    from dataloading.loader import _identity
+    from dataloading.serve.loader import _identity
 
     if not args.workers:
         stream = _replicated_stream(args, args.rank)
@@ -345,10 +345,10 @@ def role_planner(args):
     """The central state: builds the run's Planner as ``build_loader`` does, plans every step for
     every rank and writes the measured ranks' micro-batches (one JSON line per step) and the
     SampleConstructor ``build_loader`` would build (pickled, as DataLoader workers get it)."""
-    from dataloading.constructor import SampleConstructor
+    from dataloading.construct.constructor import SampleConstructor
     from dataloading.errors import ProblemCounter
-    from dataloading.loader import build_planner
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_planner
+    from dataloading.formats.tokenizer import ByteTokenizer
 
     d = _shipped()
     t0 = time.perf_counter()
@@ -394,8 +394,8 @@ class _PlannedJobs:
 def role_central(args):
     import torch.utils.data as tud
 
-    from dataloading.loader import _identity
-    from dataloading.step_jobs import BuildSteps
+    from dataloading.serve.loader import _identity
+    from dataloading.construct.step_jobs import BuildSteps
     from dataloading.processes import worker_context
 
     out = Path(args.plans)
@@ -426,7 +426,7 @@ def role_loader(args):
     """A source-loader process (the Ray backend's SourceLoaderActor, without Ray): holds the
     readers (open shards, key maps) of every ``loaders``-th source and serves the raw fields
     of the planned samples of those sources to every measured rank, one pickle per step."""
-    from dataloading.index import load_index
+    from dataloading.index.source_index import load_index
 
     data = Path(args.data)
     names = sorted(p.name for p in data.iterdir() if p.is_dir())[: args.sources][args.rank::args.loaders]
@@ -457,9 +457,9 @@ class _StepFields:
 
 
 def role_disaggregated(args):
-    from dataloading.constructor import SampleConstructor
+    from dataloading.construct.constructor import SampleConstructor
     from dataloading.errors import ProblemCounter
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.formats.tokenizer import ByteTokenizer
 
     data = Path(args.data)
     names = sorted(p.name for p in data.iterdir() if p.is_dir())[: args.sources]
@@ -480,8 +480,8 @@ def role_disaggregated(args):
 
 
 def _shipped_loader(args, **kw):
-    from dataloading.loader import build_loader
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
+    from dataloading.formats.tokenizer import ByteTokenizer
 
     return build_loader(Path(args.data) / "mixture.yaml", ByteTokenizer(), {"image": PatchProcessor()}, seed=0,
                         global_batch_size=args.per_rank * args.ranks, dp_size=args.ranks, dp_rank=args.rank,
@@ -620,12 +620,12 @@ def spawn(role: str, args, ranks, parallel: int, workers: int, group: str) -> li
 def _join_ray(address: str, auth_mode: str = "disabled") -> None:
     """Join the loopback Ray the first rank started. ``build_loader(ray_address=...)`` cannot:
     Ray rewrites a loopback address to the host's (192.0.2.2 here) and the join times out, so
-    join the way ``dataloading.ray_local`` starts one (single-machine mode, loopback node IP),
+    join the way ``dataloading.serve.ray_local`` starts one (single-machine mode, loopback node IP),
     with the import path ``RayStepLoader`` would give the actors; the loader then uses it."""
     os.environ["RAY_AUTH_MODE"] = auth_mode  # before Ray loads its config; the token is in ~/.ray/auth_token
     import ray
 
-    from dataloading.ray_local import _single_machine_mode
+    from dataloading.serve.ray_local import _single_machine_mode
 
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), *(p or os.getcwd() for p in sys.path)])}}
     with _single_machine_mode():
@@ -730,7 +730,7 @@ def _trees(procs: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from dataloading.sources import cache_root
+    from dataloading.index.sources import cache_root
 
     root = Path(args.data_root) if args.data_root else cache_root() / "bench"
     t0 = time.perf_counter()

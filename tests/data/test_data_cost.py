@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from dataloading.cost import CostModel, fit_cost_model
+from dataloading.plan.cost import CostModel, fit_cost_model
 from dataloading.errors import DataError
 
 

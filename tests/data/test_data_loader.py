@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dataloading.errors import DataError
-from dataloading.loader import build_loader
-from dataloading.tokenizer import ByteTokenizer
+from dataloading.serve.loader import build_loader
+from dataloading.formats.tokenizer import ByteTokenizer
 
 
 def loader(demo_dir, processors, rank=0, dp=2, budget=1024, workers=1, **kw):

@@ -7,9 +7,9 @@ import torch.multiprocessing as mp
 
 
 def _peer(rank, store, mixture, cp_size, out):
-    from dataloading.context_parallel import merge_cp_slices
-    from dataloading.loader import build_loader
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.construct.context_parallel import merge_cp_slices
+    from dataloading.serve.loader import build_loader
+    from dataloading.formats.tokenizer import ByteTokenizer
     from omni.runtime.data_feed import PeerFeed
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -67,7 +67,7 @@ class _MediaLoader:
         self.step = 0
 
     def __next__(self):
-        from dataloading.batch import MediaInputs, MicroBatch, StepBatch
+        from dataloading.construct.batch import MediaInputs, MicroBatch, StepBatch
 
         self.step += 1
         gen = torch.Generator().manual_seed(self.step)

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX
+from dataloading.construct.batch import IGNORE_INDEX
 from dataloading.errors import DataError
-from dataloading.index import SampleMeta, SourceIndex, build_index
-from dataloading.loader import build_loader
-from dataloading.mixture import WeightSchedule, load_mixture
-from dataloading.planner import Planner
-from dataloading.shards import write_shards
-from dataloading.tokenizer import ByteTokenizer
+from dataloading.index.source_index import SampleMeta, SourceIndex, build_index
+from dataloading.serve.loader import build_loader
+from dataloading.plan.mixture import WeightSchedule, load_mixture
+from dataloading.plan.planner import Planner
+from dataloading.index.shards import write_shards
+from dataloading.formats.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 

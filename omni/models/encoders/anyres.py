@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.images import normalised, padded_to_square, resized, rgb_uint8
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import (EncoderAnchor, activation, check_sizes, transformer_activation_bytes,
                                        transformer_flops)
 from omni.models.encoders.images import center_cropped, normalisation_params, normalised, padded_to_square, resized, \

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from parallel.transfer import to_device
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.base import (

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import (AttentionSpec, EncoderAnchor, activation, check_sizes,
                                        transformer_activation_bytes, transformer_flops)
 from omni.models.encoders.images import normalisation_params, resized_normalised, rgb_uint8

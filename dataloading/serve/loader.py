@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch.utils.data as tud
 
-from dataloading.processes import worker_context
-from dataloading.batch import StepBatch
-from dataloading.constructor import SampleConstructor
+from dataloading.construct.batch import StepBatch
+from dataloading.construct.constructor import SampleConstructor
+from dataloading.construct.step_jobs import SLOT_BYTES as _SLOT_BYTES, BuildSteps, FailedStep, step_job
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.index import SourceIndex
-from dataloading.media import MediaProcessor
-from dataloading.planner import Planner
-from dataloading.ray_local import LOOPBACK, check_bind
-from dataloading.step_jobs import SLOT_BYTES as _SLOT_BYTES, BuildSteps, FailedStep, step_job
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.media import MediaProcessor
+from dataloading.formats.tokenizer import Tokenizer
+from dataloading.index.source_index import SourceIndex
+from dataloading.plan.planner import Planner
+from dataloading.processes import worker_context
+from dataloading.serve.ray_local import LOOPBACK, check_bind
 
 BACKENDS = ("inline", "ray")
 
@@ -171,10 +171,10 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
                   micro_batch_multiple: int = 1) -> tuple[Planner, dict]:
     """Mixture YAML -> indices -> Planner (and the indices, for constructors: their key locators
     and headers; the per-sample objects are freed once the planner's tables are made)."""
-    from dataloading.cost import CostModel
-    from dataloading.index import load_index
-    from dataloading.mixture import load_mixture
-    from dataloading.planner import SourceTable
+    from dataloading.plan.cost import CostModel
+    from dataloading.index.source_index import load_index
+    from dataloading.plan.mixture import load_mixture
+    from dataloading.plan.planner import SourceTable
 
     mix = load_mixture(mixture)
     cost_model = cost_model or CostModel()
@@ -220,7 +220,7 @@ def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[
                                     over_budget=over_budget, max_open_shards=max_open_shards)
     index_problems = _index_problems(indices, on_error)
     if backend == "ray":
-        from dataloading.ray_backend import RayStepLoader
+        from dataloading.serve.ray_backend import RayStepLoader
 
         loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address, bind=ray_bind)
     else:

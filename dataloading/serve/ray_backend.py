@@ -12,7 +12,7 @@ What runs where (MegaScale-Data's disaggregated layout):
   whose readers are the source loaders; it decodes, tokenizes and packs exactly as the inline
   backend's worker does (it runs the same ``BuildSteps`` code).
 
-The actors are plain classes in ``dataloading.ray_actors``; this module wraps them with
+The actors are plain classes in ``dataloading.serve.ray_actors``; this module wraps them with
 ``ray.remote`` and holds the driver side. ``RayStepLoader`` has StepLoader's interface and semantics: it keeps ``prefetch`` steps in
 flight as object refs, and each step carries the planner state after it, which becomes the
 committed state when the step is handed out. The same plan yields the same batches on both
@@ -33,9 +33,9 @@ from collections import deque
 from pathlib import Path
 
 from dataloading.errors import DataError
-from dataloading.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
-                                    loader_counts, require_ray)
-from dataloading.ray_local import LOOPBACK, check_bind, start_local_ray
+from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
+                                          loader_counts, require_ray)
+from dataloading.serve.ray_local import LOOPBACK, check_bind, start_local_ray
 
 __all__ = ["RayStepLoader", "PlannerActor", "SourceLoaderActor", "ConstructorActor", "loader_counts",
            "default_run_id", "NAMESPACE"]
@@ -60,7 +60,7 @@ class RayStepLoader:
 
     ``address``: a Ray cluster to join; without it (and without a running Ray or $RAY_ADDRESS)
     a local Ray is started, listening on ``bind`` (default loopback only; see
-    ``dataloading.ray_local``). ``total_loaders``: source loader actors to spread over the sources
+    ``dataloading.serve.ray_local``). ``total_loaders``: source loader actors to spread over the sources
     (default: one per source). ``ranks_per_constructor``: DP ranks sharing a constructor actor.
     ``run_id``: names the shared actors; all ranks of one run must agree (default
     ``default_run_id``). Actors are created on the first ``next()``.
@@ -101,7 +101,7 @@ class RayStepLoader:
             # Actors unpickle what this process imports (dataloading, the encoders' processors,
             # the tokenizer): give them this process's import path (harmless where omni-mm is
             # installed on the nodes).
-            root = str(Path(__file__).resolve().parents[1])
+            root = str(Path(__file__).resolve().parents[2])  # the repository root, above dataloading/
             env = {"env_vars": {"PYTHONPATH": os.pathsep.join([root, *(p or os.getcwd() for p in sys.path)])}}
             address = self.address or os.environ.get("RAY_ADDRESS")
             if address:

@@ -4,7 +4,7 @@ Token layout of one sample (positions restart at 0 for every sample in a packed 
 
     [bos] + txt (each placeholder expanded to the item's num_tokens placeholder ids)
           + response + [eos]
-    [bos] + a conversation rendered by the chat template (dataloading.chat)
+    [bos] + a conversation rendered by the chat template (dataloading.formats.chat)
 
 ``labels[t] = ids[t + 1]`` (the model at position t predicts token t+1) where token t+1 gets a
 loss: the response and EOS (all of a text without response), a conversation's assistant turns;
@@ -21,17 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.chat import last_answer
+from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
+from dataloading.construct.positions import mrope_position_ids
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
-                              encoder_modality, processor_for)
-from dataloading.mixture import SourceOptions
-from dataloading.pieces import PIECE_SEP, split_piece
-from dataloading.positions import mrope_position_ids
-from dataloading.sample import DecodedSample, decode_sample, text_segments
-from dataloading.shards import ShardPool, SourceReader
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.chat import last_answer
+from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
+                                       encoder_modality, processor_for)
+from dataloading.formats.sample import DecodedSample, decode_sample, text_segments
+from dataloading.formats.tokenizer import Tokenizer
+from dataloading.index.shards import ShardPool, SourceReader
+from dataloading.plan.mixture import SourceOptions
+from dataloading.plan.pieces import PIECE_SEP, split_piece
 
 log = logging.getLogger("omni.data")
 
@@ -309,7 +309,7 @@ class EvalSet:
     def __init__(self, folder: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
                  name: str = "eval", limit: int | None = None, problems: ProblemCounter | None = None,
                  options: tuple[Mapping[str, SourceOptions], SourceOptions | None] | None = None):
-        from dataloading.index import load_index
+        from dataloading.index.source_index import load_index
 
         index = load_index(folder)
         self.name = name

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dataloading.batch import MicroBatch
-from dataloading.constructor import EvalSet, SampleConstructor, Tokenized, _ALWAYS_RAISE, assemble, pack
+from dataloading.construct.batch import MicroBatch
+from dataloading.construct.constructor import EvalSet, SampleConstructor, Tokenized, _ALWAYS_RAISE, assemble, pack
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.media import MediaProcessor
-from dataloading.mixture import SourceOptions
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.media import MediaProcessor
+from dataloading.formats.tokenizer import Tokenizer
+from dataloading.plan.mixture import SourceOptions
 
 log = logging.getLogger("omni.data")
 

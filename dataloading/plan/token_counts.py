@@ -4,7 +4,7 @@ A prompt-and-response sample's length is estimated from its byte counts in the i
 the byte tokenizer). A conversation's is not a function of its bytes: the chat template adds
 its own markers, system prompt and end-of-turn tokens, different for every tokenizer. So its
 rendered text is counted here, once per (source index, tokenizer), by the same code that builds
-the sample (``dataloading.sample.text_segments``), and kept beside the index in
+the sample (``dataloading.formats.sample.text_segments``), and kept beside the index in
 ``omni_tokens.<digest>.json``; a changed index or tokenizer gives another digest, so a stale
 count is never read.
 
@@ -18,15 +18,15 @@ import json
 import os
 from pathlib import Path
 
-from dataloading.processes import imap_in_workers
 from dataloading.errors import DataError
-from dataloading.mixture import SourceOptions
+from dataloading.plan.mixture import SourceOptions
+from dataloading.processes import imap_in_workers
 
 COUNTS_PREFIX = "omni_tokens."
 
 
 def _index_path(index) -> Path:
-    from dataloading.sources import INDEX_NAME
+    from dataloading.index.sources import INDEX_NAME
 
     return index.source.index_path if index.source is not None else Path(index.folder) / INDEX_NAME
 
@@ -44,8 +44,8 @@ def _cache_path(index, tokenizer) -> Path:
 def count_text_tokens(tokenizer, options: SourceOptions, sample_id: str, fields: dict) -> int:
     """Text tokens of one sample as the constructor builds it: BOS and EOS included, media
     placeholder ids not (each becomes its item's encoder tokens, which the planner adds)."""
-    from dataloading.media import as_encoder_placeholders
-    from dataloading.sample import DecodedSample, parse_fields, text_segments
+    from dataloading.formats.media import as_encoder_placeholders
+    from dataloading.formats.sample import DecodedSample, parse_fields, text_segments
 
     raw = parse_fields(sample_id, fields)
     sample = DecodedSample(sample_id, raw.text, raw.response, [], raw.meta, raw.messages)
