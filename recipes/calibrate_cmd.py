@@ -7,6 +7,8 @@ each is timed forward+backward on the configured model and device, and
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from omegaconf import OmegaConf
 
@@ -32,8 +34,8 @@ def calibrate_main(overrides: list[str], micro_batches: int = 48, repeats: int =
     model = build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
     processors = media_processors(model)
     mixture = mixture_path(cfg)
-    kwargs = planner_kwargs(cfg, model)
-    planner, indices = build_planner(mixture, tokenizer, processors, dp_size=1, **kwargs)
+    planner, indices = build_planner(replace(cfg.data, mixture=mixture), tokenizer, processors, dp_size=1,
+                                     **planner_kwargs(cfg, model))
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
                                     cfg.data.micro_batch_tokens, ProblemCounter("skip", 1.0),
                                     options={n: t.options for n, t in planner.tables.items()},

@@ -84,8 +84,9 @@ def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     assert "\n" not in str(err.value)
     # build_loader checks it before reading any index (the mixture does not even exist here)
     with pytest.raises(DataError, match="data.ray_bind"):
-        loader_mod.build_loader("/nonexistent/mixture.yaml", None, {}, seed=0, global_batch_size=1, dp_size=1,
-                                dp_rank=0, micro_batch_tokens=64, backend="ray", ray_bind="0.0.0.0.0")
+        data = DataConfig(mixture="/nonexistent/mixture.yaml", global_batch_size=1, micro_batch_tokens=64,
+                          backend="ray", ray_bind="0.0.0.0.0")
+        loader_mod.build_loader(data, None, {}, seed=0, dp_size=1, dp_rank=0)
 
     # data.ray_bind -> build_training_loader -> build_loader -> RayStepLoader(bind=...)
     seen = {}
@@ -98,7 +99,7 @@ def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     monkeypatch.setattr(ray_backend, "RayStepLoader", FakeRayLoader)
     monkeypatch.setattr(loader_mod, "build_planner", lambda *a, **k: (SimpleNamespace(tables={}), {}))
     monkeypatch.setattr(data_plane, "planner_kwargs",
-                        lambda cfg, model: dict(seed=0, global_batch_size=1, micro_batch_tokens=64))
+                        lambda cfg, model: dict(seed=0))
     cfg = OmniConfig()
     cfg.data.backend, cfg.data.ray_bind, cfg.data.ray_address = "ray", "10.1.2.3", None
     out = data_plane.build_training_loader(cfg, "mixture.yaml", ByteTokenizer(), None, {}, dp_size=1, dp_rank=0,

@@ -440,14 +440,16 @@ def mixture_steps(cfg: SimDataConfig) -> list[int]:
 
 
 def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) -> list[StepWork]:
+    from dataloading.config import DataConfig
     from dataloading.serve.loader import build_planner
     from dataloading.formats.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer)
-    planner, _ = build_planner(cfg.mixture, tokenizer, spec.processors, dp_size=dp, progress=False,
-                               seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                               micro_batch_tokens=cfg.micro_batch_tokens, cost_model=spec.cost, balance=cfg.balance,
-                               balance_group=0, over_budget=cfg.over_budget, micro_batch_multiple=multiple)
+    data = DataConfig(mixture=cfg.mixture, global_batch_size=cfg.global_batch_size,
+                      micro_batch_tokens=cfg.micro_batch_tokens, balance=cfg.balance, balance_group=0,
+                      over_budget=cfg.over_budget)
+    planner, _ = build_planner(data, tokenizer, spec.processors, seed=cfg.seed, dp_size=dp, cost_model=spec.cost,
+                               micro_batch_multiple=multiple, progress=False)
     steps = []
     for i, step in enumerate(mixture_steps(cfg)):
         plan = planner.plan(step)

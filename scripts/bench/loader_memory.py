@@ -15,10 +15,10 @@ worker processes (default: 1, 4 and 8, one run each). Designs, side by side:
   a ``SampleConstructor`` built as ``build_loader`` builds it (shipped defaults: shard cap
   ``DataConfig.max_open_shards``) and sent to it pickled, and builds its planned steps in W
   DataLoader workers with the inline loader's own ``BuildSteps``.
-- ``inline``: ``build_loader(backend="inline", num_workers=W)`` as shipped: every rank process
+- ``inline``: ``build_loader`` with ``data.backend=inline data.num_workers=W`` as shipped: every rank process
   loads all indices and runs its own copy of the planner; its W DataLoader workers (forked)
   build the steps.
-- ``ray`` (not run by default): ``build_loader(backend="ray")`` as shipped: the first measured
+- ``ray`` (not run by default): ``build_loader`` with ``data.backend=ray`` as shipped: the first measured
   rank starts a local Ray (no address: loopback, as shipped) and the others join it (see
   ``_join_ray``); the run's actors (one planner, the source loaders: by default one per source
   or a little more, one constructor per rank) and Ray's own processes (gcs_server, raylet,
@@ -60,6 +60,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from _common import REPO, git_state, median, parser, save, table
@@ -352,10 +353,10 @@ def role_planner(args):
 
     d = _shipped()
     t0 = time.perf_counter()
-    planner, indices = build_planner(Path(args.data) / "mixture.yaml", ByteTokenizer(), {"image": PatchProcessor()},
-                                     seed=0, global_batch_size=args.per_rank * args.ranks, dp_size=args.ranks,
-                                     micro_batch_tokens=BUDGET, balance=d.balance, balance_group=d.balance_group,
-                                     over_budget=d.over_budget, progress=False)
+    data = replace(d, mixture=str(Path(args.data) / "mixture.yaml"), global_batch_size=args.per_rank * args.ranks,
+                   micro_batch_tokens=BUDGET)
+    planner, indices = build_planner(data, ByteTokenizer(), {"image": PatchProcessor()}, seed=0, dp_size=args.ranks,
+                                     progress=False)
     out = Path(args.plans)
     out.mkdir(parents=True, exist_ok=True)
     files = {r: open(out / f"rank{r:04d}.jsonl", "w") for r in args.measured}
@@ -480,12 +481,14 @@ def role_disaggregated(args):
 
 
 def _shipped_loader(args, **kw):
-    from dataloading.serve.loader import build_loader
+    """``kw``: the data knobs that differ from the shipped ones (``DataConfig`` fields)."""
     from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
 
-    return build_loader(Path(args.data) / "mixture.yaml", ByteTokenizer(), {"image": PatchProcessor()}, seed=0,
-                        global_batch_size=args.per_rank * args.ranks, dp_size=args.ranks, dp_rank=args.rank,
-                        micro_batch_tokens=BUDGET, progress=False, **kw)
+    data = replace(_shipped(), mixture=str(Path(args.data) / "mixture.yaml"),
+                   global_batch_size=args.per_rank * args.ranks, micro_batch_tokens=BUDGET, **kw)
+    return build_loader(data, ByteTokenizer(), {"image": PatchProcessor()}, seed=0, dp_size=args.ranks,
+                        dp_rank=args.rank, progress=False)
 
 
 def role_inline(args):
@@ -618,7 +621,7 @@ def spawn(role: str, args, ranks, parallel: int, workers: int, group: str) -> li
 
 # ---- Ray: the first rank starts it as shipped, the others join it -----------------------------
 def _join_ray(address: str, auth_mode: str = "disabled") -> None:
-    """Join the loopback Ray the first rank started. ``build_loader(ray_address=...)`` cannot:
+    """Join the loopback Ray the first rank started. ``build_loader`` with ``data.ray_address`` cannot:
     Ray rewrites a loopback address to the host's (192.0.2.2 here) and the join times out, so
     join the way ``dataloading.serve.ray_local`` starts one (single-machine mode, loopback node IP),
     with the import path ``RayStepLoader`` would give the actors; the loader then uses it."""
@@ -633,7 +636,7 @@ def _join_ray(address: str, auth_mode: str = "disabled") -> None:
 
 
 def run_ray(args, ranks) -> list[dict]:
-    """All measured ranks at once on one Ray: the first starts it (``build_loader(backend="ray")``
+    """All measured ranks at once on one Ray: the first starts it (``build_loader`` with ``data.backend=ray``
     without an address, as shipped: a local Ray on loopback, its processes under the rank's),
     the others join it. One snapshot of the ranks and of every Ray process. Per rank: its
     process and its ConstructorActor; shared: Ray's own processes and the other actors."""

@@ -8,7 +8,7 @@ tokenization with ``ByteTokenizer``, packing into 1024-token micro-batches (firs
 decreasing) and assembling the packed tensors. Each step is a global batch of 64 samples on
 one data-parallel rank.
 
-- ``omni``: ``dataloading.serve.loader.build_loader(backend="inline")``: planner in the calling
+- ``omni``: ``dataloading.serve.loader.build_loader`` (``data.backend=inline``): planner in the calling
   process, steps built in ``num_workers`` DataLoader workers by random access (wids) to the
   planned samples.
 - ``webdataset``: per source ``wds.WebDataset(shards, resampled=True)`` -> ``shuffle(100)``
@@ -99,11 +99,13 @@ def _wds_loader(mixture, procs, workers: int):
 
 # ---- Omni ---------------------------------------------------------------------------------
 def _omni_loader(mixture, procs, workers: int):
-    from dataloading.serve.loader import build_loader
+    from dataloading.config import DataConfig
     from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
 
-    return build_loader(mixture, ByteTokenizer(), procs, seed=0, global_batch_size=GLOBAL_BATCH, dp_size=1,
-                        dp_rank=0, micro_batch_tokens=BUDGET, num_workers=workers, backend="inline", progress=False)
+    data = DataConfig(mixture=str(mixture), global_batch_size=GLOBAL_BATCH, micro_batch_tokens=BUDGET,
+                      num_workers=workers, backend="inline")
+    return build_loader(data, ByteTokenizer(), procs, seed=0, dp_size=1, dp_rank=0, progress=False)
 
 
 def _samples(step) -> int:
