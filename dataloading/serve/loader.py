@@ -28,6 +28,7 @@ from dataloading.formats.tokenizer import Tokenizer
 from dataloading.index.source_index import SourceIndex
 from dataloading.plan.planner import Planner
 from dataloading.processes import worker_context
+from dataloading.serve.committed import CommittedSteps
 from dataloading.serve.ray_local import check_bind
 
 BACKENDS = ("inline", "ray")
@@ -52,23 +53,17 @@ class _StepJobs:
             yield step_job(plan, self.dp_rank, work.state_dict())
 
 
-class StepLoader:
+class StepLoader(CommittedSteps):
     def __init__(self, planner: Planner, constructor: SampleConstructor, dp_rank: int, prefetch: int = 2,
                  num_workers: int = 1, worker_timeout_s: float = 600.0):
-        if not 0 <= dp_rank < planner.dp_size:
-            raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
+        super().__init__(planner, constructor, dp_rank, prefetch)
         if num_workers < 0 or prefetch < 1:
             raise DataError(f"data.num_workers={num_workers} must be >= 0 and data.prefetch={prefetch} >= 1",
                             kind="config")
-        self.planner = planner  # holds the committed state
-        self.constructor = constructor
-        self.dp_rank = dp_rank
-        self.prefetch = prefetch
         self.num_workers = num_workers
         # A worker stuck (a hung network mount, a decoder in an endless loop) must not hang the
         # run: past this many seconds for one step the run stops naming the sample it is on.
         self.worker_timeout_s = worker_timeout_s
-        self.problems: dict[str, int] = {}  # totals over the steps handed out
         self._iter = None
         self._slots = None
 
@@ -131,12 +126,7 @@ class StepLoader:
         if isinstance(item, FailedStep):
             self.close()
             raise DataError(item.message, kind=item.kind)
-        batch, state = item
-        batch.data_wait_s = wait
-        self.planner.load_state_dict(state)
-        for k, v in batch.problems.items():
-            self.problems[k] = self.problems.get(k, 0) + v
-        return batch
+        return self._hand_out(item, wait)
 
     def close(self) -> None:
         """Stop the workers; built-ahead steps are dropped (the state does not include them)."""
@@ -144,25 +134,8 @@ class StepLoader:
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def set_weights(self, weights) -> None:
-        """Change the mixture from the next step on (curriculum); built-ahead steps are rebuilt."""
-        self.close()
-        self.planner.set_weights(weights)
-
-    # ---- checkpointing --------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"planner": self.planner.state_dict(), "problems": dict(self.problems)}
-
-    def load_state_dict(self, sd: Mapping) -> None:
-        self.close()
-        self.planner.load_state_dict(sd["planner"])
-        self.problems = dict(sd.get("problems", {}))
+    def _drop_ahead(self) -> None:
+        self.close()  # the workers hold the built-ahead steps
 
 
 def build_planner(data: DataConfig, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *, seed: int,

@@ -35,6 +35,7 @@ from pathlib import Path
 from dataloading.errors import DataError
 from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
                                           loader_counts, require_ray)
+from dataloading.serve.committed import CommittedSteps
 from dataloading.serve.ray_local import LOOPBACK, check_bind, start_local_ray
 
 __all__ = ["RayStepLoader", "PlannerActor", "SourceLoaderActor", "ConstructorActor", "loader_counts",
@@ -55,7 +56,7 @@ def default_run_id(ray) -> str:
     return ray.get_runtime_context().get_job_id()
 
 
-class RayStepLoader:
+class RayStepLoader(CommittedSteps):
     """StepLoader's interface on the Ray data plane (see the module docstring).
 
     ``address``: a Ray cluster to join; without it (and without a running Ray or $RAY_ADDRESS)
@@ -69,22 +70,16 @@ class RayStepLoader:
     def __init__(self, planner, constructor, dp_rank: int, prefetch: int = 2, *, address: str | None = None,
                  total_loaders: int | None = None, ranks_per_constructor: int = 1, run_id: str | None = None,
                  bind: str = LOOPBACK):
-        if not 0 <= dp_rank < planner.dp_size:
-            raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
+        super().__init__(planner, constructor, dp_rank, prefetch)
         if prefetch < 1 or ranks_per_constructor < 1 or (total_loaders is not None and total_loaders < 1):
             raise DataError(f"data.prefetch={prefetch}, ranks_per_constructor={ranks_per_constructor} and "
                             f"total_loaders={total_loaders} must be >= 1", kind="config")
         require_ray()  # fail now, with the install hint, if Ray is missing
         self.bind = check_bind(bind)  # and now, naming data.ray_bind, if it is not an address
-        self.planner = planner  # holds the committed state
-        self.constructor = constructor
-        self.dp_rank = dp_rank
-        self.prefetch = prefetch
         self.address = address
         self.total_loaders = total_loaders
         self.ranks_per_constructor = ranks_per_constructor
         self.run_id = run_id
-        self.problems: dict[str, int] = {}  # totals over the steps handed out
         self.planner_actor = None  # the run's PlannerActor handle, once set up
         self._constructor_actor = None
         self._user = uuid.uuid4().hex
@@ -183,7 +178,7 @@ class RayStepLoader:
             self._inflight.append((self._next_step, self._constructor_actor.build.remote(job)))
             self._next_step += 1
 
-    def _drop(self) -> None:
+    def _drop_ahead(self) -> None:
         """Forget the built-ahead steps (the committed state does not include them). They are
         not cancelled: a cancelled actor task leaves a gap in the caller's task order that
         stalls the actor's later tasks; they finish and are dropped."""
@@ -214,19 +209,15 @@ class RayStepLoader:
         if isinstance(item, _Error):
             self.close()
             raise item.error()
-        batch, state = item
-        batch.data_wait_s = wait
-        self.planner.load_state_dict(state)
-        self.planner_actor.commit.remote(state)
-        for k, v in batch.problems.items():
-            self.problems[k] = self.problems.get(k, 0) + v
+        batch = self._hand_out(item, wait)
+        self.planner_actor.commit.remote(item[1])  # the run's committed state, for every rank
         return batch
 
     def close(self) -> None:
         """Drop the built-ahead steps and release this loader's hold on the run's actors (the
         last loader of the run kills them). A Ray this loader started stays up until exit;
         iterating again sets the actors up anew."""
-        self._drop()
+        self._drop_ahead()
         pa = self.planner_actor
         self.planner_actor, self._constructor_actor = None, None
         if pa is None:
@@ -245,27 +236,14 @@ class RayStepLoader:
                 except Exception:
                     pass
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
     def set_weights(self, weights) -> None:
-        """Change the mixture from the next step on (curriculum); built-ahead steps are rebuilt."""
-        self._drop()
-        self.planner.set_weights(weights)
+        super().set_weights(weights)
         if self.planner_actor is not None:
             self.planner_actor.set_weights.remote(weights)
 
     # ---- checkpointing --------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"planner": self.planner.state_dict(), "problems": dict(self.problems)}
-
     def load_state_dict(self, sd) -> None:
-        self._drop()
-        self.planner.load_state_dict(sd["planner"])
-        self.problems = dict(sd.get("problems", {}))
+        super().load_state_dict(sd)
         if self.planner_actor is not None:
             self.planner_actor.load_state_dict.remote(sd["planner"])
         else:
