@@ -14,16 +14,20 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "IGNORE_INDEX": "construct.batch", "MediaInputs": "construct.batch", "MicroBatch": "construct.batch", "StepBatch": "construct.batch",
-    "MediaItem": "formats.media", "MediaProcessor": "formats.media", "MODALITY_EXTENSIONS": "formats.media", "PLACEHOLDERS": "formats.media",
+    "IGNORE_INDEX": "construct.batch", "MediaInputs": "construct.batch", "MicroBatch": "construct.batch",
+    "StepBatch": "construct.batch",
+    "MediaItem": "formats.media", "MediaProcessor": "formats.media", "MODALITY_EXTENSIONS": "formats.media",
+    "PLACEHOLDERS": "formats.media",
     "DataError": "errors", "ProblemCounter": "errors",
     "Tokenizer": "formats.tokenizer", "ByteTokenizer": "formats.tokenizer", "HFTokenizer": "formats.tokenizer",
     "load_tokenizer": "formats.tokenizer",
-    "SampleMeta": "index.source_index", "SourceIndex": "index.source_index", "build_index": "index.source_index", "load_index": "index.source_index",
+    "SampleMeta": "index.source_index", "SourceIndex": "index.source_index", "build_index": "index.source_index",
+    "load_index": "index.source_index",
     "SourceReader": "index.shards", "write_shards": "index.shards",
     "Mixture": "plan.mixture", "SourceSpec": "plan.mixture", "load_mixture": "plan.mixture",
     "Planner": "plan.planner", "estimate_tokens": "plan.planner",
-    "SampleConstructor": "construct.constructor", "EvalSet": "construct.constructor", "dummy_micro_batch": "construct.constructor",
+    "SampleConstructor": "construct.constructor", "dummy_micro_batch": "construct.constructor",
+    "EvalSet": "construct.held_out",
     "StepLoader": "serve.loader", "build_loader": "serve.loader", "RayStepLoader": "serve.ray_backend",
     "write_demo_dataset": "demo", "ensure_demo_dataset": "demo",
 }

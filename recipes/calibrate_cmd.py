@@ -18,8 +18,8 @@ def calibrate_main(overrides: list[str], micro_batches: int = 48, repeats: int =
     from tqdm import tqdm
 
     from dataloading.construct.constructor import SampleConstructor
-    from dataloading.plan.cost import fit_cost_model
     from dataloading.errors import ProblemCounter
+    from dataloading.plan.cost import fit_cost_model
     from dataloading.serve.loader import build_planner
     from omni.models.build import build_model, media_processors
     from omni.models.cost import default_cost_model

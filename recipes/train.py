@@ -24,7 +24,7 @@ def train_main(overrides: list[str], print_cfg: bool = False) -> int:
 
 def run(cfg: OmniConfig):
     """Build everything from a composed config and train; returns the trainer's FitResult."""
-    from dataloading.construct.constructor import EvalSet, eval_options
+    from dataloading.construct.held_out import EvalSet, eval_options
     from dataloading.plan.mixture import load_mixture
     from omni.models.build import build_meta_model, media_processors
     from omni.runtime.trainer import Trainer
@@ -80,7 +80,7 @@ def run(cfg: OmniConfig):
 
         def eval_samples():
             # Prompted as the model was trained: each sub-folder with its training source's
-            # chat template and media options (dataloading.construct.constructor.eval_options).
+            # chat template and media options (dataloading.construct.held_out.eval_options).
             return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples,
                            options=eval_options(training_mixture.sources))
 
@@ -145,8 +145,7 @@ def _validator(cfg: OmniConfig, layout, eval_dir, tokenizer, processors, trainin
     rank (the same list everywhere), so a bad held-out sample stops the run before training."""
     if not cfg.trainer.eval_every:
         return None
-    from dataloading.construct.constructor import eval_options
-    from dataloading.construct.validation import ValidationSet
+    from dataloading.construct.held_out import ValidationSet, eval_options
     from omni.errors import UserError
     from omni.runtime.validation import Validator
 

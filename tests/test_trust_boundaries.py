@@ -73,8 +73,8 @@ def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     import dataloading.serve.ray_backend as ray_backend
     import recipes.data_plane as data_plane
     from dataloading.config import DataConfig
-    from dataloading.serve.ray_local import check_bind
     from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.ray_local import check_bind
     from recipes.schema import OmniConfig
 
     assert DataConfig().ray_bind == "127.0.0.1"

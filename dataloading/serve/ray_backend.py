@@ -33,9 +33,9 @@ from collections import deque
 from pathlib import Path
 
 from dataloading.errors import DataError
+from dataloading.serve.committed import CommittedSteps
 from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
                                           loader_counts, require_ray)
-from dataloading.serve.committed import CommittedSteps
 from dataloading.serve.ray_local import LOOPBACK, check_bind, start_local_ray
 
 __all__ = ["RayStepLoader", "PlannerActor", "SourceLoaderActor", "ConstructorActor", "loader_counts",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dataloading.construct.batch import StepBatch
 from dataloading.construct.constructor import dummy_micro_batch
 from dataloading.construct.context_parallel import slice_for_cp
-from dataloading.construct.validation import ValidationBatch
+from dataloading.construct.held_out import ValidationBatch
 from omni.errors import UserError
 from parallel.strict_device import host_read
 from parallel.layout import Layout

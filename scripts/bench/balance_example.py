@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloading.plan.cost import CostModel
 from dataloading.index.source_index import SampleMeta, SourceIndex
+from dataloading.plan.cost import CostModel
 from dataloading.plan.planner import Planner
 
 

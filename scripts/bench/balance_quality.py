@@ -28,9 +28,9 @@ import numpy as np
 
 from _common import REPO, median, parser, save, table  # noqa: F401  (REPO: sys.path set-up)
 
+from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.balance import METHODS, arrange
 from dataloading.plan.cost import CostModel
-from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.planner import Planner
 
 GLOBAL_BATCH = 4096

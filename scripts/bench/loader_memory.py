@@ -101,8 +101,8 @@ def ensure_data(root: Path, sources: int, side: int = IMAGE_SIDE) -> Path:
     balancer deal each source's samples to the same ranks step after step)."""
     import numpy as np
 
-    from dataloading.index.source_index import build_index
     from dataloading.index.shards import write_shards
+    from dataloading.index.source_index import build_index
 
     data = root / (f"memory-s{sources}-v2" + ("" if side == IMAGE_SIDE else f"-px{side}"))
     if (data / ".complete").exists():
@@ -280,8 +280,8 @@ def _replicated_stream(args, seed: int):
 
     from dataloading.construct.constructor import SampleConstructor, assemble, pack
     from dataloading.formats.sample import decode_sample
-    from dataloading.index.shards import list_shards
     from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.index.shards import list_shards
 
     random.seed(1000 + seed)
     data = Path(args.data)
@@ -348,8 +348,8 @@ def role_planner(args):
     SampleConstructor ``build_loader`` would build (pickled, as DataLoader workers get it)."""
     from dataloading.construct.constructor import SampleConstructor
     from dataloading.errors import ProblemCounter
-    from dataloading.serve.loader import build_planner
     from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_planner
 
     d = _shipped()
     t0 = time.perf_counter()
@@ -395,9 +395,9 @@ class _PlannedJobs:
 def role_central(args):
     import torch.utils.data as tud
 
-    from dataloading.serve.loader import _identity
     from dataloading.construct.step_jobs import BuildSteps
     from dataloading.processes import worker_context
+    from dataloading.serve.loader import _identity
 
     out = Path(args.plans)
     with open(out / "constructor.pkl", "rb") as f:

@@ -71,8 +71,8 @@ class WdsSteps(tud.IterableDataset):
         import webdataset as wds
 
         from dataloading.construct.constructor import SampleConstructor, assemble, pack
-        from dataloading.index.shards import list_shards
         from dataloading.formats.tokenizer import ByteTokenizer
+        from dataloading.index.shards import list_shards
 
         info = tud.get_worker_info()
         wid = info.id if info else 0

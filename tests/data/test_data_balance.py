@@ -3,9 +3,9 @@ same number of micro-batches; and the cost-aware methods beat the plain order.""
 import numpy as np
 import pytest
 
+from dataloading.errors import DataError
 from dataloading.plan.balance import METHODS, _kk, _lpt, arrange
 from dataloading.plan.cost import CostModel
-from dataloading.errors import DataError
 
 
 def skewed(n, seed=0, cap=4096):

@@ -12,13 +12,13 @@ import torch
 from PIL import Image
 
 from dataloading.construct.batch import IGNORE_INDEX
-from dataloading.formats.chat import BUILTIN_CHAT_TEMPLATES, render_segments
 from dataloading.construct.constructor import SampleConstructor, assemble
 from dataloading.construct.context_parallel import _local_to_original, slice_for_cp
 from dataloading.errors import DataError
-from dataloading.plan.mixture import SourceOptions
+from dataloading.formats.chat import BUILTIN_CHAT_TEMPLATES, render_segments
 from dataloading.formats.sample import DecodedSample, decode_sample, parse_fields
 from dataloading.formats.tokenizer import ByteTokenizer, HFTokenizer
+from dataloading.plan.mixture import SourceOptions
 from tests.data.fake_processors import FakeImageProcessor
 from tests.hf_family_helpers import byte_level_tokenizer
 
@@ -202,11 +202,11 @@ def test_a_tokenizer_without_a_template_is_a_config_error():
 
 @pytest.mark.parametrize("template", ["hf", "byte_plain"])
 def test_the_planner_counts_a_conversations_rendered_tokens_exactly(chat_tokenizer, tmp_path, template):
-    from dataloading.plan.cost import CostModel
     from dataloading.demo import _chats, _rng
-    from dataloading.index.source_index import build_index
-    from dataloading.plan.planner import SourceTable
     from dataloading.index.shards import write_shards
+    from dataloading.index.source_index import build_index
+    from dataloading.plan.cost import CostModel
+    from dataloading.plan.planner import SourceTable
 
     tok = chat_tokenizer if template == "hf" else ByteTokenizer(["image"], BUILTIN_CHAT_TEMPLATES["plain"])
     samples = list(_chats(_rng(0, "chat", 0), 12, lambda i: f"{i:03d}"))

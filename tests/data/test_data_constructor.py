@@ -3,12 +3,13 @@ import pytest
 import torch
 
 from dataloading.construct.batch import IGNORE_INDEX
-from dataloading.construct.constructor import EvalSet, SampleConstructor, pack
+from dataloading.construct.constructor import SampleConstructor, pack
+from dataloading.construct.held_out import EvalSet
 from dataloading.errors import DataError, ProblemCounter
+from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.index.shards import SourceReader, write_shards
 from dataloading.index.source_index import load_index
 from dataloading.plan.planner import estimate_tokens
-from dataloading.index.shards import SourceReader, write_shards
-from dataloading.formats.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 IMG, AUD = TOK.placeholder_ids["image"], TOK.placeholder_ids["audio"]
@@ -166,7 +167,7 @@ def test_eval_set_prompts(demo_dir, processors):
 def test_eval_prompts_take_their_training_sources_options(demo_dir, processors, tmp_path):
     """A held-out sample of eval/shapes is prompted with the shapes source's chat template; one of
     eval/tones (no source of that name in this mixture, and the sources differ) as written."""
-    from dataloading.construct.constructor import eval_options
+    from dataloading.construct.held_out import eval_options
     from dataloading.plan.mixture import load_mixture
 
     mix = tmp_path / "mix.yaml"

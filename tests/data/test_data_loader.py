@@ -5,8 +5,8 @@ import torch
 
 from dataloading.config import DataConfig
 from dataloading.errors import DataError
-from dataloading.serve.loader import build_loader
 from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.serve.loader import build_loader
 
 
 def loader(demo_dir, processors, rank=0, dp=2, budget=1024, workers=1, **kw):

@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 def _peer(rank, store, mixture, cp_size, out):
     from dataloading.config import DataConfig
     from dataloading.construct.context_parallel import merge_cp_slices
-    from dataloading.serve.loader import build_loader
     from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
     from omni.runtime.data_feed import PeerFeed
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -11,12 +11,12 @@ import torch
 from dataloading.config import DataConfig
 from dataloading.construct.batch import IGNORE_INDEX
 from dataloading.errors import DataError
+from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.index.shards import write_shards
 from dataloading.index.source_index import SampleMeta, SourceIndex, build_index
-from dataloading.serve.loader import build_loader
 from dataloading.plan.mixture import WeightSchedule, load_mixture
 from dataloading.plan.planner import Planner
-from dataloading.index.shards import write_shards
-from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.serve.loader import build_loader
 
 TOK = ByteTokenizer()
 

@@ -21,11 +21,11 @@ import torch  # noqa: E402
 
 from dataloading.config import DataConfig  # noqa: E402
 from dataloading.errors import DataError  # noqa: E402
+from dataloading.formats.tokenizer import ByteTokenizer  # noqa: E402
 from dataloading.serve.loader import build_loader  # noqa: E402
 from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error,  # noqa: E402
                                           _RemoteReader)
 from dataloading.serve.ray_backend import NAMESPACE, RayStepLoader, loader_counts  # noqa: E402
-from dataloading.formats.tokenizer import ByteTokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

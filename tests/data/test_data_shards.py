@@ -5,8 +5,8 @@ import tarfile
 import pytest
 
 from dataloading.errors import DataError
-from dataloading.index.source_index import INDEX_NAME, build_index, load_index
 from dataloading.index.shards import Shard, list_shards, write_shards
+from dataloading.index.source_index import INDEX_NAME, build_index, load_index
 
 
 @pytest.fixture

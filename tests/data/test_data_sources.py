@@ -7,8 +7,8 @@ import pytest
 
 from conftest import png_bytes
 from dataloading.errors import DataError
-from dataloading.index.source_index import INDEX_NAME, build_index, load_index
 from dataloading.index.shards import write_shards
+from dataloading.index.source_index import INDEX_NAME, build_index, load_index
 from dataloading.index.sources import ShardSet, resolve_source
 
 

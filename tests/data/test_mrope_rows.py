@@ -9,8 +9,8 @@ import torch
 from dataloading.construct.batch import MediaInputs
 from dataloading.construct.constructor import Tokenized, assemble
 from dataloading.construct.context_parallel import local_documents, merge_cp_slices, slice_for_cp
-from dataloading.formats.media import MediaItem
 from dataloading.construct.positions import mrope_position_ids
+from dataloading.formats.media import MediaItem
 
 
 def _sample(sid: str, length: int, items: list[tuple[int, tuple]]) -> Tokenized:

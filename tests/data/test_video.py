@@ -15,15 +15,15 @@ import torch
 
 from dataloading.config import DataConfig
 from dataloading.construct.constructor import SampleConstructor
-from dataloading.plan.cost import CostModel
 from dataloading.errors import DataError
-from dataloading.index.source_index import build_index, load_index
-from dataloading.serve.loader import build_planner
-from dataloading.plan.mixture import load_mixture
-from dataloading.plan.planner import estimate_tokens
-from dataloading.index.shards import write_shards
 from dataloading.formats.tokenizer import ByteTokenizer
 from dataloading.formats.video import decode_video, frame_times, sample_count, video_meta
+from dataloading.index.shards import write_shards
+from dataloading.index.source_index import build_index, load_index
+from dataloading.plan.cost import CostModel
+from dataloading.plan.mixture import load_mixture
+from dataloading.plan.planner import estimate_tokens
+from dataloading.serve.loader import build_planner
 from media_helpers import clip_bytes as media_clip_bytes
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder, merge_order_positions
 
