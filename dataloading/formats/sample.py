@@ -209,7 +209,8 @@ def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
     return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta, raw.messages)
 
 
-def text_segments(tokenizer, sample: DecodedSample, options, prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
+def text_segments(tokenizer, sample: DecodedSample, options,
+                  prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
     """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target.
     ``options``: its source's ``SourceOptions`` (``assistant_loss``, ``chat_template``). One home
     for the constructor, which builds the sample from it, and the planner's token counts.

@@ -105,7 +105,8 @@ def chat_token_counts(name: str, index, tokenizer, options: SourceOptions | None
     counts: dict[str, int] = {}
     bar = tqdm(total=len(keys), desc=f"count conversation tokens {name}", unit="sample", disable=not progress)
     try:
-        for res in imap_in_workers(_count_keys, jobs, workers, _init, (tokenizer, options or SourceOptions(), reader, name)):
+        init_args = (tokenizer, options or SourceOptions(), reader, name)
+        for res in imap_in_workers(_count_keys, jobs, workers, _init, init_args):
             counts.update((k, n) for k, n in res if n is not None)
             bar.update(len(res))
     finally:
