@@ -128,16 +128,29 @@ def _dataloading_part(module: str) -> str | None:
     return parts[1] if parts[0] == "dataloading" and len(parts) > 1 else None
 
 
+def _against_order(graph: dict[str, set[str]], order: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The imports from a dataloading part to a part after it in ``order``."""
+    rank = {p: i for i, p in enumerate(order)}
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if _dataloading_part(a) and _dataloading_part(b)
+                  and rank[_dataloading_part(b)] > rank[_dataloading_part(a)])
+
+
 def test_dataloading_parts_run_one_way():
     graph = _graph()
     parts = {_dataloading_part(m) for m in graph} - {None}
     assert parts == set(DATALOADING_ORDER), f"parts not in DATALOADING_ORDER: {sorted(parts ^ set(DATALOADING_ORDER))}"
-    rank = {p: i for i, p in enumerate(DATALOADING_ORDER)}
-    wrong = [(a, b) for a, targets in graph.items() for b in targets
-             if _dataloading_part(a) and _dataloading_part(b)
-             and rank[_dataloading_part(b)] > rank[_dataloading_part(a)]]
+    wrong = _against_order(graph, DATALOADING_ORDER)
     assert not wrong, "a dataloading part imports one after it in DATALOADING_ORDER:\n" + "\n".join(
-        f"{a} -> {b}" for a, b in sorted(wrong))
+        f"{a} -> {b}" for a, b in wrong)
+
+
+def test_the_order_check_finds_imports_against_the_order():
+    graph = {"dataloading.plan.planner": {"dataloading.formats.media", "dataloading.serve.loader", "omni.x"},
+             "dataloading.plan.cost": {"dataloading.plan.balance", "dataloading.errors"},
+             "dataloading": {"dataloading.serve.loader"}}
+    assert _against_order(graph, ("errors", "formats", "plan", "serve")) == [
+        ("dataloading.plan.planner", "dataloading.serve.loader")]
 
 
 def test_no_import_circles():
