@@ -1,7 +1,12 @@
 """Omni's data plane: metadata index -> planner (central state) -> constructors -> batches.
 
 Never imports ``omni``, ``parallel`` or ``torch.distributed``: it must run in plain worker
-processes. Names are re-exported lazily so ``import dataloading`` stays cheap (PIL,
+processes. Its sub-packages run one way, each importing only those before it (checked by
+tests/test_import_graph.py): ``formats`` (sample schema, media, chat, tokenizer) -> ``index``
+(sources, shards, metadata index) -> ``convert`` (``omni data convert``) -> ``plan`` (mixture,
+cost, balance, planner) -> ``construct`` (constructors, batches, held-out sets) -> ``serve``
+(inline and Ray loaders); ``errors``, ``config`` and ``processes`` sit below them all, ``demo``
+above. The public names are re-exported here lazily so ``import dataloading`` stays cheap (PIL,
 soundfile, webdataset and wids load only when used).
 """
 from __future__ import annotations
@@ -9,17 +14,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "IGNORE_INDEX": "batch", "MediaInputs": "batch", "MicroBatch": "batch", "StepBatch": "batch",
-    "MediaItem": "media", "MediaProcessor": "media", "MODALITY_EXTENSIONS": "media", "PLACEHOLDERS": "media",
+    "IGNORE_INDEX": "construct.batch", "MediaInputs": "construct.batch", "MicroBatch": "construct.batch",
+    "StepBatch": "construct.batch",
+    "MediaItem": "formats.media", "MediaProcessor": "formats.media", "MODALITY_EXTENSIONS": "formats.media",
+    "PLACEHOLDERS": "formats.media",
     "DataError": "errors", "ProblemCounter": "errors",
-    "Tokenizer": "tokenizer", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
-    "load_tokenizer": "tokenizer",
-    "SampleMeta": "index", "SourceIndex": "index", "build_index": "index", "load_index": "index",
-    "SourceReader": "shards", "write_shards": "shards",
-    "Mixture": "mixture", "SourceSpec": "mixture", "load_mixture": "mixture",
-    "Planner": "planner", "estimate_tokens": "planner",
-    "SampleConstructor": "constructor", "EvalSet": "constructor", "dummy_micro_batch": "constructor",
-    "StepLoader": "loader", "build_loader": "loader", "RayStepLoader": "ray_backend",
+    "Tokenizer": "formats.tokenizer", "ByteTokenizer": "formats.tokenizer", "HFTokenizer": "formats.tokenizer",
+    "load_tokenizer": "formats.tokenizer",
+    "SampleMeta": "index.source_index", "SourceIndex": "index.source_index", "build_index": "index.source_index",
+    "load_index": "index.source_index",
+    "SourceReader": "index.shards", "write_shards": "index.shards",
+    "Mixture": "plan.mixture", "SourceSpec": "plan.mixture", "load_mixture": "plan.mixture",
+    "Planner": "plan.planner", "estimate_tokens": "plan.planner",
+    "SampleConstructor": "construct.constructor", "dummy_micro_batch": "construct.constructor",
+    "EvalSet": "construct.held_out",
+    "StepLoader": "serve.loader", "build_loader": "serve.loader", "RayStepLoader": "serve.ray_backend",
     "write_demo_dataset": "demo", "ensure_demo_dataset": "demo",
 }
 

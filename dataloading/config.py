@@ -29,7 +29,7 @@ class DataConfig:
     worker_timeout_s: float = 600.0
     # Shards each constructor keeps open, over all sources (each holds 2 file descriptors).
     max_open_shards: int = 256
-    # How a step's samples are arranged over DP ranks and micro-batches (dataloading/balance.py):
+    # How a step's samples are arranged over DP ranks and micro-batches (dataloading/plan/balance.py):
     # balanced (LPT or Karmarkar-Karp + refinement on the cost model), lpt, kk, sorted_greedy, packed
     # (ranks in plain order, micro-batches packed largest first: Megatron-Energon style), none.
     balance: str = "balanced"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloading.sources import cache_root
+from dataloading.index.sources import cache_root
 
 COLORS = {"red": (220, 50, 50), "green": (50, 190, 70), "blue": (60, 100, 235), "yellow": (235, 210, 50)}
 PATTERNS = ("plain", "striped", "checked")
@@ -183,8 +183,8 @@ def _progress(it: Iterator[dict], total: int, desc: str, show: bool) -> Iterator
 def write_demo_dataset(out_dir: str | Path, seed: int = 0, scale: float = 1.0, progress: bool = True) -> Path:
     """Write the demo dataset into ``out_dir`` and return it; the mixture is ``out_dir/mixture.yaml``
     (``vision.yaml``: the sources without audio)."""
-    from dataloading.index import build_index
-    from dataloading.shards import write_shards
+    from dataloading.index.shards import write_shards
+    from dataloading.index.source_index import build_index
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

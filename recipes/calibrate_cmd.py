@@ -3,9 +3,11 @@
 Micro-batches are built from the configured data with varied packing (1 to 12 samples per
 row, under the budget), so short and long documents and different media counts all appear;
 each is timed forward+backward on the configured model and device, and
-``dataloading.cost.fit_cost_model`` fits the coefficients (least squares, kept >= 0).
+``dataloading.plan.cost.fit_cost_model`` fits the coefficients (least squares, kept >= 0).
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -15,10 +17,10 @@ def calibrate_main(overrides: list[str], micro_batches: int = 48, repeats: int =
     import torch
     from tqdm import tqdm
 
-    from dataloading.constructor import SampleConstructor
-    from dataloading.cost import fit_cost_model
+    from dataloading.construct.constructor import SampleConstructor
     from dataloading.errors import ProblemCounter
-    from dataloading.loader import build_planner
+    from dataloading.plan.cost import fit_cost_model
+    from dataloading.serve.loader import build_planner
     from omni.models.build import build_model, media_processors
     from omni.models.cost import default_cost_model
     from omni.runtime.calibrate import micro_batch_work, time_micro_batches
@@ -32,8 +34,8 @@ def calibrate_main(overrides: list[str], micro_batches: int = 48, repeats: int =
     model = build_model(cfg.model, cfg.encoders, vocab_needed=tokenizer.vocab_size)
     processors = media_processors(model)
     mixture = mixture_path(cfg)
-    kwargs = planner_kwargs(cfg, model)
-    planner, indices = build_planner(mixture, tokenizer, processors, dp_size=1, **kwargs)
+    planner, indices = build_planner(replace(cfg.data, mixture=mixture), tokenizer, processors, dp_size=1,
+                                     **planner_kwargs(cfg, model))
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
                                     cfg.data.micro_batch_tokens, ProblemCounter("skip", 1.0),
                                     options={n: t.options for n, t in planner.tables.items()},

@@ -143,10 +143,10 @@ def _checkpoint(cfg: OmniConfig) -> None:
 
 
 def _data(cfg: OmniConfig) -> None:
-    from dataloading.balance import METHODS
     from dataloading.errors import ON_ERROR_POLICIES
-    from dataloading.loader import BACKENDS
-    from dataloading.mixture import OVER_BUDGET_POLICIES
+    from dataloading.plan.balance import METHODS
+    from dataloading.plan.mixture import OVER_BUDGET_POLICIES
+    from dataloading.serve.loader import BACKENDS
 
     d = cfg.data
     _positive("data.global_batch_size", d.global_batch_size)

@@ -108,8 +108,8 @@ examples:
 
 
 def _convert_parser(dsub: argparse._SubParsersAction) -> None:
-    from dataloading.convert import DEFAULT_SHARD_SIZE
-    from dataloading.convert_formats import FORMATS
+    from dataloading.convert.records import FORMATS
+    from dataloading.convert.run import DEFAULT_SHARD_SIZE
 
     p = dsub.add_parser(
         "convert", help="convert a LLaVA / ShareGPT / JSONL / parquet / datasets conversation dataset into an "

@@ -13,7 +13,7 @@ def demo_main(out: str, seed: int = 0, scale: float = 1.0) -> int:
 
 
 def index_main(spec: str, workers: int | None = None) -> int:
-    from dataloading.index import build_index
+    from dataloading.index.source_index import build_index
 
     # A string, not a Path: Path would turn "s3://b/x" into "s3:/b/x".
     index = build_index(spec, workers=workers, progress=True)
@@ -22,8 +22,8 @@ def index_main(spec: str, workers: int | None = None) -> int:
 
 
 def convert_main(fmt: str, input_spec: str, out: str, media_root: str | None = None, **options) -> int:
-    """``options``: dataloading.convert.convert's (dry_run, workers, shard_size, split)."""
-    from dataloading.convert import convert
+    """``options``: dataloading.convert.run.convert's (dry_run, workers, shard_size, split)."""
+    from dataloading.convert.run import convert
 
     summary = convert(fmt, input_spec, out, media_root, progress=True, **options)
     for line in summary.lines():

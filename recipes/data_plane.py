@@ -25,31 +25,29 @@ def mixture_path(cfg: OmniConfig, is_main: bool = True, progress: bool = True, b
 
 def cost_model(cfg: OmniConfig, model):
     """The calibrated cost file when given, else FLOP-based defaults from the model config."""
-    from dataloading.cost import CostModel
+    from dataloading.plan.cost import CostModel
     from omni.models.cost import default_cost_model
 
     return CostModel.load(cfg.data.cost_file) if cfg.data.cost_file else default_cost_model(model)
 
 
 def planner_kwargs(cfg: OmniConfig, model) -> dict:
+    """What ``build_planner`` and ``build_loader`` take beside ``cfg.data``: the seed, the cost
+    model and the pipeline's micro-batch multiple."""
     from parallel.rows import microbatch_multiple
 
-    d = cfg.data
-    return dict(seed=cfg.trainer.seed, global_batch_size=d.global_batch_size, micro_batch_tokens=d.micro_batch_tokens,
-                cost_model=cost_model(cfg, model), balance=d.balance, balance_group=d.balance_group,
-                over_budget=d.over_budget, micro_batch_multiple=microbatch_multiple(cfg.parallel.pp))
+    return dict(seed=cfg.trainer.seed, cost_model=cost_model(cfg, model),
+                micro_batch_multiple=microbatch_multiple(cfg.parallel.pp))
 
 
 def build_training_loader(cfg: OmniConfig, mixture: str, tokenizer, model, processors, dp_size: int, dp_rank: int,
                           progress: bool):
-    from dataloading.loader import build_loader
+    from dataclasses import replace
 
-    d = cfg.data
-    return build_loader(mixture, tokenizer, processors, dp_size=dp_size, dp_rank=dp_rank, on_error=d.on_error,
-                        max_skip_fraction=d.max_skip_fraction, prefetch=d.prefetch, num_workers=d.num_workers,
-                        worker_timeout_s=d.worker_timeout_s, max_open_shards=d.max_open_shards,
-                        backend=d.backend, ray_address=d.ray_address, ray_bind=d.ray_bind, progress=progress,
-                        **planner_kwargs(cfg, model))
+    from dataloading.serve.loader import build_loader
+
+    return build_loader(replace(cfg.data, mixture=mixture), tokenizer, processors, dp_size=dp_size, dp_rank=dp_rank,
+                        progress=progress, **planner_kwargs(cfg, model))
 
 
 def model_for_planning(cfg: OmniConfig, vocab_size: int):

@@ -49,9 +49,9 @@ def _decode(kind: str, path: Path):
     """The file of ``--{kind}`` decoded; one that is not such a file (an image given as
     ``--audio``, a damaged video) is one line naming it, and the option its extension suggests."""
     from dataloading.errors import DataError
-    from dataloading.media import MODALITY_EXTENSIONS
-    from dataloading.sample import decode_audio, decode_image
-    from dataloading.video import decode_video
+    from dataloading.formats.media import MODALITY_EXTENSIONS
+    from dataloading.formats.sample import decode_audio, decode_image
+    from dataloading.formats.video import decode_video
 
     decode = {"image": decode_image, "audio": decode_audio, "video": decode_video}[kind]
     try:
@@ -71,7 +71,7 @@ def _decode(kind: str, path: Path):
 
 def prompt_text(tokenizer, kinds: list[str], prompt: str) -> str:
     """One user turn: the media of ``kinds`` (image, video, audio), then ``prompt``."""
-    from dataloading.media import MEDIA_PLACEHOLDERS
+    from dataloading.formats.media import MEDIA_PLACEHOLDERS
 
     if getattr(tokenizer, "chat_template", None):
         content = [{"type": k} for k in kinds] + [{"type": "text", "text": prompt}]
@@ -96,9 +96,9 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
                   seed: int = 0, as_json: bool = False, step: Optional[int] = None, device: str = "cpu") -> int:
     import torch
 
-    from dataloading.constructor import SampleConstructor
-    from dataloading.media import as_encoder_placeholders, encoder_modality, processor_for
-    from dataloading.sample import DecodedSample
+    from dataloading.construct.constructor import SampleConstructor
+    from dataloading.formats.media import as_encoder_placeholders, encoder_modality, processor_for
+    from dataloading.formats.sample import DecodedSample
     from omni.models.build import media_processors
     from omni.runtime.generate import generate
     from recipes.model_source import load_model, locate

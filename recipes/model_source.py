@@ -15,7 +15,7 @@ from omni.errors import ConfigError
 @dataclass
 class LoadedModel:
     model: object  # OmniModel
-    tokenizer: object  # dataloading.tokenizer.Tokenizer
+    tokenizer: object  # dataloading.formats.tokenizer.Tokenizer
     weights: Path  # the folder the weights came from
     cfg: Optional[object] = None  # the run's OmniConfig (None for a Hugging Face directory)
 
@@ -116,7 +116,7 @@ def load_model(spec: "str | Located", step: Optional[int] = None, attn_backend: 
 
         model = load_pretrained(str(where.hf), attn_backend=attn_backend)
         return LoadedModel(model.eval(), pretrained_tokenizer(str(where.hf), sorted(model.encoders)), where.hf)
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.formats.tokenizer import load_tokenizer
     from omni.models.build import build_meta_model
     from omni.runtime.checkpoint import load_model_weights
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -54,7 +55,7 @@ def _state_from_file(path: str) -> dict:
 
 def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = None, as_json: bool = False,
               save_state: str | None = None, load_state: str | None = None, out=None) -> int:
-    from dataloading.loader import build_planner
+    from dataloading.serve.loader import build_planner
     from omni.models.build import media_processors
     from recipes.compose import compose_config
     from recipes.data_plane import mixture_path, model_for_planning, planner_kwargs
@@ -63,7 +64,7 @@ def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = N
     out = out or sys.stdout
     cfg = OmegaConf.to_object(compose_config(overrides))
     if balance is not None:
-        from dataloading.balance import METHODS
+        from dataloading.plan.balance import METHODS
         from recipes.checks import one_of
 
         one_of("--balance", balance, METHODS)
@@ -74,11 +75,9 @@ def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = N
         # On stderr, so that --json output stays one object per line.
         print(f"omni data plan: no data.mixture given, so this plans the demo mixture {mixture}; plan your own "
               f"with `omni data plan data.mixture=/path/to/mix.yaml` (docs/data.md)", file=sys.stderr, flush=True)
-    kwargs = planner_kwargs(cfg, model)
-    if balance is not None:
-        kwargs["balance"] = balance
-    planner, _ = build_planner(mixture, tokenizer, media_processors(model), dp_size=dp, progress=not as_json,
-                               **kwargs)
+    data = replace(cfg.data, mixture=mixture, balance=cfg.data.balance if balance is None else balance)
+    planner, _ = build_planner(data, tokenizer, media_processors(model), dp_size=dp, progress=not as_json,
+                               **planner_kwargs(cfg, model))
     if load_state:
         planner.load_state_dict(_state_from_file(load_state))
     rows, padded = [], []
@@ -90,7 +89,7 @@ def plan_main(overrides: list[str], dp: int, steps: int, balance: str | None = N
             out.write(json.dumps({**plan.to_json(), "padded_fraction": padded[-1]}, separators=(",", ":")) + "\n")
         rows.append(plan)
     if not as_json:
-        _print_table(rows, padded, planner, kwargs["balance"], dp, mixture, out, cfg.parallel)
+        _print_table(rows, padded, planner, data.balance, dp, mixture, out, cfg.parallel)
     if save_state:
         Path(save_state).write_text(json.dumps(planner.state_dict(), indent=1))
         if not as_json:

@@ -131,7 +131,7 @@ def record_run(cfg, run_dir: Path, tokenizer, llm_config, n_params: int, layout_
     """On the main rank: write ``config.yaml`` and ``tokenizer/`` into the run dir and print
     the banner (what really runs, how many CPU threads each rank computes with
     (``recipes.threads``), where it writes)."""
-    from dataloading.tokenizer import save_tokenizer
+    from dataloading.formats.tokenizer import save_tokenizer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(saved_config(cfg, llm_config))
@@ -151,14 +151,14 @@ def configured_modalities(cfg) -> list[str]:
 def run_tokenizer(cfg):
     """data.tokenizer, with the placeholders of the configured modalities, written as the
     family of ``model.pretrained`` writes them (Qwen2-VL: ``<|vision_start|><|image_pad|>...``)."""
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.formats.tokenizer import load_tokenizer
 
     family_tokens = None
     if cfg.model.pretrained and str(cfg.data.tokenizer) != "byte":
         from omni.models.families import family_of
 
         family_tokens = dict(family_of(cfg.model.pretrained)[1].family_tokens) or None
-    from dataloading.chat import resolve_chat_template
+    from dataloading.formats.chat import resolve_chat_template
 
     return load_tokenizer(cfg.data.tokenizer, modalities=configured_modalities(cfg), family_tokens=family_tokens,
                           chat_template=resolve_chat_template(cfg.data.chat_template))

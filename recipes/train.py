@@ -24,8 +24,8 @@ def train_main(overrides: list[str], print_cfg: bool = False) -> int:
 
 def run(cfg: OmniConfig):
     """Build everything from a composed config and train; returns the trainer's FitResult."""
-    from dataloading.constructor import EvalSet, eval_options
-    from dataloading.mixture import load_mixture
+    from dataloading.construct.held_out import EvalSet, eval_options
+    from dataloading.plan.mixture import load_mixture
     from omni.models.build import build_meta_model, media_processors
     from omni.runtime.trainer import Trainer
     from omni.runtime.parallelize import parallelize
@@ -80,7 +80,7 @@ def run(cfg: OmniConfig):
 
         def eval_samples():
             # Prompted as the model was trained: each sub-folder with its training source's
-            # chat template and media options (dataloading.constructor.eval_options).
+            # chat template and media options (dataloading.construct.held_out.eval_options).
             return EvalSet(eval_dir, tokenizer, processors, limit=cfg.trainer.eval_samples,
                            options=eval_options(training_mixture.sources))
 
@@ -114,7 +114,7 @@ def run(cfg: OmniConfig):
 def _closing_lines(cfg: OmniConfig, layout, checkpointer, loader) -> None:
     """Rank 0's last words: where the checkpoints are, and what ``data.on_error=skip`` let
     through, summed over the data-parallel ranks (each rank's loader counts its own samples)."""
-    from dataloading.loader import skipped_summary
+    from dataloading.serve.loader import skipped_summary
     from parallel.layout import host_group
 
     mine = dict(getattr(loader, "problems", None) or {}) if layout.rank == layout.peer_source else None
@@ -145,8 +145,7 @@ def _validator(cfg: OmniConfig, layout, eval_dir, tokenizer, processors, trainin
     rank (the same list everywhere), so a bad held-out sample stops the run before training."""
     if not cfg.trainer.eval_every:
         return None
-    from dataloading.constructor import eval_options
-    from dataloading.validation import ValidationSet
+    from dataloading.construct.held_out import ValidationSet, eval_options
     from omni.errors import UserError
     from omni.runtime.validation import Validator
 

@@ -28,7 +28,7 @@ def byte_level_tokenizer(specials: list[str], eos: str, chat_template: str | Non
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from dataloading.tokenizer import byte_stand_ins
+    from dataloading.formats.tokenizer import byte_stand_ins
 
     stand_in = byte_stand_ins()
     core = Tokenizer(models.BPE(vocab={stand_in[b]: b for b in range(256)}, merges=[]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dataloading.shards import write_shards
+from dataloading.index.shards import write_shards
 from recipe_helpers import read_metrics, tiny_overrides
 from recipes.cli import main
 
@@ -164,7 +164,7 @@ def test_a_sample_skipped_while_training_is_summed_up_at_the_end(capsys, caplog,
 
 
 def test_the_skipped_summary_sums_ranks_and_counts_the_index_once(tmp_path):
-    from dataloading.loader import skipped_summary
+    from dataloading.serve.loader import skipped_summary
 
     assert skipped_summary([{}, {"corrupt_media": 0}], tmp_path / "m.jsonl") is None
     line = skipped_summary([{"corrupt_media": 2, "index_corrupt_shard": 3}, {"corrupt_media": 1,

@@ -2,7 +2,7 @@
 cost file that `data.cost_file` accepts."""
 import yaml
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from recipes.cli import main
 
 

@@ -30,8 +30,8 @@ IMAGE = np.random.default_rng(1).integers(0, 256, size=(56, 84, 3), dtype=np.uin
 def _prompt(loaded):
     """One image and a chat prompt, built as `omni generate` builds it: Omni's micro-batch and
     the image's MediaItem."""
-    from dataloading.constructor import SampleConstructor
-    from dataloading.sample import DecodedSample
+    from dataloading.construct.constructor import SampleConstructor
+    from dataloading.formats.sample import DecodedSample
     from omni.models.build import media_processors
     from recipes.generate_cmd import prompt_text
 

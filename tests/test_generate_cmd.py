@@ -106,7 +106,7 @@ def test_greedy_with_a_video_on_a_qwen_directory_equals_transformers_generate(tm
     at the default 2 frames per second; transformers gets the same frames as its video inputs,
     the video token once per merged patch and the seconds per temporal patch (its M-RoPE steps)."""
     pytest.importorskip("av")
-    from dataloading.video import decode_video
+    from dataloading.formats.video import decode_video
     from media_helpers import clip_bytes
     from omni.models.encoders.qwen_vl import QwenVisionEncoder
     from recipes.model_source import load_model

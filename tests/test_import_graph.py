@@ -1,7 +1,8 @@
 """The project's import graph (issue 39), function-local imports included and ``if TYPE_CHECKING:``
 ones not (they never run): the one-way flow of DESIGN.md holds (``dataloading/`` and ``parallel/``
-import nothing from ``omni/``, nor each other), and no module reaches itself through its imports
-(no circle; a failure lists them)."""
+import nothing from ``omni/``, nor each other; ``dataloading``'s parts import only the parts before
+them in ``DATALOADING_ORDER``), and no module reaches itself through its imports (no circle; a
+failure lists them)."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("omni", "dataloading", "parallel", "recipes")
 MAX_CIRCLES = 0  # 6 when issue 39 was filed
+# dataloading's parts (sub-packages and top-level modules) in their one order: a part may import
+# the parts before it and itself, never one after it (dataloading/__init__.py says what each holds).
+DATALOADING_ORDER = ("errors", "config", "processes", "formats", "index", "convert", "plan", "construct", "serve",
+                     "demo")
 
 
 def _modules() -> dict[str, Path]:
@@ -114,6 +119,38 @@ def test_the_flow_runs_one_way():
              or (a.startswith("dataloading") and b.startswith("parallel"))
              or (a.startswith("parallel") and b.startswith("dataloading"))]
     assert not wrong, wrong
+
+
+def _dataloading_part(module: str) -> str | None:
+    """``dataloading.plan.cost`` -> "plan"; None for the package root (its lazy re-exports are
+    no import edges) and anything outside dataloading."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "dataloading" and len(parts) > 1 else None
+
+
+def _against_order(graph: dict[str, set[str]], order: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The imports from a dataloading part to a part after it in ``order``."""
+    rank = {p: i for i, p in enumerate(order)}
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if _dataloading_part(a) and _dataloading_part(b)
+                  and rank[_dataloading_part(b)] > rank[_dataloading_part(a)])
+
+
+def test_dataloading_parts_run_one_way():
+    graph = _graph()
+    parts = {_dataloading_part(m) for m in graph} - {None}
+    assert parts == set(DATALOADING_ORDER), f"parts not in DATALOADING_ORDER: {sorted(parts ^ set(DATALOADING_ORDER))}"
+    wrong = _against_order(graph, DATALOADING_ORDER)
+    assert not wrong, "a dataloading part imports one after it in DATALOADING_ORDER:\n" + "\n".join(
+        f"{a} -> {b}" for a, b in wrong)
+
+
+def test_the_order_check_finds_imports_against_the_order():
+    graph = {"dataloading.plan.planner": {"dataloading.formats.media", "dataloading.serve.loader", "omni.x"},
+             "dataloading.plan.cost": {"dataloading.plan.balance", "dataloading.errors"},
+             "dataloading": {"dataloading.serve.loader"}}
+    assert _against_order(graph, ("errors", "formats", "plan", "serve")) == [
+        ("dataloading.plan.planner", "dataloading.serve.loader")]
 
 
 def test_no_import_circles():

@@ -9,7 +9,7 @@ import re
 import torch
 import yaml
 
-from dataloading.tokenizer import load_tokenizer
+from dataloading.formats.tokenizer import load_tokenizer
 from recipe_helpers import tiny_overrides
 from recipes.cli import main
 

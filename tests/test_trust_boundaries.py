@@ -41,7 +41,7 @@ def test_local_ray_listens_on_loopback_only():
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants
 
-    from dataloading.ray_backend import RayStepLoader
+    from dataloading.serve.ray_backend import RayStepLoader
 
     assert not ray.is_initialized(), "another test left a Ray running in this process"
     switch = ray_constants.ENABLE_RAY_CLUSTER
@@ -69,12 +69,12 @@ def test_local_ray_listens_on_loopback_only():
 
 def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     pytest.importorskip("ray")
-    import dataloading.loader as loader_mod
-    import dataloading.ray_backend as ray_backend
+    import dataloading.serve.loader as loader_mod
+    import dataloading.serve.ray_backend as ray_backend
     import recipes.data_plane as data_plane
     from dataloading.config import DataConfig
-    from dataloading.ray_local import check_bind
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.ray_local import check_bind
     from recipes.schema import OmniConfig
 
     assert DataConfig().ray_bind == "127.0.0.1"
@@ -84,8 +84,9 @@ def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     assert "\n" not in str(err.value)
     # build_loader checks it before reading any index (the mixture does not even exist here)
     with pytest.raises(DataError, match="data.ray_bind"):
-        loader_mod.build_loader("/nonexistent/mixture.yaml", None, {}, seed=0, global_batch_size=1, dp_size=1,
-                                dp_rank=0, micro_batch_tokens=64, backend="ray", ray_bind="0.0.0.0.0")
+        data = DataConfig(mixture="/nonexistent/mixture.yaml", global_batch_size=1, micro_batch_tokens=64,
+                          backend="ray", ray_bind="0.0.0.0.0")
+        loader_mod.build_loader(data, None, {}, seed=0, dp_size=1, dp_rank=0)
 
     # data.ray_bind -> build_training_loader -> build_loader -> RayStepLoader(bind=...)
     seen = {}
@@ -98,7 +99,7 @@ def test_ray_bind_is_checked_and_threaded_to_the_loader(monkeypatch):
     monkeypatch.setattr(ray_backend, "RayStepLoader", FakeRayLoader)
     monkeypatch.setattr(loader_mod, "build_planner", lambda *a, **k: (SimpleNamespace(tables={}), {}))
     monkeypatch.setattr(data_plane, "planner_kwargs",
-                        lambda cfg, model: dict(seed=0, global_batch_size=1, micro_batch_tokens=64))
+                        lambda cfg, model: dict(seed=0))
     cfg = OmniConfig()
     cfg.data.backend, cfg.data.ray_bind, cfg.data.ray_address = "ray", "10.1.2.3", None
     out = data_plane.build_training_loader(cfg, "mixture.yaml", ByteTokenizer(), None, {}, dp_size=1, dp_rank=0,
@@ -253,7 +254,7 @@ def test_tokenizer_with_custom_code_is_refused(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import models, pre_tokenizers
 
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.formats.tokenizer import load_tokenizer
 
     core = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1, "</s>": 2}, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -9,7 +9,7 @@ import re
 import numpy as np
 from PIL import Image
 
-from dataloading.chat import parse_messages, render_segments, render_template
+from dataloading.formats.chat import parse_messages, render_segments, render_template
 from recipe_helpers import REPO, tiny_overrides, train
 from recipes.cli import main
 
@@ -36,7 +36,7 @@ def test_list_content_renders_as_the_string_it_stands_for():
 
 
 def test_training_and_generate_with_the_documented_template(demo_root, tmp_path, capsys):
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.formats.tokenizer import load_tokenizer
     from recipes.generate_cmd import prompt_text
 
     template = tmp_path / "vicuna_v1.jinja"

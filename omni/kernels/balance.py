@@ -2,10 +2,10 @@
 items to ranks, on the device.
 
 - ``segment_costs``: alpha*L^2 + beta*L per segment of ``cu_seqlens`` and summed per pack, with
-  the coefficients of ``dataloading.cost.CostModel`` (its LLM terms, or an encoder's): the same
+  the coefficients of ``dataloading.plan.cost.CostModel`` (its LLM terms, or an encoder's): the same
   formula the planner balances, never a second copy of the coefficients.
 - ``greedy_assign``: items sorted heaviest first, each to the least-loaded rank — the LPT rule of
-  ``dataloading.balance`` and ``omni.step.encoder_plan`` — in one program that walks the items.
+  ``dataloading.plan.balance`` and ``omni.step.encoder_plan`` — in one program that walks the items.
 
 Both accumulate in fp64 and equal ``omni.kernels.reference`` bit for bit on integer costs.
 ``backend="auto"`` runs the kernels on CUDA tensors and the references elsewhere.
@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.kernels import reference
 
 

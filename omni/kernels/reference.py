@@ -54,7 +54,7 @@ def route_rows_reference(positions: torch.Tensor, local_len: int, cp_size: int, 
     cp_size x tp_size, TP innermost: rank = cp_rank * tp_size + tp_rank; local position on that
     rank). Under CP every document of the (padded) row, starting at ``doc_starts[d]``, is cut
     into 2*cp_size chunks of ``chunk_lens[d]`` tokens (the zig-zag slicing of
-    ``dataloading.context_parallel``): CP rank r holds chunks r and 2*cp-1-r of every document,
+    ``dataloading.construct.context_parallel``): CP rank r holds chunks r and 2*cp-1-r of every document,
     side by side, in document order. Then TP cuts the rank's row of ``local_len`` tokens (the
     whole row without CP) into tp_size equal shards."""
     shard = local_len // tp_size

@@ -3,7 +3,7 @@ the LLM's input embeddings.
 
 - ``route_rows``: for placeholder positions of a packed row, the rank (CP chunk x TP shard,
   ``rank = cp_rank * tp + tp_rank``) that embeds each and its local position there — the zig-zag
-  CP slicing of ``dataloading.context_parallel`` followed by TP's equal sequence shards — plus
+  CP slicing of ``dataloading.construct.context_parallel`` followed by TP's equal sequence shards — plus
   the rows per rank.
 - ``send_maps``: the rows in send order (grouped by destination, stable) and the counts per
   destination: the index maps of a variable-split all-to-all.

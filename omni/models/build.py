@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from dataloading.media import MediaProcessor
+from dataloading.formats.media import MediaProcessor
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.models import lora
@@ -88,7 +88,7 @@ def build_meta_model(cfg: ModelConfig, slots: Mapping[str, EncoderSlot], vocab_n
     have = llm.config.vocab_size
     if have < vocab_needed and cfg.pretrained and vocab_needed - have <= len(slots):
         # The tokenizer appended the placeholders of the configured modalities (one per encoder
-        # slot, dataloading/tokenizer.py) to the checkpoint's vocabulary.
+        # slot, dataloading/formats/tokenizer.py) to the checkpoint's vocabulary.
         grow_vocab(llm, vocab_needed)
     elif have < vocab_needed and cfg.pretrained:
         raise ConfigError(

@@ -7,7 +7,7 @@ in one unit; training multiplies both by about 3, which does not change the bala
 """
 from __future__ import annotations
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.models.llm.decoder import Decoder
 from omni.models.multimodal import OmniModel
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from dataloading.batch import MediaInputs
+from dataloading.construct.batch import MediaInputs
 from omni.models.attention import ContextParallelSegments, PackedSegments
 from parallel.transfer import to_device
 

@@ -19,8 +19,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from dataloading.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
-from dataloading.context_parallel import local_documents, local_positions, local_real_tokens
+from dataloading.construct.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
+from dataloading.construct.context_parallel import local_documents, local_positions, local_real_tokens
 from omni.models.attention import (ContextParallelSegments, PackedSegments, segment_ids_from_position_ids,
                                    uses_varlen_kernels)
 from omni.models.device_inputs import on_the_device

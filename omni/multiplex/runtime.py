@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dataloading.batch import MicroBatch
-from dataloading.cost import CostModel
+from dataloading.construct.batch import MicroBatch
+from dataloading.plan.cost import CostModel
 from omni.step.encoder_plan import MediaManifest, describe_media, row_doc_lengths
 from omni.step.encoder_calls import Call, ChunkView, StepMedia, StepPlanner
 from omni.kernels.reshard import scatter_rows

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dataloading.batch import MicroBatch
+from dataloading.construct.batch import MicroBatch
 from omni.models.multimodal import OmniModel
 
 

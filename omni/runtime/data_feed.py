@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from dataloading.batch import StepBatch
-from dataloading.context_parallel import slice_for_cp
+from dataloading.construct.batch import StepBatch
+from dataloading.construct.context_parallel import slice_for_cp
 from parallel.broadcast import broadcast_object
 from parallel.strict_device import mark_copied
 from parallel.transfer import to_device

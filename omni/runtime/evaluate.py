@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-from dataloading.batch import MicroBatch
+from dataloading.construct.batch import MicroBatch
 from omni.models.multimodal import OmniModel
 from omni.runtime.generate import generate
 

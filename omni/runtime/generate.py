@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from dataloading.batch import MicroBatch
+from dataloading.construct.batch import MicroBatch
 from omni.models.llm import KVCache
 from omni.models.multimodal import OmniModel
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.models.cost import default_cost_model
 from omni.models.materialize import TensorSource, WeightSource, is_meta, materialize
 from omni.models.llm.compile import compile_blocks

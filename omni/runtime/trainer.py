@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
-from dataloading.batch import MicroBatch, StepBatch
+from dataloading.construct.batch import MicroBatch, StepBatch
 from dataloading.errors import DataError
 from omni.errors import UserError
 from omni.models.multimodal import OmniModel

@@ -1,7 +1,7 @@
 """Periodic validation loss (``trainer.eval_every``): the mean next-token loss over the target
 tokens of the held-out set, per group (the eval folder's sub-folders) and overall.
 
-Every rank holds the same validation micro-batches (``dataloading.validation.ValidationSet``,
+Every rank holds the same validation micro-batches (``dataloading.construct.held_out.ValidationSet``,
 built the same way everywhere); data-parallel rank r takes every dp-th of them, and its TP, CP
 and PP peers the same ones (CP ranks their zig-zag slice), as the training loader hands a step
 out. The share runs through the training step's own forward and backward
@@ -16,10 +16,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dataloading.batch import StepBatch
-from dataloading.constructor import dummy_micro_batch
-from dataloading.context_parallel import slice_for_cp
-from dataloading.validation import ValidationBatch
+from dataloading.construct.batch import StepBatch
+from dataloading.construct.constructor import dummy_micro_batch
+from dataloading.construct.context_parallel import slice_for_cp
+from dataloading.construct.held_out import ValidationBatch
 from omni.errors import UserError
 from parallel.strict_device import host_read
 from parallel.layout import Layout

@@ -1,5 +1,5 @@
 """The simulated steps' data: every DP group's micro-batches as document lengths and media
-items, arranged by the data plane's own balancer (``dataloading.balance.arrange``, what the
+items, arranged by the data plane's own balancer (``dataloading.plan.balance.arrange``, what the
 planner runs every step) under the same cost model and packing budget as training.
 
 Two sources (``data.source``):
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.balance import METHODS, arrange
+from dataloading.plan.balance import METHODS, arrange
 from omni.errors import ConfigError
 from omni.sim.config import SimDataConfig
 from omni.sim.spec import ModelSpec
@@ -440,14 +440,16 @@ def mixture_steps(cfg: SimDataConfig) -> list[int]:
 
 
 def _mixture_steps(cfg: SimDataConfig, spec: ModelSpec, dp: int, multiple: int) -> list[StepWork]:
-    from dataloading.loader import build_planner
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.config import DataConfig
+    from dataloading.serve.loader import build_planner
+    from dataloading.formats.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.tokenizer)
-    planner, _ = build_planner(cfg.mixture, tokenizer, spec.processors, dp_size=dp, progress=False,
-                               seed=cfg.seed, global_batch_size=cfg.global_batch_size,
-                               micro_batch_tokens=cfg.micro_batch_tokens, cost_model=spec.cost, balance=cfg.balance,
-                               balance_group=0, over_budget=cfg.over_budget, micro_batch_multiple=multiple)
+    data = DataConfig(mixture=cfg.mixture, global_batch_size=cfg.global_batch_size,
+                      micro_batch_tokens=cfg.micro_batch_tokens, balance=cfg.balance, balance_group=0,
+                      over_budget=cfg.over_budget)
+    planner, _ = build_planner(data, tokenizer, spec.processors, seed=cfg.seed, dp_size=dp, cost_model=spec.cost,
+                               micro_batch_multiple=multiple, progress=False)
     steps = []
     for i, step in enumerate(mixture_steps(cfg)):
         plan = planner.plan(step)

@@ -63,7 +63,7 @@ from parallel.sizing import Sizes
 
 PLACEMENTS = ("megatron", "megatron_naive")
 TUNED = "megatron"
-# How each packs a step (a dataloading.balance method).
+# How each packs a step (a dataloading.plan.balance method).
 PACKING = {"megatron": "packed", "megatron_naive": "none"}
 
 

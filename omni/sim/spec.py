@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.models.llm.config import DecoderConfig

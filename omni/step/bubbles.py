@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.step.encoder_plan import ItemMeta
 from parallel.pipeline_schedule import BubbleWindow
 

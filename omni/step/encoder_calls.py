@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.step.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
                                     select_bubble_items, split_items, split_rows)
 from omni.step.encoder_plan import CutPlan, ItemMeta, MediaManifest, plan_cut

@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.batch import MicroBatch
-from dataloading.cost import CostModel
+from dataloading.construct.batch import MicroBatch
+from dataloading.plan.cost import CostModel
 from parallel.strict_device import on_device
 
 

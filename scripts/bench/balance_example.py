@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloading.cost import CostModel
-from dataloading.index import SampleMeta, SourceIndex
-from dataloading.planner import Planner
+from dataloading.index.source_index import SampleMeta, SourceIndex
+from dataloading.plan.cost import CostModel
+from dataloading.plan.planner import Planner
 
 
 class PatchCount:

@@ -3,13 +3,13 @@
 For three synthetic mixtures (image-text like LLaVA; video / long-image heavy; long-tailed
 text + audio) and DP sizes 8, 64 and 512 this draws the steps of a 4096-sample global batch
 with Omni's ``Planner`` (built from in-memory ``SourceIndex`` objects: no shards) and
-arranges each step with every method of ``dataloading.balance.METHODS``. Reported per method:
+arranges each step with every method of ``dataloading.plan.balance.METHODS``. Reported per method:
 mean and worst max/mean rank cost over the steps, against the lower bound
 max(mean, largest sample)/mean, and the wall time of ``arrange()`` (median over steps).
 Also: the wall time of the whole ``Planner.plan()`` (draw + cost lookup + arrange) and a
 ``balance_group`` sweep at dp 512.
 
-Costs come from ``dataloading.cost.CostModel`` with FLOP-style coefficients: a 7B-class LLM
+Costs come from ``dataloading.plan.cost.CostModel`` with FLOP-style coefficients: a 7B-class LLM
 (alpha = 2*layers*hidden per token pair, beta = 2*params per token) and a ViT-L / Whisper-
 medium-class encoder (alpha_e = 4*L*d, beta_e = L*(8 d^2 + 4 d ffn), L=24, d=1024, ffn=4096).
 
@@ -28,10 +28,10 @@ import numpy as np
 
 from _common import REPO, median, parser, save, table  # noqa: F401  (REPO: sys.path set-up)
 
-from dataloading.balance import METHODS, arrange
-from dataloading.cost import CostModel
-from dataloading.index import SampleMeta, SourceIndex
-from dataloading.planner import Planner
+from dataloading.index.source_index import SampleMeta, SourceIndex
+from dataloading.plan.balance import METHODS, arrange
+from dataloading.plan.cost import CostModel
+from dataloading.plan.planner import Planner
 
 GLOBAL_BATCH = 4096
 BUDGET = 32768

@@ -42,8 +42,8 @@ def _rank(rank: int, world: int, store: str, tokens: int, impl: str, layers: int
     import torch
     import torch.distributed as dist
 
-    from dataloading.batch import MicroBatch, StepBatch
-    from dataloading.context_parallel import slice_for_cp
+    from dataloading.construct.batch import MicroBatch, StepBatch
+    from dataloading.construct.context_parallel import slice_for_cp
     from omni.models.llm import Decoder, DecoderConfig
     from omni.models.multimodal import OmniModel
     from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig

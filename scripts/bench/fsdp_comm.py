@@ -114,7 +114,7 @@ def step_batch(rank: int, step: int):
     positions restarting per document, no target on a document's last token."""
     import torch
 
-    from dataloading.batch import IGNORE_INDEX, MicroBatch, StepBatch
+    from dataloading.construct.batch import IGNORE_INDEX, MicroBatch, StepBatch
 
     gen = torch.Generator().manual_seed(1000 * step + rank)
     mbs = []

@@ -15,10 +15,10 @@ worker processes (default: 1, 4 and 8, one run each). Designs, side by side:
   a ``SampleConstructor`` built as ``build_loader`` builds it (shipped defaults: shard cap
   ``DataConfig.max_open_shards``) and sent to it pickled, and builds its planned steps in W
   DataLoader workers with the inline loader's own ``BuildSteps``.
-- ``inline``: ``build_loader(backend="inline", num_workers=W)`` as shipped: every rank process
+- ``inline``: ``build_loader`` with ``data.backend=inline data.num_workers=W`` as shipped: every rank process
   loads all indices and runs its own copy of the planner; its W DataLoader workers (forked)
   build the steps.
-- ``ray`` (not run by default): ``build_loader(backend="ray")`` as shipped: the first measured
+- ``ray`` (not run by default): ``build_loader`` with ``data.backend=ray`` as shipped: the first measured
   rank starts a local Ray (no address: loopback, as shipped) and the others join it (see
   ``_join_ray``); the run's actors (one planner, the source loaders: by default one per source
   or a little more, one constructor per rank) and Ray's own processes (gcs_server, raylet,
@@ -60,6 +60,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from _common import REPO, git_state, median, parser, save, table
@@ -100,8 +101,8 @@ def ensure_data(root: Path, sources: int, side: int = IMAGE_SIDE) -> Path:
     balancer deal each source's samples to the same ranks step after step)."""
     import numpy as np
 
-    from dataloading.index import build_index
-    from dataloading.shards import write_shards
+    from dataloading.index.shards import write_shards
+    from dataloading.index.source_index import build_index
 
     data = root / (f"memory-s{sources}-v2" + ("" if side == IMAGE_SIDE else f"-px{side}"))
     if (data / ".complete").exists():
@@ -137,10 +138,10 @@ def _imports():
     import webdataset  # noqa: F401
     import wids  # noqa: F401
 
-    import dataloading.constructor  # noqa: F401
-    import dataloading.index  # noqa: F401
-    import dataloading.loader  # noqa: F401
-    import dataloading.planner  # noqa: F401
+    import dataloading.construct.constructor  # noqa: F401
+    import dataloading.index.source_index  # noqa: F401
+    import dataloading.serve.loader  # noqa: F401
+    import dataloading.plan.planner  # noqa: F401
 
 
 class PatchProcessor:
@@ -160,7 +161,7 @@ class PatchProcessor:
         import torch
         from PIL import Image
 
-        from dataloading.media import MediaItem
+        from dataloading.formats.media import MediaItem
 
         gh, gw = self._grid(*raw.shape[:2])
         if raw.shape[:2] != (gh * PATCH, gw * PATCH):
@@ -277,10 +278,10 @@ def _replicated_stream(args, seed: int):
 
     import webdataset as wds
 
-    from dataloading.constructor import SampleConstructor, assemble, pack
-    from dataloading.sample import decode_sample
-    from dataloading.shards import list_shards
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.construct.constructor import SampleConstructor, assemble, pack
+    from dataloading.formats.sample import decode_sample
+    from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.index.shards import list_shards
 
     random.seed(1000 + seed)
     data = Path(args.data)
@@ -309,7 +310,7 @@ def _replicated_stream(args, seed: int):
 def role_replicated(args):
     import torch.utils.data as tud
 
-    from dataloading.loader import _identity
+    from dataloading.serve.loader import _identity
 
     if not args.workers:
         stream = _replicated_stream(args, args.rank)
@@ -345,17 +346,17 @@ def role_planner(args):
     """The central state: builds the run's Planner as ``build_loader`` does, plans every step for
     every rank and writes the measured ranks' micro-batches (one JSON line per step) and the
     SampleConstructor ``build_loader`` would build (pickled, as DataLoader workers get it)."""
-    from dataloading.constructor import SampleConstructor
+    from dataloading.construct.constructor import SampleConstructor
     from dataloading.errors import ProblemCounter
-    from dataloading.loader import build_planner
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_planner
 
     d = _shipped()
     t0 = time.perf_counter()
-    planner, indices = build_planner(Path(args.data) / "mixture.yaml", ByteTokenizer(), {"image": PatchProcessor()},
-                                     seed=0, global_batch_size=args.per_rank * args.ranks, dp_size=args.ranks,
-                                     micro_batch_tokens=BUDGET, balance=d.balance, balance_group=d.balance_group,
-                                     over_budget=d.over_budget, progress=False)
+    data = replace(d, mixture=str(Path(args.data) / "mixture.yaml"), global_batch_size=args.per_rank * args.ranks,
+                   micro_batch_tokens=BUDGET)
+    planner, indices = build_planner(data, ByteTokenizer(), {"image": PatchProcessor()}, seed=0, dp_size=args.ranks,
+                                     progress=False)
     out = Path(args.plans)
     out.mkdir(parents=True, exist_ok=True)
     files = {r: open(out / f"rank{r:04d}.jsonl", "w") for r in args.measured}
@@ -394,9 +395,9 @@ class _PlannedJobs:
 def role_central(args):
     import torch.utils.data as tud
 
-    from dataloading.loader import _identity
-    from dataloading.step_jobs import BuildSteps
+    from dataloading.construct.step_jobs import BuildSteps
     from dataloading.processes import worker_context
+    from dataloading.serve.loader import _identity
 
     out = Path(args.plans)
     with open(out / "constructor.pkl", "rb") as f:
@@ -426,7 +427,7 @@ def role_loader(args):
     """A source-loader process (the Ray backend's SourceLoaderActor, without Ray): holds the
     readers (open shards, key maps) of every ``loaders``-th source and serves the raw fields
     of the planned samples of those sources to every measured rank, one pickle per step."""
-    from dataloading.index import load_index
+    from dataloading.index.source_index import load_index
 
     data = Path(args.data)
     names = sorted(p.name for p in data.iterdir() if p.is_dir())[: args.sources][args.rank::args.loaders]
@@ -457,9 +458,9 @@ class _StepFields:
 
 
 def role_disaggregated(args):
-    from dataloading.constructor import SampleConstructor
+    from dataloading.construct.constructor import SampleConstructor
     from dataloading.errors import ProblemCounter
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.formats.tokenizer import ByteTokenizer
 
     data = Path(args.data)
     names = sorted(p.name for p in data.iterdir() if p.is_dir())[: args.sources]
@@ -480,12 +481,14 @@ def role_disaggregated(args):
 
 
 def _shipped_loader(args, **kw):
-    from dataloading.loader import build_loader
-    from dataloading.tokenizer import ByteTokenizer
+    """``kw``: the data knobs that differ from the shipped ones (``DataConfig`` fields)."""
+    from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
 
-    return build_loader(Path(args.data) / "mixture.yaml", ByteTokenizer(), {"image": PatchProcessor()}, seed=0,
-                        global_batch_size=args.per_rank * args.ranks, dp_size=args.ranks, dp_rank=args.rank,
-                        micro_batch_tokens=BUDGET, progress=False, **kw)
+    data = replace(_shipped(), mixture=str(Path(args.data) / "mixture.yaml"),
+                   global_batch_size=args.per_rank * args.ranks, micro_batch_tokens=BUDGET, **kw)
+    return build_loader(data, ByteTokenizer(), {"image": PatchProcessor()}, seed=0, dp_size=args.ranks,
+                        dp_rank=args.rank, progress=False)
 
 
 def role_inline(args):
@@ -618,14 +621,14 @@ def spawn(role: str, args, ranks, parallel: int, workers: int, group: str) -> li
 
 # ---- Ray: the first rank starts it as shipped, the others join it -----------------------------
 def _join_ray(address: str, auth_mode: str = "disabled") -> None:
-    """Join the loopback Ray the first rank started. ``build_loader(ray_address=...)`` cannot:
+    """Join the loopback Ray the first rank started. ``build_loader`` with ``data.ray_address`` cannot:
     Ray rewrites a loopback address to the host's (192.0.2.2 here) and the join times out, so
-    join the way ``dataloading.ray_local`` starts one (single-machine mode, loopback node IP),
+    join the way ``dataloading.serve.ray_local`` starts one (single-machine mode, loopback node IP),
     with the import path ``RayStepLoader`` would give the actors; the loader then uses it."""
     os.environ["RAY_AUTH_MODE"] = auth_mode  # before Ray loads its config; the token is in ~/.ray/auth_token
     import ray
 
-    from dataloading.ray_local import _single_machine_mode
+    from dataloading.serve.ray_local import _single_machine_mode
 
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), *(p or os.getcwd() for p in sys.path)])}}
     with _single_machine_mode():
@@ -633,7 +636,7 @@ def _join_ray(address: str, auth_mode: str = "disabled") -> None:
 
 
 def run_ray(args, ranks) -> list[dict]:
-    """All measured ranks at once on one Ray: the first starts it (``build_loader(backend="ray")``
+    """All measured ranks at once on one Ray: the first starts it (``build_loader`` with ``data.backend=ray``
     without an address, as shipped: a local Ray on loopback, its processes under the rank's),
     the others join it. One snapshot of the ranks and of every Ray process. Per rank: its
     process and its ConstructorActor; shared: Ray's own processes and the other actors."""
@@ -730,7 +733,7 @@ def _trees(procs: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from dataloading.sources import cache_root
+    from dataloading.index.sources import cache_root
 
     root = Path(args.data_root) if args.data_root else cache_root() / "bench"
     t0 = time.perf_counter()

@@ -2,13 +2,13 @@
 
 Both read the demo dataset (three sources: PNG + caption, WAV + transcript, text; mixed
 0.6 / 0.2 / 0.2) and do the same work per sample: PIL decode of the image to uint8 RGB
-(soundfile for the audio: ``dataloading.sample.decode_sample``), the demo's SigLIP-style
+(soundfile for the audio: ``dataloading.formats.sample.decode_sample``), the demo's SigLIP-style
 image processor (64 px, 8 px patches) and Whisper-style log-mel processor, byte-level
 tokenization with ``ByteTokenizer``, packing into 1024-token micro-batches (first-fit
 decreasing) and assembling the packed tensors. Each step is a global batch of 64 samples on
 one data-parallel rank.
 
-- ``omni``: ``dataloading.loader.build_loader(backend="inline")``: planner in the calling
+- ``omni``: ``dataloading.serve.loader.build_loader`` (``data.backend=inline``): planner in the calling
   process, steps built in ``num_workers`` DataLoader workers by random access (wids) to the
   planned samples.
 - ``webdataset``: per source ``wds.WebDataset(shards, resampled=True)`` -> ``shuffle(100)``
@@ -49,7 +49,7 @@ def processors():
 
 # ---- the webdataset baseline ---------------------------------------------------------------
 def _decode(sample):
-    from dataloading.sample import decode_sample
+    from dataloading.formats.sample import decode_sample
 
     fields = {k: v for k, v in sample.items() if not k.startswith("__")}
     return decode_sample(sample["__key__"], fields)
@@ -59,7 +59,7 @@ class WdsSteps(tud.IterableDataset):
     """An IterableDataset of steps: the standard webdataset mixture, then Omni's tokenize/pack."""
 
     def __init__(self, mixture, procs, seed: int = 0):
-        from dataloading.mixture import load_mixture
+        from dataloading.plan.mixture import load_mixture
 
         self.mix = load_mixture(mixture)
         self.procs = procs
@@ -70,9 +70,9 @@ class WdsSteps(tud.IterableDataset):
 
         import webdataset as wds
 
-        from dataloading.constructor import SampleConstructor, assemble, pack
-        from dataloading.shards import list_shards
-        from dataloading.tokenizer import ByteTokenizer
+        from dataloading.construct.constructor import SampleConstructor, assemble, pack
+        from dataloading.formats.tokenizer import ByteTokenizer
+        from dataloading.index.shards import list_shards
 
         info = tud.get_worker_info()
         wid = info.id if info else 0
@@ -91,7 +91,7 @@ class WdsSteps(tud.IterableDataset):
 
 
 def _wds_loader(mixture, procs, workers: int):
-    from dataloading.loader import _identity
+    from dataloading.serve.loader import _identity
 
     return iter(tud.DataLoader(WdsSteps(mixture, procs), batch_size=None, collate_fn=_identity, num_workers=workers,
                                prefetch_factor=2 if workers else None, persistent_workers=False))
@@ -99,11 +99,13 @@ def _wds_loader(mixture, procs, workers: int):
 
 # ---- Omni ---------------------------------------------------------------------------------
 def _omni_loader(mixture, procs, workers: int):
-    from dataloading.loader import build_loader
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.config import DataConfig
+    from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
 
-    return build_loader(mixture, ByteTokenizer(), procs, seed=0, global_batch_size=GLOBAL_BATCH, dp_size=1,
-                        dp_rank=0, micro_batch_tokens=BUDGET, num_workers=workers, backend="inline", progress=False)
+    data = DataConfig(mixture=str(mixture), global_batch_size=GLOBAL_BATCH, micro_batch_tokens=BUDGET,
+                      num_workers=workers, backend="inline")
+    return build_loader(data, ByteTokenizer(), procs, seed=0, dp_size=1, dp_rank=0, progress=False)
 
 
 def _samples(step) -> int:

@@ -12,7 +12,7 @@ under ``data.source=lengths`` with fixed sizes: ``--sample-tokens`` tokens per s
 one image of ``--image-tokens`` patches and the rest text, packed into ``--micro-batch-tokens``
 rows), and
 this script builds exactly those micro-batches as the data plane would (random pixels through
-the encoder's own processor, ``dataloading.constructor.assemble``). So the measured step and
+the encoder's own processor, ``dataloading.construct.constructor.assemble``). So the measured step and
 the predicted one see the same documents and images.
 
 Measured: the training step itself (``Trainer.train_step``: autocast, encoder multiplexing,
@@ -117,8 +117,8 @@ def synthetic_step(work, processors: dict, vocab: int, step: int, seed: int = 0)
     into the document it was drawn with (a sample's images never exceed its length - 1)."""
     import numpy as np
 
-    from dataloading.batch import IGNORE_INDEX, StepBatch
-    from dataloading.constructor import Tokenized, assemble
+    from dataloading.construct.batch import IGNORE_INDEX, StepBatch
+    from dataloading.construct.constructor import Tokenized, assemble
 
     rng = np.random.default_rng(seed + step)
     (group,) = work.groups

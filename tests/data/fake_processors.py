@@ -10,7 +10,7 @@ import math
 import numpy as np
 import torch
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 
 PATCH = 8
 FRAME = 160

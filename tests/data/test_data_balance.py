@@ -3,9 +3,9 @@ same number of micro-batches; and the cost-aware methods beat the plain order.""
 import numpy as np
 import pytest
 
-from dataloading.balance import METHODS, _kk, _lpt, arrange
-from dataloading.cost import CostModel
 from dataloading.errors import DataError
+from dataloading.plan.balance import METHODS, _kk, _lpt, arrange
+from dataloading.plan.cost import CostModel
 
 
 def skewed(n, seed=0, cap=4096):
@@ -87,7 +87,7 @@ def test_micro_batches_come_in_multiples_of_the_pipeline_stages():
     long as the rank's longest (parallel.rows.microbatch_count); the planner packs that many
     (``multiple``), so no rank gets an empty, full-length one and the longest row is no longer
     than with the fewest micro-batches. The items, their ranks and the budget are unchanged."""
-    from dataloading.balance import arrange
+    from dataloading.plan.balance import arrange
     from parallel.rows import microbatch_count, microbatch_multiple
 
     rng = np.random.default_rng(3)

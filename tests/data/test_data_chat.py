@@ -11,14 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.chat import BUILTIN_CHAT_TEMPLATES, render_segments
-from dataloading.constructor import SampleConstructor, assemble
-from dataloading.context_parallel import _local_to_original, slice_for_cp
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import SampleConstructor, assemble
+from dataloading.construct.context_parallel import _local_to_original, slice_for_cp
 from dataloading.errors import DataError
-from dataloading.mixture import SourceOptions
-from dataloading.sample import DecodedSample, decode_sample, parse_fields
-from dataloading.tokenizer import ByteTokenizer, HFTokenizer
+from dataloading.formats.chat import BUILTIN_CHAT_TEMPLATES, render_segments
+from dataloading.formats.sample import DecodedSample, decode_sample, parse_fields
+from dataloading.formats.tokenizer import ByteTokenizer, HFTokenizer
+from dataloading.plan.mixture import SourceOptions
 from tests.data.fake_processors import FakeImageProcessor
 from tests.hf_family_helpers import byte_level_tokenizer
 
@@ -202,11 +202,11 @@ def test_a_tokenizer_without_a_template_is_a_config_error():
 
 @pytest.mark.parametrize("template", ["hf", "byte_plain"])
 def test_the_planner_counts_a_conversations_rendered_tokens_exactly(chat_tokenizer, tmp_path, template):
-    from dataloading.cost import CostModel
     from dataloading.demo import _chats, _rng
-    from dataloading.index import build_index
-    from dataloading.planner import SourceTable
-    from dataloading.shards import write_shards
+    from dataloading.index.shards import write_shards
+    from dataloading.index.source_index import build_index
+    from dataloading.plan.cost import CostModel
+    from dataloading.plan.planner import SourceTable
 
     tok = chat_tokenizer if template == "hf" else ByteTokenizer(["image"], BUILTIN_CHAT_TEMPLATES["plain"])
     samples = list(_chats(_rng(0, "chat", 0), 12, lambda i: f"{i:03d}"))
@@ -250,7 +250,7 @@ def test_a_conversation_mixture_trains_and_evaluates_through_the_cli(demo_root, 
     assert len(steps) == 2 and all(np.isfinite(x["loss"]) and x["target_tokens"] > 0 for x in steps)
     assert any(x.get("event") == "eval" and x["num_samples"] == 2 for x in lines)
     # the run's tokenizer keeps the template: generation and export render prompts with it
-    from dataloading.tokenizer import load_tokenizer
+    from dataloading.formats.tokenizer import load_tokenizer
 
     assert load_tokenizer(run / "tokenizer").chat_template == BUILTIN_CHAT_TEMPLATES["plain"]
     assert result.last_step == 2

@@ -2,13 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.constructor import EvalSet, SampleConstructor, pack
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import SampleConstructor, pack
+from dataloading.construct.held_out import EvalSet
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.index import load_index
-from dataloading.planner import estimate_tokens
-from dataloading.shards import SourceReader, write_shards
-from dataloading.tokenizer import ByteTokenizer
+from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.index.shards import SourceReader, write_shards
+from dataloading.index.source_index import load_index
+from dataloading.plan.planner import estimate_tokens
 
 TOK = ByteTokenizer()
 IMG, AUD = TOK.placeholder_ids["image"], TOK.placeholder_ids["audio"]
@@ -166,8 +167,8 @@ def test_eval_set_prompts(demo_dir, processors):
 def test_eval_prompts_take_their_training_sources_options(demo_dir, processors, tmp_path):
     """A held-out sample of eval/shapes is prompted with the shapes source's chat template; one of
     eval/tones (no source of that name in this mixture, and the sources differ) as written."""
-    from dataloading.constructor import eval_options
-    from dataloading.mixture import load_mixture
+    from dataloading.construct.held_out import eval_options
+    from dataloading.plan.mixture import load_mixture
 
     mix = tmp_path / "mix.yaml"
     mix.write_text(f"sources:\n  - {{name: shapes, path: {demo_dir / 'shapes'}, weight: 1, "

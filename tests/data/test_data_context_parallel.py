@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
-from dataloading.constructor import SampleConstructor, assemble, dummy_micro_batch
-from dataloading.context_parallel import local_documents, local_real_tokens, merge_cp_slices, slice_for_cp
-from dataloading.sample import DecodedSample
-from dataloading.tokenizer import ByteTokenizer
+from dataloading.construct.batch import IGNORE_INDEX, MicroBatch
+from dataloading.construct.constructor import SampleConstructor, assemble, dummy_micro_batch
+from dataloading.construct.context_parallel import local_documents, local_real_tokens, merge_cp_slices, slice_for_cp
+from dataloading.formats.sample import DecodedSample
+from dataloading.formats.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 PAD = TOK.pad_id

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataloading.sample import parse_fields
-from dataloading.shards import Shard
+from dataloading.formats.sample import parse_fields
+from dataloading.index.shards import Shard
 from recipes.cli import main
 
 SHARD_SIZE = 8

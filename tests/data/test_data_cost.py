@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from dataloading.cost import CostModel, fit_cost_model
 from dataloading.errors import DataError
+from dataloading.plan.cost import CostModel, fit_cost_model
 
 
 def test_packing_costs_the_sum_of_squares_not_the_square_of_the_sum():

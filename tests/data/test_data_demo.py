@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from dataloading import demo
-from dataloading.index import load_index
-from dataloading.mixture import load_mixture
-from dataloading.sample import decode_audio, decode_image
-from dataloading.shards import list_shards
+from dataloading.formats.sample import decode_audio, decode_image
+from dataloading.index.shards import list_shards
+from dataloading.index.source_index import load_index
+from dataloading.plan.mixture import load_mixture
 
 
 def digest(root):

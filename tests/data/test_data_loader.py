@@ -3,15 +3,16 @@ import json
 import pytest
 import torch
 
+from dataloading.config import DataConfig
 from dataloading.errors import DataError
-from dataloading.loader import build_loader
-from dataloading.tokenizer import ByteTokenizer
+from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.serve.loader import build_loader
 
 
 def loader(demo_dir, processors, rank=0, dp=2, budget=1024, workers=1, **kw):
-    return build_loader(demo_dir / "mixture.yaml", ByteTokenizer(), processors, seed=7, global_batch_size=8,
-                        dp_size=dp, dp_rank=rank, micro_batch_tokens=budget, num_workers=workers, progress=False,
-                        **kw)
+    data = DataConfig(mixture=str(demo_dir / "mixture.yaml"), global_batch_size=8, micro_batch_tokens=budget,
+                      num_workers=workers, **kw)
+    return build_loader(data, ByteTokenizer(), processors, seed=7, dp_size=dp, dp_rank=rank, progress=False)
 
 
 def take(it, n):

@@ -3,7 +3,7 @@ import textwrap
 import pytest
 
 from dataloading.errors import DataError
-from dataloading.mixture import load_mixture
+from dataloading.plan.mixture import load_mixture
 
 
 @pytest.fixture

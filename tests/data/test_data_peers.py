@@ -7,16 +7,17 @@ import torch.multiprocessing as mp
 
 
 def _peer(rank, store, mixture, cp_size, out):
-    from dataloading.context_parallel import merge_cp_slices
-    from dataloading.loader import build_loader
-    from dataloading.tokenizer import ByteTokenizer
+    from dataloading.config import DataConfig
+    from dataloading.construct.context_parallel import merge_cp_slices
+    from dataloading.formats.tokenizer import ByteTokenizer
+    from dataloading.serve.loader import build_loader
     from omni.runtime.data_feed import PeerFeed
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         def make():
-            return build_loader(mixture, ByteTokenizer(), {}, seed=1, global_batch_size=4, dp_size=1, dp_rank=0,
-                                micro_batch_tokens=1024, num_workers=0, progress=False)
+            data = DataConfig(mixture=str(mixture), global_batch_size=4, micro_batch_tokens=1024, num_workers=0)
+            return build_loader(data, ByteTokenizer(), {}, seed=1, dp_size=1, dp_rank=0, progress=False)
         feed = PeerFeed(make() if rank == 0 else None, None, src=0, cp_size=cp_size, cp_rank=rank,
                         pad_id=ByteTokenizer().eos_id)
         got = [next(feed) for _ in range(2)]
@@ -67,7 +68,7 @@ class _MediaLoader:
         self.step = 0
 
     def __next__(self):
-        from dataloading.batch import MediaInputs, MicroBatch, StepBatch
+        from dataloading.construct.batch import MediaInputs, MicroBatch, StepBatch
 
         self.step += 1
         gen = torch.Generator().manual_seed(self.step)

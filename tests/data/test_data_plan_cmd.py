@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dataloading.index import build_index
-from dataloading.shards import write_shards
+from dataloading.index.shards import write_shards
+from dataloading.index.source_index import build_index
 from recipes.cli import main
 from recipes.plan_cmd import plan_main
 

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX
+from dataloading.config import DataConfig
+from dataloading.construct.batch import IGNORE_INDEX
 from dataloading.errors import DataError
-from dataloading.index import SampleMeta, SourceIndex, build_index
-from dataloading.loader import build_loader
-from dataloading.mixture import WeightSchedule, load_mixture
-from dataloading.planner import Planner
-from dataloading.shards import write_shards
-from dataloading.tokenizer import ByteTokenizer
+from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.index.shards import write_shards
+from dataloading.index.source_index import SampleMeta, SourceIndex, build_index
+from dataloading.plan.mixture import WeightSchedule, load_mixture
+from dataloading.plan.planner import Planner
+from dataloading.serve.loader import build_loader
 
 TOK = ByteTokenizer()
 
@@ -33,8 +34,8 @@ def write_mixture(folder, body):
 
 
 def loader(mix, processors=None, dp=1, rank=0, batch=8, budget=64, workers=0, **kw):
-    return build_loader(mix, TOK, processors or {}, seed=3, global_batch_size=batch, dp_size=dp, dp_rank=rank,
-                        micro_batch_tokens=budget, num_workers=workers, progress=False, **kw)
+    data = DataConfig(mixture=str(mix), global_batch_size=batch, micro_batch_tokens=budget, num_workers=workers, **kw)
+    return build_loader(data, TOK, processors or {}, seed=3, dp_size=dp, dp_rank=rank, progress=False)
 
 
 def units(batch):
@@ -275,8 +276,9 @@ def test_a_stuck_worker_stops_the_run_naming_its_sample(tmp_path, processors, me
 
 
 def test_batches_carry_data_wait_and_balance(demo_dir, processors):
-    ld = build_loader(demo_dir / "mixture.yaml", TOK, processors, seed=0, global_batch_size=8, dp_size=2,
-                      dp_rank=1, micro_batch_tokens=1024, num_workers=1, progress=False)
+    data = DataConfig(mixture=str(demo_dir / "mixture.yaml"), global_batch_size=8, micro_batch_tokens=1024,
+                      num_workers=1)
+    ld = build_loader(data, TOK, processors, seed=0, dp_size=2, dp_rank=1, progress=False)
     batches = [next(ld) for _ in range(3)]
     ld.close()
     for b in batches:

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from dataloading.errors import DataError
-from dataloading.index import SampleMeta, SourceIndex
-from dataloading.planner import Planner
+from dataloading.index.source_index import SampleMeta, SourceIndex
+from dataloading.plan.planner import Planner
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
 

@@ -19,11 +19,13 @@ ray = pytest.importorskip("ray")
 
 import torch  # noqa: E402
 
+from dataloading.config import DataConfig  # noqa: E402
 from dataloading.errors import DataError  # noqa: E402
-from dataloading.loader import build_loader  # noqa: E402
-from dataloading.ray_actors import ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader  # noqa: E402
-from dataloading.ray_backend import NAMESPACE, RayStepLoader, loader_counts  # noqa: E402
-from dataloading.tokenizer import ByteTokenizer  # noqa: E402
+from dataloading.formats.tokenizer import ByteTokenizer  # noqa: E402
+from dataloading.serve.loader import build_loader  # noqa: E402
+from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error,  # noqa: E402
+                                          _RemoteReader)
+from dataloading.serve.ray_backend import NAMESPACE, RayStepLoader, loader_counts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,8 +44,9 @@ SHARED = dict(run_id="shared", ranks_per_constructor=2)  # ranks 0 and 1 share o
 
 
 def inline(demo_dir, processors, rank=0, dp=2, budget=1024, mixture="mixture.yaml", **kw):
-    return build_loader(demo_dir / mixture, ByteTokenizer(), processors, seed=7, global_batch_size=8,
-                        dp_size=dp, dp_rank=rank, micro_batch_tokens=budget, num_workers=0, progress=False, **kw)
+    data = DataConfig(mixture=str(demo_dir / mixture), global_batch_size=8, micro_batch_tokens=budget, num_workers=0,
+                      **kw)
+    return build_loader(data, ByteTokenizer(), processors, seed=7, dp_size=dp, dp_rank=rank, progress=False)
 
 
 def on_ray(demo_dir, processors, rank=0, budget=1024, mixture="mixture.yaml", on_error="skip", **kw):
@@ -124,8 +127,9 @@ def test_resume_gives_the_uninterrupted_batches(demo_dir, processors, shared_run
     first.close()
 
     monkeypatch.setenv("OMNI_RUN_ID", shared_run)  # build_loader's default run id: join the run
-    resumed = build_loader(demo_dir / "mixture.yaml", ByteTokenizer(), processors, seed=7, global_batch_size=8,
-                           dp_size=2, dp_rank=0, micro_batch_tokens=1024, backend="ray", progress=False)
+    data = DataConfig(mixture=str(demo_dir / "mixture.yaml"), global_batch_size=8, micro_batch_tokens=1024,
+                      backend="ray")
+    resumed = build_loader(data, ByteTokenizer(), processors, seed=7, dp_size=2, dp_rank=0, progress=False)
     assert isinstance(resumed, RayStepLoader)
     resumed.load_state_dict(state)
     got = take(resumed, 1)

@@ -1,7 +1,7 @@
 import pytest
 
 from dataloading.errors import DataError
-from dataloading.sample import decode_sample, parse_fields
+from dataloading.formats.sample import decode_sample, parse_fields
 
 
 def test_fields_in_placeholder_order(media_bytes):

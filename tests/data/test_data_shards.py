@@ -5,8 +5,8 @@ import tarfile
 import pytest
 
 from dataloading.errors import DataError
-from dataloading.index import INDEX_NAME, build_index, load_index
-from dataloading.shards import Shard, list_shards, write_shards
+from dataloading.index.shards import Shard, list_shards, write_shards
+from dataloading.index.source_index import INDEX_NAME, build_index, load_index
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_summary_names_bad_shards(folder):
 def test_key_locator_is_a_compact_mapping():
     import pickle
 
-    from dataloading.index import KeyLocator
+    from dataloading.index.source_index import KeyLocator
 
     keys = ["b", "a", "ä/x", "c10", "c2"]
     loc = KeyLocator(keys, ["s1.tar", "s0.tar", "s1.tar", "s2.tar", "s2.tar"], [0, 5, 1, 2, 3])
@@ -130,7 +130,7 @@ def test_key_locator_is_a_compact_mapping():
 
 
 def test_one_shard_cap_across_sources_and_reads_stay_correct(tmp_path):
-    from dataloading.shards import ShardPool, SourceReader
+    from dataloading.index.shards import ShardPool, SourceReader
 
     readers, expected = [], {}
     for s in range(3):

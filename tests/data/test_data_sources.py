@@ -7,9 +7,9 @@ import pytest
 
 from conftest import png_bytes
 from dataloading.errors import DataError
-from dataloading.index import INDEX_NAME, build_index, load_index
-from dataloading.shards import write_shards
-from dataloading.sources import ShardSet, resolve_source
+from dataloading.index.shards import write_shards
+from dataloading.index.source_index import INDEX_NAME, build_index, load_index
+from dataloading.index.sources import ShardSet, resolve_source
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 import pytest
 
 from dataloading.errors import DataError
-from dataloading.tokenizer import ByteTokenizer, load_tokenizer
+from dataloading.formats.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trip_and_specials():
@@ -75,7 +75,7 @@ def _sample():
 @pytest.mark.parametrize("kind", ["byte", "hf"])
 @pytest.mark.parametrize("modalities", [["image"], ["image", "audio"]])
 def test_saved_tokenizer_round_trips(tmp_path, kind, modalities):
-    from dataloading.tokenizer import save_tokenizer
+    from dataloading.formats.tokenizer import save_tokenizer
 
     spec = "byte" if kind == "byte" else _hf_dir(tmp_path)
     tok = load_tokenizer(spec, modalities=modalities)
@@ -107,7 +107,7 @@ def test_a_family_writes_its_placeholders_with_its_own_tokens(tmp_path):
     own <|image_pad|> and <|video_pad|> become the image slot's one placeholder id; the choice is
     kept with a saved tokenizer; a vocabulary without the family's tokens is one line."""
     pytest.importorskip("transformers")
-    from dataloading.tokenizer import PlaceholderTokens
+    from dataloading.formats.tokenizer import PlaceholderTokens
     from hf_family_helpers import QWEN_SPECIALS, byte_level_tokenizer
 
     byte_level_tokenizer(QWEN_SPECIALS, eos="<|im_end|>").save_pretrained(tmp_path / "qwen")

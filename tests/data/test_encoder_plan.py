@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import MediaInputs, MicroBatch
-from dataloading.cost import CostModel
+from dataloading.construct.batch import MediaInputs, MicroBatch
+from dataloading.plan.cost import CostModel
 from omni.step.encoder_plan import ItemMeta, describe_media, piece_bounds, plan_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})

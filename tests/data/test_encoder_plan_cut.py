@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk, plan_cut, splits
 from test_encoder_plan import _expected as expected_chunk
 

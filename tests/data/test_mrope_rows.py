@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataloading.batch import MediaInputs
-from dataloading.constructor import Tokenized, assemble
-from dataloading.context_parallel import local_documents, merge_cp_slices, slice_for_cp
-from dataloading.media import MediaItem
-from dataloading.positions import mrope_position_ids
+from dataloading.construct.batch import MediaInputs
+from dataloading.construct.constructor import Tokenized, assemble
+from dataloading.construct.context_parallel import local_documents, merge_cp_slices, slice_for_cp
+from dataloading.construct.positions import mrope_position_ids
+from dataloading.formats.media import MediaItem
 
 
 def _sample(sid: str, length: int, items: list[tuple[int, tuple]]) -> Tokenized:

@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.constructor import SampleConstructor
-from dataloading.cost import CostModel
+from dataloading.config import DataConfig
+from dataloading.construct.constructor import SampleConstructor
 from dataloading.errors import DataError
-from dataloading.index import build_index, load_index
-from dataloading.loader import build_planner
-from dataloading.mixture import load_mixture
-from dataloading.planner import estimate_tokens
-from dataloading.shards import write_shards
-from dataloading.tokenizer import ByteTokenizer
-from dataloading.video import decode_video, frame_times, sample_count, video_meta
+from dataloading.formats.tokenizer import ByteTokenizer
+from dataloading.formats.video import decode_video, frame_times, sample_count, video_meta
+from dataloading.index.shards import write_shards
+from dataloading.index.source_index import build_index, load_index
+from dataloading.plan.cost import CostModel
+from dataloading.plan.mixture import load_mixture
+from dataloading.plan.planner import estimate_tokens
+from dataloading.serve.loader import build_planner
 from media_helpers import clip_bytes as media_clip_bytes
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.qwen_vl_windows import merge_order_positions
@@ -204,8 +205,9 @@ def test_the_planner_costs_the_video_as_an_image_item_and_refuses_one_over_budge
     mix.write_text("sources:\n  - {name: clips, path: clips, weight: 1, video: {fps: 1, max_frames: 2}}\n")
     tok = ByteTokenizer(["image"])
     cost = CostModel(alpha=0.0, beta=1.0, encoders={"image": (0.5, 10.0)})
-    planner, _ = build_planner(mix, tok, {"image": tiny_processor()}, seed=0, global_batch_size=1, dp_size=1,
-                               micro_batch_tokens=256, cost_model=cost, progress=False)
+    data = DataConfig(mixture=str(mix), global_batch_size=1, micro_batch_tokens=256)
+    planner, _ = build_planner(data, tok, {"image": tiny_processor()}, seed=0, dp_size=1, cost_model=cost,
+                               progress=False)
     plan = planner.plan()
     # fps 1 over 2 s: 2 frames, one temporal patch of 4 x 6 patches = 6 tokens; text 1 + 14 + 12 + 1
     assert planner.unit_media("clips/v0") == [("image", 6)]
@@ -213,8 +215,7 @@ def test_the_planner_costs_the_video_as_an_image_item_and_refuses_one_over_budge
     mix.write_text("sources:\n  - {name: clips, path: clips, weight: 1, video: {max_video_pixels: 1000}}\n")
     with pytest.raises(DataError, match=r"source clips: sample v0: a 48x32 video of 2 s needs at least 4 frames"
                                         r".*raise video.max_video_pixels"):
-        build_planner(mix, tok, {"image": tiny_processor()}, seed=0, global_batch_size=1, dp_size=1,
-                      micro_batch_tokens=256, cost_model=cost, progress=False)
+        build_planner(data, tok, {"image": tiny_processor()}, seed=0, dp_size=1, cost_model=cost, progress=False)
     mix.write_text("sources:\n  - {name: clips, path: clips, weight: 1, video: {fps: 0}}\n")
     with pytest.raises(DataError, match=r"video.fps must be a positive float"):
         load_mixture(mix)

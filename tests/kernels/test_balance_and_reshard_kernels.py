@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from dataloading.context_parallel import slice_for_cp
-from dataloading.cost import CostModel
+from dataloading.construct.context_parallel import slice_for_cp
+from dataloading.plan.cost import CostModel
 from omni.kernels import reference
 from omni.kernels.balance import greedy_assign, segment_costs
 from omni.kernels.reshard import route_rows, scatter_rows, send_maps

@@ -21,7 +21,7 @@ def randomize(model: torch.nn.Module) -> torch.nn.Module:
 def packed_row(lengths, vocab: int, seed: int = 0, device="cpu"):
     """A packed ``MicroBatch`` of documents of ``lengths`` random tokens (seeded), each position a
     target of the next token except a document's last."""
-    from dataloading.batch import IGNORE_INDEX, MicroBatch
+    from dataloading.construct.batch import IGNORE_INDEX, MicroBatch
 
     ids = torch.randint(0, vocab, (sum(lengths),), generator=torch.Generator().manual_seed(seed))
     labels = ids.roll(-1).clone()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.media import MediaProcessor
+from dataloading.formats.media import MediaProcessor
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig, patch_grid
 
 transformers = pytest.importorskip("transformers")

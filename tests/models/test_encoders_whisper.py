@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataloading.media import MediaProcessor
+from dataloading.formats.media import MediaProcessor
 
 from omni.models.encoders import whisper as whisper_mod
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, resample

@@ -103,8 +103,8 @@ def test_omnis_own_clip_composition_exports_as_llava(tmp_path):
     from model_helpers import omni_logits
     from omegaconf import OmegaConf
 
-    from dataloading.batch import IGNORE_INDEX
-    from dataloading.constructor import Tokenized, assemble
+    from dataloading.construct.batch import IGNORE_INDEX
+    from dataloading.construct.constructor import Tokenized, assemble
     from omni.models.build import media_processors
     from recipes.compose import compose_config
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.constructor import Tokenized, assemble
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import Tokenized, assemble
 from model_helpers import LLAVA_IMAGE_TOKEN, omni_logits, rel_err, save_tiny_llava
 from omni.models.build import build_model, media_processors
 from omni.models.config import EncoderSlot, ModelConfig

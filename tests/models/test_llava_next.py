@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.constructor import Tokenized, assemble
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import Tokenized, assemble
 from hf_family_helpers import save_tiny_llava_next_chat
 from model_helpers import omni_logits, rel_err
 from omni.models.build import build_model, media_processors

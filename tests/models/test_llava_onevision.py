@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.constructor import Tokenized, assemble
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import Tokenized, assemble
 from hf_family_helpers import save_tiny_llava_onevision
 from model_helpers import omni_logits, rel_err
 from omni.models.build import build_model, media_processors
@@ -26,7 +26,7 @@ PixelProcessor = transformers.LlavaOnevisionImageProcessorPil
 
 
 class _Clip:
-    """A decoded video stand-in (``dataloading.video.Video``'s interface): ``frames`` at 4 fps."""
+    """A decoded video stand-in (``dataloading.formats.video.Video``'s interface): ``frames`` at 4 fps."""
 
     def __init__(self, frames):
         self.images = frames
@@ -76,7 +76,7 @@ def test_a_packed_row_of_images_and_a_video_equals_transformers_each_alone(tmp_p
                                                    for i in images]
     assert items[2].num_tokens == proc.num_tokens_from_meta(_Clip(frames).meta)
     image_id, video_id = hf.config.image_token_id, hf.config.video_token_id
-    # Omni writes a video's placeholders as the image's (dataloading.media.as_encoder_placeholders)
+    # Omni writes a video's placeholders as the image's (dataloading.formats.media.as_encoder_placeholders)
     samples = [_sample("a", [5, 6], [7, 8, 9], items[0], image_id), _sample("b", [11], [12, 13, 14], items[2], image_id),
                _sample("c", [15], [16], items[1], image_id)]
     pixels = PixelProcessor.from_pretrained(tmp_path)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.constructor import Tokenized, assemble
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import Tokenized, assemble
 from model_helpers import LLAVA_IMAGE_TOKEN, rel_err, save_tiny_llava
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omni.models.llm import DecoderConfig
-from dataloading.positions import mrope_position_ids
+from dataloading.construct.positions import mrope_position_ids
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
+from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from omni.errors import ConfigError
 from omni.models.build import build_model
 from omni.models.config import EncoderSlot, ModelConfig

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataloading.batch import IGNORE_INDEX
-from dataloading.constructor import Tokenized, assemble
+from dataloading.construct.batch import IGNORE_INDEX
+from dataloading.construct.constructor import Tokenized, assemble
 from omni.models.build import build_model, media_processors
 from omni.models.config import EncoderSlot, ModelConfig
 
@@ -108,9 +108,9 @@ def test_a_packed_row_of_images_and_a_video_equals_transformers_per_sample(tmp_p
     over the row equal transformers' for each sample run alone (the images and the video as
     transformers' image and video inputs, token types 1 and 2, seconds per temporal patch)."""
     pytest.importorskip("av")
-    from dataloading.constructor import SampleConstructor
-    from dataloading.sample import DecodedSample
-    from dataloading.video import decode_video
+    from dataloading.construct.constructor import SampleConstructor
+    from dataloading.formats.sample import DecodedSample
+    from dataloading.formats.video import decode_video
     from hf_family_helpers import save_tiny_qwen_vl
     from media_helpers import clip_bytes
     from model_helpers import omni_logits, rel_err

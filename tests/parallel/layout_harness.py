@@ -14,9 +14,9 @@ from dataclasses import asdict, replace
 
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch, StepBatch
-from dataloading.context_parallel import slice_for_cp
-from dataloading.positions import mrope_position_ids
+from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch, StepBatch
+from dataloading.construct.context_parallel import slice_for_cp
+from dataloading.construct.positions import mrope_position_ids
 from omni.models.encoders.llava_ov import LlavaOvEncoder, LlavaOvEncoderConfig
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig

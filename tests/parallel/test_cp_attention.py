@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dataloading.batch import MicroBatch
-from dataloading.context_parallel import _local_layout, _local_to_original, slice_for_cp
+from dataloading.construct.batch import MicroBatch
+from dataloading.construct.context_parallel import _local_layout, _local_to_original, slice_for_cp
 from dist_helpers import run_ranks
 from parallel.cp_attention import cp_attention
 from parallel.ring_attention import live_rows_cols as _live_rows_cols, mask as _mask

@@ -149,7 +149,7 @@ def test_the_fused_loss_is_chosen_on_a_gpu_only():
 
 def test_the_model_loss_through_the_fused_kernel_equals_the_chunked_one():
     pytest.importorskip("liger_kernel")
-    from dataloading.batch import IGNORE_INDEX, MicroBatch
+    from dataloading.construct.batch import IGNORE_INDEX, MicroBatch
     from omni.models.build import build_model
     from omni.models.config import ModelConfig
 

@@ -17,7 +17,7 @@ from dist_helpers import run_ranks
 
 
 def _worker(rank, world, sizes, out_dir, mux_options=None):
-    from dataloading.context_parallel import slice_for_cp
+    from dataloading.construct.context_parallel import slice_for_cp
     from layout_harness import build, global_batches
     from omni.step.config import MultiplexConfig
     from omni.runtime.parallelize import parallelize

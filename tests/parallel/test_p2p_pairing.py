@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.step.encoder_plan import ItemMeta, plan_cut
 from parallel.reshard import p2p_transfers
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataloading.cost import CostModel
+from dataloading.plan.cost import CostModel
 from omni.step.bubbles import (busy_ranks, capacity, closing_modalities, forward_unit_cost, select_bubble_items,
                                     split_items, split_rows)
 from omni.step.encoder_plan import ItemMeta

@@ -151,7 +151,7 @@ def test_describe_media_takes_features_already_on_the_device():
     media: the peers' feed had put the features on the GPU and describe_media refused them,
     though it reads only their shape. Under the strict check the features are device tensors,
     and the old refusal ("describe_media reads host tensors") comes back if put back."""
-    from dataloading.batch import MediaInputs, MicroBatch
+    from dataloading.construct.batch import MediaInputs, MicroBatch
     from omni.step.encoder_plan import describe_media
 
     feats = torch.randn(6, 8)

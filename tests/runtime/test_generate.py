@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
-from dataloading.constructor import Tokenized, assemble
+from dataloading.construct.batch import IGNORE_INDEX, MicroBatch
+from dataloading.construct.constructor import Tokenized, assemble
 from omni.models.build import build_model, media_processors
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.runtime.generate import Sampling, generate, top_k_filter, top_p_filter

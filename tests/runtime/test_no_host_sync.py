@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dataloading.batch import StepBatch
+from dataloading.construct.batch import StepBatch
 from tests.parallel.dist_helpers import run_ranks
 from tests.parallel.layout_harness import OPTIM, build, global_batches
 
@@ -140,12 +140,12 @@ def test_data_parallel_step_reads_the_device_once():
 def test_host_plans_match_what_the_device_would_find():
     """The loss's target index, the ring's hop plan and Ulysses' document order, built on the
     host from the layout, are what the device-side rules find from the real (sliced) peers' rows."""
-    from dataloading.context_parallel import local_documents, slice_for_cp
+    from dataloading.construct.context_parallel import local_documents, slice_for_cp
     from omni.models.attention import ContextParallelSegments
     from omni.models.multimodal import _plan_cp_attention
     from parallel.cp_attention import plan_ulysses
     from parallel.ring_attention import live_rows_cols as _live_rows_cols
-    from dataloading.batch import IGNORE_INDEX
+    from dataloading.construct.batch import IGNORE_INDEX
 
     model = build(False, 2)
     for mb in global_batches(96, steps=1, micro=3)[0]:

@@ -64,7 +64,7 @@ def fit(sizes: dict, run_dir: str, stages=(), freeze=(), stop_at=None, every=0, 
     end), each as this rank holds them."""
     from layout_harness import OPTIM, build, global_batches
 
-    from dataloading.batch import StepBatch
+    from dataloading.construct.batch import StepBatch
     from omni.models.freeze import ModuleNames, freeze as freeze_units
     from omni.runtime.config import CheckpointConfig, StageConfig, TrainerConfig
     from omni.step.config import MultiplexConfig

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from dataloading.batch import StepBatch
+from dataloading.construct.batch import StepBatch
 from tests.parallel.dist_helpers import run_ranks
 from tests.parallel.layout_harness import OPTIM, build, global_batches
 

@@ -45,8 +45,8 @@ def _first_samples(tar, n: int) -> list[dict]:
 def held_out(demo_root, tmp_path_factory):
     """A small held-out folder: the demo's first three shapes and three tones samples, in its
     layout (one sub-folder per group)."""
-    from dataloading.index import build_index
-    from dataloading.shards import write_shards
+    from dataloading.index.shards import write_shards
+    from dataloading.index.source_index import build_index
 
     out = tmp_path_factory.mktemp("held_out")
     for group in ("shapes", "tones"):
@@ -64,8 +64,9 @@ def single(demo_root, held_out, tmp_path_factory):
 
 
 def test_validation_loss_equals_a_direct_computation(single, demo_root, held_out):
-    from dataloading.constructor import EvalSet, assemble, eval_options
-    from dataloading.mixture import load_mixture
+    from dataloading.construct.constructor import assemble
+    from dataloading.construct.held_out import EvalSet, eval_options
+    from dataloading.plan.mixture import load_mixture
     from omni.models.build import media_processors
     from recipes.model_source import load_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataloading.balance import arrange, assign_ranks
+from dataloading.plan.balance import arrange, assign_ranks
 from omni.sim import megatron
 from omni.sim.compare import simulate
 from omni.sim.search import megatron_candidates, with_layout

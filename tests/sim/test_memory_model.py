@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dataloading.batch import IGNORE_INDEX, MicroBatch
+from dataloading.construct.batch import IGNORE_INDEX, MicroBatch
 from omni.models.build import build_model
 from omni.models.config import ModelConfig
 from omni.runtime.config import OptimConfig
@@ -262,7 +262,7 @@ def _cp_rank(rank: int, world: int) -> None:
     """One CP rank of ``test_context_parallel_activations_follow_the_model``."""
     import torch.distributed as dist
 
-    from dataloading.context_parallel import slice_for_cp
+    from dataloading.construct.context_parallel import slice_for_cp
 
     for impl, kernel in (("ring", "varlen"), ("ulysses", "sdpa")):
         torch.manual_seed(0)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import HostSizes
 from omni.models.encoders.images import normalised, padded_to_square, resized, rgb_uint8
 from omni.models.projector import Projector

@@ -3,7 +3,7 @@
 An encoder plugin is an ``nn.Module`` subclass of :class:`EncoderAnchor` that brings
 
 - ``modality`` and a ``Config`` dataclass (plain types, so Hydra/OmegaConf can back it);
-- a weight-free, picklable *processor* (raw media -> :class:`~dataloading.media.MediaItem`)
+- a weight-free, picklable *processor* (raw media -> :class:`~dataloading.formats.media.MediaItem`)
   that data-loading workers run, and that counts tokens from index metadata alone;
 - ``forward(features, sizes)`` on *packed* input: the items of a micro-batch concatenated
   along the first axis, never padded to a common size; attention stays inside each item;
@@ -111,7 +111,7 @@ class EncoderAnchor(nn.Module):
     # --- the plugin contract ----------------------------------------------------------------
     @classmethod
     def processor(cls, config: Any):
-        """A picklable, weight-free :class:`~dataloading.media.MediaProcessor` for ``config``."""
+        """A picklable, weight-free :class:`~dataloading.formats.media.MediaProcessor` for ``config``."""
         raise NotImplementedError
 
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

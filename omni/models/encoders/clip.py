@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.images import (BICUBIC, center_cropped, checked_mean_std, normalisation_params, normalised,

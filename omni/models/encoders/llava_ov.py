@@ -28,8 +28,8 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from dataloading.media import MediaItem
-from dataloading.video import frame_times, sample_count
+from dataloading.formats.media import MediaItem
+from dataloading.formats.video import frame_times, sample_count
 from omni.models.encoders.anyres import AnyresImageProcessor, AnyresLayout, AnyresTower, checked_pinpoints
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
@@ -146,7 +146,7 @@ class LlavaOvProcessor(AnyresImageProcessor):
         return other
 
     def frames(self, meta: Dict[str, Any]) -> int:
-        """Frames sampled from a video of header ``meta`` (``dataloading.video.video_meta``)."""
+        """Frames sampled from a video of header ``meta`` (``dataloading.formats.video.video_meta``)."""
         return sample_count(meta, self.fps, self.min_frames, self.max_frames, 1)
 
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
@@ -155,7 +155,7 @@ class LlavaOvProcessor(AnyresImageProcessor):
         return super().num_tokens_from_meta(meta)
 
     def video(self, clip: Any) -> MediaItem:
-        """A ``dataloading.video.Video`` -> one item of its sampled frames, each squashed to the
+        """A ``dataloading.formats.video.Video`` -> one item of its sampled frames, each squashed to the
         tower's square."""
         meta = clip.meta
         n, s = self.frames(meta), self.layout.image_size

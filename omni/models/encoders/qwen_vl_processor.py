@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from dataloading.media import MediaItem
-from dataloading.video import frame_times, sample_count
+from dataloading.formats.media import MediaItem
+from dataloading.formats.video import frame_times, sample_count
 from omni.models.encoders.images import resized_normalised, rgb_uint8
 
 if TYPE_CHECKING:  # the config's home is the tower's module, which imports this one
@@ -47,7 +47,7 @@ class QwenVisionProcessor:
     x/255, normalised, the frame repeated ``temporal_patch_size`` times (one temporal patch),
     each patch flattened as (channel, frame, row, col).
 
-    A video (``video``, a ``dataloading.video.Video``) becomes one item of ``t`` temporal
+    A video (``video``, a ``dataloading.formats.video.Video``) becomes one item of ``t`` temporal
     patches, as in Qwen2-VL: ``n`` frames sampled at evenly spaced times (``fps`` frames per
     second within [``min_frames``, ``max_frames``], a multiple of ``temporal_patch_size``),
     every frame resized alike by ``smart_resize`` within the per-frame limits and the
@@ -105,7 +105,7 @@ class QwenVisionProcessor:
 
     def video_grid(self, meta: Dict[str, Any]) -> Tuple[int, int, int]:
         """(frames sampled, grid_h, grid_w) of a video from its header metadata
-        (``dataloading.video.video_meta``): what ``video`` makes of it and the planner counts."""
+        (``dataloading.formats.video.video_meta``): what ``video`` makes of it and the planner counts."""
         t, side = self.frames, self.patch * self.merge
         height, width, budget = int(meta["height"]), int(meta["width"]), self.max_video_pixels
         wanted = sample_count(meta, self.fps, self.min_frames, self.max_frames, t)
@@ -124,7 +124,7 @@ class QwenVisionProcessor:
         return n, h // self.patch, w // self.patch
 
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
-        if "duration" in meta:  # a video's header (dataloading.video.video_meta)
+        if "duration" in meta:  # a video's header (dataloading.formats.video.video_meta)
             n, gh, gw = self.video_grid(meta)
             return n // self.frames * gh * gw // (self.merge * self.merge)
         gh, gw = self.grid(meta["height"], meta["width"])
@@ -151,7 +151,7 @@ class QwenVisionProcessor:
                          num_tokens=gh * gw // (m * m), rope_grid=(1, gh // m, gw // m, 1.0))
 
     def video(self, clip: Any) -> MediaItem:
-        """A ``dataloading.video.Video`` -> one item of size (t, grid_h, grid_w). Its temporal
+        """A ``dataloading.formats.video.Video`` -> one item of size (t, grid_h, grid_w). Its temporal
         rotary step (``rope_grid``'s interval) is Qwen2.5-VL's ``tokens_per_second x
         temporal_patch_size / fps``, fps the rate the frames were sampled at (n / duration); 1
         for Qwen2-VL."""

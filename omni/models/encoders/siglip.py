@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from parallel.transfer import to_device
 from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.base import check_sizes

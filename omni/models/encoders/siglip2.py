@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation
 from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8

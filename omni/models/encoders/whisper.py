@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from parallel.transfer import to_device
 from omni.models.encoders.base import EncoderAnchor, check_sizes
 from omni.models.encoders.blocks import (AttentionSpec, activation, packed_self_attention,

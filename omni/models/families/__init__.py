@@ -20,7 +20,7 @@ import os
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from dataloading.tokenizer import Tokenizer, load_tokenizer
+from dataloading.formats.tokenizer import Tokenizer, load_tokenizer
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
 from omni.models.families import llava, llava_next, llava_onevision, llm, qwen_vl

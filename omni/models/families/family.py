@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from dataloading.tokenizer import PlaceholderTokens, Tokenizer
+from dataloading.formats.tokenizer import PlaceholderTokens, Tokenizer
 from omni.models.multimodal import OmniModel
 
 

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.tokenizer import Tokenizer
 from omni.models.encoders.clip import ClipEncoder
 from omni.models.encoders.llava_projector import llava_projector_names
 from omni.models.encoders.siglip import SiglipEncoder

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.tokenizer import Tokenizer
 from omni.models.encoders.llava_next import LlavaNextEncoder
 from omni.models.families._hf_export import export_anyres, only_image_encoder, write_processor_config
 from omni.models.families.family import Family, config_ids, image_encoder

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.tokenizer import Tokenizer
 from omni.models.encoders.llava_ov import LlavaOvEncoder
 from omni.models.families._hf_export import export_anyres, only_image_encoder, write_processor_config
 from omni.models.families.family import Family, config_ids, image_encoder
@@ -56,7 +56,7 @@ def export_llava_onevision(model: OmniModel, path: str, image_token_id: int, vid
 def _export(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
     """The model and its processor's settings; the video placeholder is the vocabulary's
     ``<video>`` (-1 without one: Omni itself writes a video's rows at image placeholders,
-    ``dataloading.media.as_encoder_placeholders``)."""
+    ``dataloading.formats.media.as_encoder_placeholders``)."""
     image = tokenizer.placeholder_ids["image"]
     ids = config_ids(vocab, {"video_token_index": "<video>"})
     video = ids.pop("video_token_index")

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.tokenizer import Tokenizer
 from omni.models.families.family import Family, config_ids
 from omni.models.hf_io import export_pretrained
 from omni.models.llm.config import FAMILIES as LLM_FAMILIES

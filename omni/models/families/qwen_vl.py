@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
-from dataloading.tokenizer import PlaceholderTokens, Tokenizer
+from dataloading.formats.tokenizer import PlaceholderTokens, Tokenizer
 from omni.models.encoders.qwen_vl import VARIANTS, QwenVisionEncoder, merger_names
 from omni.models.families._hf_export import language_model, only_image_encoder, split_ids, write_checkpoint
 from omni.models.families.family import Family, config_ids, image_encoder

@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from dataloading.media import MediaItem
+from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import EncoderAnchor
 
 

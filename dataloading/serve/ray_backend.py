@@ -12,7 +12,7 @@ What runs where (MegaScale-Data's disaggregated layout):
   whose readers are the source loaders; it decodes, tokenizes and packs exactly as the inline
   backend's worker does (it runs the same ``BuildSteps`` code).
 
-The actors are plain classes in ``dataloading.ray_actors``; this module wraps them with
+The actors are plain classes in ``dataloading.serve.ray_actors``; this module wraps them with
 ``ray.remote`` and holds the driver side. ``RayStepLoader`` has StepLoader's interface and semantics: it keeps ``prefetch`` steps in
 flight as object refs, and each step carries the planner state after it, which becomes the
 committed state when the step is handed out. The same plan yields the same batches on both
@@ -33,9 +33,10 @@ from collections import deque
 from pathlib import Path
 
 from dataloading.errors import DataError
-from dataloading.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
-                                    loader_counts, require_ray)
-from dataloading.ray_local import LOOPBACK, check_bind, start_local_ray
+from dataloading.serve.committed import CommittedSteps
+from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error, _RemoteReader,
+                                          loader_counts, require_ray)
+from dataloading.serve.ray_local import LOOPBACK, check_bind, start_local_ray
 
 __all__ = ["RayStepLoader", "PlannerActor", "SourceLoaderActor", "ConstructorActor", "loader_counts",
            "default_run_id", "NAMESPACE"]
@@ -55,12 +56,12 @@ def default_run_id(ray) -> str:
     return ray.get_runtime_context().get_job_id()
 
 
-class RayStepLoader:
+class RayStepLoader(CommittedSteps):
     """StepLoader's interface on the Ray data plane (see the module docstring).
 
     ``address``: a Ray cluster to join; without it (and without a running Ray or $RAY_ADDRESS)
     a local Ray is started, listening on ``bind`` (default loopback only; see
-    ``dataloading.ray_local``). ``total_loaders``: source loader actors to spread over the sources
+    ``dataloading.serve.ray_local``). ``total_loaders``: source loader actors to spread over the sources
     (default: one per source). ``ranks_per_constructor``: DP ranks sharing a constructor actor.
     ``run_id``: names the shared actors; all ranks of one run must agree (default
     ``default_run_id``). Actors are created on the first ``next()``.
@@ -69,22 +70,16 @@ class RayStepLoader:
     def __init__(self, planner, constructor, dp_rank: int, prefetch: int = 2, *, address: str | None = None,
                  total_loaders: int | None = None, ranks_per_constructor: int = 1, run_id: str | None = None,
                  bind: str = LOOPBACK):
-        if not 0 <= dp_rank < planner.dp_size:
-            raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
+        super().__init__(planner, constructor, dp_rank, prefetch)
         if prefetch < 1 or ranks_per_constructor < 1 or (total_loaders is not None and total_loaders < 1):
             raise DataError(f"data.prefetch={prefetch}, ranks_per_constructor={ranks_per_constructor} and "
                             f"total_loaders={total_loaders} must be >= 1", kind="config")
         require_ray()  # fail now, with the install hint, if Ray is missing
         self.bind = check_bind(bind)  # and now, naming data.ray_bind, if it is not an address
-        self.planner = planner  # holds the committed state
-        self.constructor = constructor
-        self.dp_rank = dp_rank
-        self.prefetch = prefetch
         self.address = address
         self.total_loaders = total_loaders
         self.ranks_per_constructor = ranks_per_constructor
         self.run_id = run_id
-        self.problems: dict[str, int] = {}  # totals over the steps handed out
         self.planner_actor = None  # the run's PlannerActor handle, once set up
         self._constructor_actor = None
         self._user = uuid.uuid4().hex
@@ -101,7 +96,7 @@ class RayStepLoader:
             # Actors unpickle what this process imports (dataloading, the encoders' processors,
             # the tokenizer): give them this process's import path (harmless where omni-mm is
             # installed on the nodes).
-            root = str(Path(__file__).resolve().parents[1])
+            root = str(Path(__file__).resolve().parents[2])  # the repository root, above dataloading/
             env = {"env_vars": {"PYTHONPATH": os.pathsep.join([root, *(p or os.getcwd() for p in sys.path)])}}
             address = self.address or os.environ.get("RAY_ADDRESS")
             if address:
@@ -183,7 +178,7 @@ class RayStepLoader:
             self._inflight.append((self._next_step, self._constructor_actor.build.remote(job)))
             self._next_step += 1
 
-    def _drop(self) -> None:
+    def _drop_ahead(self) -> None:
         """Forget the built-ahead steps (the committed state does not include them). They are
         not cancelled: a cancelled actor task leaves a gap in the caller's task order that
         stalls the actor's later tasks; they finish and are dropped."""
@@ -214,19 +209,15 @@ class RayStepLoader:
         if isinstance(item, _Error):
             self.close()
             raise item.error()
-        batch, state = item
-        batch.data_wait_s = wait
-        self.planner.load_state_dict(state)
-        self.planner_actor.commit.remote(state)
-        for k, v in batch.problems.items():
-            self.problems[k] = self.problems.get(k, 0) + v
+        batch = self._hand_out(item, wait)
+        self.planner_actor.commit.remote(item[1])  # the run's committed state, for every rank
         return batch
 
     def close(self) -> None:
         """Drop the built-ahead steps and release this loader's hold on the run's actors (the
         last loader of the run kills them). A Ray this loader started stays up until exit;
         iterating again sets the actors up anew."""
-        self._drop()
+        self._drop_ahead()
         pa = self.planner_actor
         self.planner_actor, self._constructor_actor = None, None
         if pa is None:
@@ -245,27 +236,14 @@ class RayStepLoader:
                 except Exception:
                     pass
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
     def set_weights(self, weights) -> None:
-        """Change the mixture from the next step on (curriculum); built-ahead steps are rebuilt."""
-        self._drop()
-        self.planner.set_weights(weights)
+        super().set_weights(weights)
         if self.planner_actor is not None:
             self.planner_actor.set_weights.remote(weights)
 
     # ---- checkpointing --------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"planner": self.planner.state_dict(), "problems": dict(self.problems)}
-
     def load_state_dict(self, sd) -> None:
-        self._drop()
-        self.planner.load_state_dict(sd["planner"])
-        self.problems = dict(sd.get("problems", {}))
+        super().load_state_dict(sd)
         if self.planner_actor is not None:
             self.planner_actor.load_state_dict.remote(sd["planner"])
         else:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dataloading.errors import DataError
-from dataloading.media import MEDIA_PLACEHOLDERS
+from dataloading.formats.media import MEDIA_PLACEHOLDERS
 
 ROLES = ("system", "user", "assistant")
 # Which assistant turns get a loss (the per-source option ``assistant_loss``).

@@ -1,7 +1,7 @@
 """One input record of ``omni data convert`` -> one Omni conversation (docs/data.md, "Converting datasets").
 
 The input formats differ in their container (a JSON list, JSONL, parquet, a ``datasets`` folder:
-``dataloading.convert_inputs``) far more than in their records, which all are a list of turns plus
+``dataloading.convert.inputs``) far more than in their records, which all are a list of turns plus
 media lists. So every format's records are read with one lenient layout:
 
 - turns under ``messages`` or ``conversations``; each turn's role under ``role`` or ``from``
@@ -15,7 +15,7 @@ media lists. So every format's records are read with one lenient layout:
 
 Only ``--from llava`` adds the placeholders a record lacks (LLaVA puts its image before the first
 user turn's text); elsewhere a count that differs from the media is the record's problem, found
-by the training reader's own checks (``dataloading.convert`` applies them).
+by the training reader's own checks (``dataloading.convert.run`` applies them).
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ import io
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataloading.chat import prompt_text
-from dataloading.media import MEDIA_PLACEHOLDERS
-from dataloading.sample import placeholder_modalities
+from dataloading.formats.chat import prompt_text
+from dataloading.formats.media import MEDIA_PLACEHOLDERS
+from dataloading.formats.sample import placeholder_modalities
 
-#: ``--from`` values: the input container of each is read by ``dataloading.convert_inputs``.
+#: ``--from`` values: the input container of each is read by ``dataloading.convert.inputs``.
 FORMATS = ("llava", "sharegpt", "jsonl", "parquet", "hf-dataset")
 #: Formats whose records may leave out the placeholders of their media (LLaVA's convention).
 PLACES_MISSING_PLACEHOLDERS = ("llava",)
@@ -241,7 +241,7 @@ def to_conversation(record: Any, fmt: str, default_id: str) -> Conversation:
         _place_missing(messages, media)
     # Media in placeholder order. Whether the placeholders and the media agree (in number and
     # kind), and whether the turns make a conversation to learn from, is the training reader's
-    # rule (dataloading.sample.parse_fields), which the converter applies to the sample it writes;
+    # rule (dataloading.formats.sample.parse_fields), which the converter applies to the sample it writes;
     # items without a placeholder go last, so that the reader names the mismatch.
     queues = {k: list(v) for k, v in media.items()}
     ordered = [queues[k].pop(0) for k in _kinds(messages) if queues.get(k)]

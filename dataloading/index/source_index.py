@@ -1,6 +1,6 @@
 """The metadata index of a source's shards, so planning never opens a tar.
 
-A source is a folder, a glob, a brace list or a URL (``dataloading.sources``). The index of a
+A source is a folder, a glob, a brace list or a URL (``dataloading.index.sources``). The index of a
 folder is ``FOLDER/omni_index.jsonl``; of a glob or list ``BASE/omni_index.<hash>.jsonl``; of
 a URL ``$OMNI_CACHE/index/<hash>/omni_index.jsonl``. Line 1 is a header (format
 version, every shard's size and sample count, problems met), then one JSON object per
@@ -12,9 +12,9 @@ sample::
 ``response_bytes`` is null when the sample has no ``response.txt``. A conversation
 (``messages.json``) has ``"chat": 1``, its turns' contents in ``text_bytes`` and its last answer
 in ``response_bytes``; its rendered length depends on the tokenizer's chat template, so
-planning counts it exactly per tokenizer (``dataloading.token_counts``). Media metadata is read
+planning counts it exactly per tokenizer (``dataloading.plan.token_counts``). Media metadata is read
 from file headers only (PIL / soundfile / PyAV), never by decoding pixels, samples or frames;
-a video's is ``{"width", "height", "frames", "fps", "duration"}`` (``dataloading.video``).
+a video's is ``{"width", "height", "frames", "fps", "duration"}`` (``dataloading.formats.video``).
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloading.processes import imap_in_workers
-from dataloading.chat import last_answer
 from dataloading.errors import ON_ERROR_POLICIES, DataError
-from dataloading.sample import parse_fields, read_meta
-from dataloading.shards import Shard, SourceReader
-from dataloading.sources import INDEX_NAME, ShardSet, resolve_source
+from dataloading.formats.chat import last_answer
+from dataloading.formats.sample import parse_fields, read_meta
+from dataloading.index.shards import Shard, SourceReader
+from dataloading.index.sources import INDEX_NAME, ShardSet, resolve_source
+from dataloading.processes import imap_in_workers
 
 log = logging.getLogger("omni.data")
 

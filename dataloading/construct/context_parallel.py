@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dataloading.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
+from dataloading.construct.batch import IGNORE_INDEX, CPInfo, MediaInputs, MicroBatch
 
 
 def slice_for_cp(mb: MicroBatch, cp_size: int, cp_rank: int, pad_id: int) -> MicroBatch:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from dataloading.errors import DataError
-from dataloading.media import MEDIA_PLACEHOLDERS, PLACEHOLDERS, encoder_modality
+from dataloading.formats.media import MEDIA_PLACEHOLDERS, PLACEHOLDERS, encoder_modality
 
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")")
 _MODALITY_OF = {p: m for m, p in PLACEHOLDERS.items()}
@@ -153,7 +153,7 @@ class ByteTokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """``messages`` through the chat template, rendered as transformers renders it."""
-        from dataloading.chat import render_template
+        from dataloading.formats.chat import render_template
 
         if not self.chat_template:
             raise DataError("the byte tokenizer has no chat template; set data.chat_template", kind="config")
@@ -328,7 +328,7 @@ def load_tokenizer(spec: str | Path, modalities: Iterable[str] | None = None,
     ``save_tokenizer`` or a Hugging Face tokenizer. ``modalities``: whose placeholders get ids
     (None: those a saved tokenizer recorded, else all). ``family_tokens``: the model family's
     placeholder tokens (None: those a saved tokenizer recorded, else Omni's ``<image>``...).
-    ``chat_template``: a Jinja chat template (``dataloading.chat.resolve_chat_template``) that
+    ``chat_template``: a Jinja chat template (``dataloading.formats.chat.resolve_chat_template``) that
     replaces the tokenizer's own (None: its own, or the one a saved byte tokenizer recorded)."""
     if str(spec) == "byte":
         return ByteTokenizer(modalities, chat_template)

@@ -4,9 +4,9 @@
 The input is read in order and cut into batches of ``shard_size`` records; batch ``j`` becomes
 ``OUT/shard-{j:06d}.tar`` holding its convertible records (keys: each record's position in the
 input), so the output is the same whatever the number of worker processes. A worker turns each
-record into a conversation (``dataloading.convert_formats``), reads its media (paths under
+record into a conversation (``dataloading.convert.records``), reads its media (paths under
 ``--media-root``, or the bytes the record holds), checks them as the training reader will
-(``dataloading.sample``: numbered fields against placeholders, header metadata, decoding) and
+(``dataloading.formats.sample``: numbered fields against placeholders, header metadata, decoding) and
 writes the sample:
 
 - ``messages.json``: ``[{"role", "content"}]``, media placeholders in the content strings;
@@ -30,18 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dataloading.processes import worker_pool
-from dataloading.chat import MESSAGES_FIELD, parse_messages, prompt_text
-from dataloading.convert_formats import Conversation, MediaRef, RecordProblem, record_id, to_conversation
-from dataloading.convert_inputs import batches, open_input
+from dataloading.convert.inputs import batches, open_input
+from dataloading.convert.records import Conversation, MediaRef, RecordProblem, record_id, to_conversation
 from dataloading.errors import DataError
-from dataloading.media import MEDIA_PLACEHOLDERS
-from dataloading.sample import decode_audio, decode_image, media_fields, media_meta, parse_fields, placeholder_modalities
+from dataloading.formats.chat import MESSAGES_FIELD, parse_messages, prompt_text
+from dataloading.formats.media import MEDIA_PLACEHOLDERS
+from dataloading.formats.sample import (decode_audio, decode_image, media_fields, media_meta, parse_fields,
+                                        placeholder_modalities)
+from dataloading.processes import worker_pool
 
 REPORT_NAME = "convert_report.jsonl"
 SHARD_NAME = "shard-{:06d}.tar"
 DEFAULT_SHARD_SIZE = 1000
-#: What the report calls the training reader's problem kinds (dataloading.sample, dataloading.chat);
+#: What the report calls the training reader's problem kinds (dataloading.formats.sample, dataloading.formats.chat);
 #: kinds not named here keep their name (no_assistant_turn, placeholder_mismatch).
 _READER_KINDS = {"bad_messages": "bad_record", "bad_fields": "bad_record"}
 _IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # PIL's format names -> field extensions
@@ -65,7 +66,7 @@ class ConvertSummary:
     converted: int = 0
     skipped: Counter = field(default_factory=Counter)
     shards: list[str] = field(default_factory=list)
-    index_line: str | None = None  # dataloading.index.SourceIndex.summary() of the written source
+    index_line: str | None = None  # dataloading.index.source_index.SourceIndex.summary() of the written source
 
     @property
     def report(self) -> Path:
@@ -144,7 +145,7 @@ def _read_media(ref: MediaRef, media_root: Path) -> tuple[str, bytes]:
 
 
 def _reader_checks(fields: dict[str, bytes], sample_id: str, conv: Conversation) -> None:
-    """The sample as the training reader checks it (``dataloading.sample``): its turns, media types
+    """The sample as the training reader checks it (``dataloading.formats.sample``): its turns, media types
     and placeholders, each item's header, and (images, audio) its decoding. Videos are checked by
     their header alone: decoding every frame would cost more than the whole conversion. The reader
     decides; the report says it in the record's terms (its paths, not the fields written)."""
@@ -322,7 +323,7 @@ def convert(fmt: str, input_spec: str, out: str | Path, media_root: str | Path |
         where = "" if dry_run else f"; see {summary.report}"
         raise DataError(f"no record of {records.describe} could be converted ({kinds}){where}", kind="config")
     if not dry_run:
-        from dataloading.index import build_index
+        from dataloading.index.source_index import build_index
 
         summary.index_line = build_index(out, workers=workers, progress=progress).summary()
     return summary

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dataloading.convert_formats import FORMATS, RecordProblem
+from dataloading.convert.records import FORMATS, RecordProblem
 from dataloading.errors import DataError
 
 _EXTRA = "pip install 'omni-mm[convert]'"

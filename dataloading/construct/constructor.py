@@ -4,7 +4,7 @@ Token layout of one sample (positions restart at 0 for every sample in a packed 
 
     [bos] + txt (each placeholder expanded to the item's num_tokens placeholder ids)
           + response + [eos]
-    [bos] + a conversation rendered by the chat template (dataloading.chat)
+    [bos] + a conversation rendered by the chat template (dataloading.formats.chat)
 
 ``labels[t] = ids[t + 1]`` (the model at position t predicts token t+1) where token t+1 gets a
 loss: the response and EOS (all of a text without response), a conversation's assistant turns;
@@ -13,27 +13,23 @@ position, so packing, splitting and CP slicing carry each turn's mask along.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from dataloading.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.chat import last_answer, render_segments
+from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
+from dataloading.construct.positions import mrope_position_ids
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
-                              encoder_modality, processor_for)
-from dataloading.mixture import SourceOptions
-from dataloading.pieces import PIECE_SEP, split_piece
-from dataloading.positions import mrope_position_ids
-from dataloading.sample import DecodedSample, decode_sample
-from dataloading.shards import ShardPool, SourceReader
-from dataloading.tokenizer import Tokenizer
-
-log = logging.getLogger("omni.data")
+from dataloading.formats.chat import last_answer
+from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
+                                       encoder_modality, processor_for)
+from dataloading.formats.sample import DecodedSample, decode_sample, text_segments
+from dataloading.formats.tokenizer import Tokenizer
+from dataloading.index.shards import ShardPool, SourceReader
+from dataloading.plan.mixture import SourceOptions
+from dataloading.plan.pieces import PIECE_SEP, split_piece
 
 # Problems that are the configuration's fault, not one sample's: never skipped.
 _ALWAYS_RAISE = frozenset({"config", "over_budget"})
@@ -106,25 +102,9 @@ class SampleConstructor:
         return items
 
     def segments(self, sample: DecodedSample, prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
-        """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target.
-
-        A conversation is its chat-template rendering, the assistant turns (per the source's
-        ``assistant_loss``) the targets, each closed by the template's own end of turn; held out
-        (``prompt_only``) it is the turns before its last answer with the generation prompt.
-        A prompt and response: the prompt (in the source's ``chat_template``) then the response
-        and EOS as targets; a text alone is all target."""
-        options = self._options(sample.sample_id)
-        if sample.messages is not None:
-            if prompt_only:
-                question, _ = last_answer(sample.messages)
-                return [(self.tokenizer.render_chat(question, add_generation_prompt=True), False)], False
-            return render_segments(self.tokenizer, sample.sample_id, sample.messages, options.assistant_loss), False
-        text = options.chat_template.replace("{prompt}", sample.text) if options.chat_template else sample.text
-        if prompt_only:
-            return [(text, False)], False
-        if sample.response is None:
-            return [(text, True)], True
-        return [(text, False), (sample.response, True)], True
+        """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target
+        (``text_segments`` under the sample's source options)."""
+        return text_segments(self.tokenizer, sample, self._options(sample.sample_id), prompt_only)
 
     def tokenize(self, sample: DecodedSample, prompt_only: bool = False) -> Tokenized:
         tok = self.tokenizer
@@ -304,79 +284,3 @@ def dummy_micro_batch(pad_id: int) -> MicroBatch:
                       position_ids=torch.zeros(1, dtype=torch.int64),
                       labels=torch.tensor([IGNORE_INDEX], dtype=torch.int64),
                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32))
-
-
-def eval_options(sources: Sequence) -> tuple[dict[str, SourceOptions], SourceOptions | None]:
-    """The prompt options (chat template, media options) a held-out sample is built with, from
-    the training mixture's sources (``SourceSpec``): per sub-folder, those of the training
-    source of the same name (the demo's eval/shapes answers as the shapes source was trained);
-    for any other sample, the options every training source shares (None when they differ:
-    there is no one way the model was prompted)."""
-    by_name = {s.name: s.options for s in sources}
-    distinct = {repr(o) for o in by_name.values()}
-    shared = next(iter(by_name.values())) if len(distinct) == 1 else None
-    return by_name, shared
-
-
-class EvalSet:
-    """Held-out samples with a response, as (prompt MicroBatch, expected response string).
-    ``options``: ``eval_options`` of the training mixture (None: the samples as written)."""
-
-    def __init__(self, folder: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
-                 name: str = "eval", limit: int | None = None, problems: ProblemCounter | None = None,
-                 options: tuple[Mapping[str, SourceOptions], SourceOptions | None] | None = None):
-        from dataloading.index import load_index
-
-        index = load_index(folder)
-        self.name = name
-        with_response = [m for m in index.samples if m.response_bytes is not None]
-        # A model without (say) an audio encoder cannot answer audio questions: evaluate what it
-        # can, and say how much was left out.
-        usable = [m for m in with_response if all(encoder_modality(mod) in processors for mod, _ in m.media)]
-        self.left_out = len(with_response) - len(usable)
-        if self.left_out:
-            missing = sorted({encoder_modality(mod) for m in with_response for mod, _ in m.media} - set(processors))
-            log.warning("eval %s: %d sample(s) need an encoder of %s the model lacks; evaluating the other %d",
-                        folder, self.left_out, "/".join(missing), len(usable))
-        self.keys = [m.key for m in usable][:limit]
-        self.constructor = SampleConstructor({name: index.reader(name)}, tokenizer, processors, None,
-                                             problems or ProblemCounter("stop"))
-        self._options = options
-        self._by_group: dict[str, SampleConstructor] = {}
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def group(self, sample_id: str) -> str:
-        """The sub-folder a sample's shard sits in (e.g. "shapes", "tones"): accuracy is also
-        reported per group."""
-        shard = self.constructor.readers[self.name].locate[sample_id.split("/", 1)[1]][0]
-        return shard.split("/", 1)[0] if "/" in shard else "all"
-
-    def _constructor(self, sample_id: str) -> SampleConstructor:
-        """The constructor with the prompt options of the sample's sub-folder (``eval_options``)."""
-        if self._options is None:
-            return self.constructor
-        by_name, shared = self._options
-        group = self.group(sample_id)
-        opts = by_name.get(group, shared)
-        if opts is None:
-            return self.constructor
-        if group not in self._by_group:
-            c = self.constructor
-            self._by_group[group] = SampleConstructor(c.readers, c.tokenizer, c.processors, None, c.problems,
-                                                      options={self.name: opts})
-        return self._by_group[group]
-
-    def __iter__(self) -> Iterator[tuple[MicroBatch, str]]:
-        for key in self.keys:
-            c = self._constructor(f"{self.name}/{key}")
-            c.problems.add_seen()
-            try:
-                item = c.build_prompt(c.fetch(f"{self.name}/{key}"))
-            except DataError as e:
-                if e.kind in _ALWAYS_RAISE:
-                    raise
-                c.problems.report(e)
-                continue
-            yield item

@@ -213,7 +213,7 @@ class ShardPool:
 class SourceReader:
     """Random access to the samples of one source by key, keeping a few shards open.
 
-    ``folder`` is a folder of shards or a ``dataloading.sources.ShardSet`` (whose
+    ``folder`` is a folder of shards or a ``dataloading.index.sources.ShardSet`` (whose
     ``open_path`` fetches remote shards into the local cache). ``locate`` maps key -> (shard
     name relative to it, position in the shard); it comes from the index. Picklable (open
     shards are dropped), so it can go to a worker.

@@ -144,7 +144,7 @@ class PlannerActor:
             plan, state = self._entry(int(step), origin)
         except DataError as e:
             return _Error.of(e)
-        from dataloading.step_jobs import step_job
+        from dataloading.construct.step_jobs import step_job
 
         return step_job(plan, rank, state)
 
@@ -214,7 +214,7 @@ class SourceLoaderActor:
         the source's relative preprocessing cost, not a profile."""
         from itertools import islice
 
-        from dataloading.sample import decode_sample
+        from dataloading.formats.sample import decode_sample
 
         keys = list(islice(iter(self.reader.locate), n + 1))
         if not keys:
@@ -301,8 +301,8 @@ class ConstructorActor:
         """The inline worker's step: ``(StepBatch, planner state after it)``, or an _Error."""
         if isinstance(job, _Error):
             return job
-        from dataloading.step_jobs import BuildSteps, FailedStep
-        from dataloading.pieces import split_piece
+        from dataloading.construct.step_jobs import BuildSteps, FailedStep
+        from dataloading.plan.pieces import split_piece
 
         readers = self.constructor.readers
         wanted: dict[str, list[str]] = {}

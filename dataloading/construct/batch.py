@@ -32,7 +32,7 @@ class MediaInputs:
 @dataclass
 class CPInfo:
     """How a context-parallel rank's row was cut from the whole packed row (see
-    dataloading/context_parallel.py): what ring/Ulysses attention needs to put it back together.
+    dataloading/construct/context_parallel.py): what ring/Ulysses attention needs to put it back together.
 
     For cp_size > 1 every document was padded to a multiple of 2*cp_size and cut into 2*cp_size
     chunks of ``chunk_lens[d]`` tokens; rank r holds chunks r and 2*cp_size-1-r, so each document

@@ -4,7 +4,7 @@ A prompt-and-response sample's length is estimated from its byte counts in the i
 the byte tokenizer). A conversation's is not a function of its bytes: the chat template adds
 its own markers, system prompt and end-of-turn tokens, different for every tokenizer. So its
 rendered text is counted here, once per (source index, tokenizer), by the same code that builds
-the sample (``SampleConstructor.segments``), and kept beside the index in
+the sample (``dataloading.formats.sample.text_segments``), and kept beside the index in
 ``omni_tokens.<digest>.json``; a changed index or tokenizer gives another digest, so a stale
 count is never read.
 
@@ -18,15 +18,15 @@ import json
 import os
 from pathlib import Path
 
-from dataloading.processes import imap_in_workers
 from dataloading.errors import DataError
-from dataloading.mixture import SourceOptions
+from dataloading.plan.mixture import SourceOptions
+from dataloading.processes import imap_in_workers
 
 COUNTS_PREFIX = "omni_tokens."
 
 
 def _index_path(index) -> Path:
-    from dataloading.sources import INDEX_NAME
+    from dataloading.index.sources import INDEX_NAME
 
     return index.source.index_path if index.source is not None else Path(index.folder) / INDEX_NAME
 
@@ -41,37 +41,37 @@ def _cache_path(index, tokenizer) -> Path:
     return path.with_name(f"{COUNTS_PREFIX}{digest}.json")
 
 
-def count_text_tokens(constructor, sample_id: str, fields: dict) -> int:
+def count_text_tokens(tokenizer, options: SourceOptions, sample_id: str, fields: dict) -> int:
     """Text tokens of one sample as the constructor builds it: BOS and EOS included, media
     placeholder ids not (each becomes its item's encoder tokens, which the planner adds)."""
-    from dataloading.media import as_encoder_placeholders
-    from dataloading.sample import DecodedSample, parse_fields
+    from dataloading.formats.media import as_encoder_placeholders
+    from dataloading.formats.sample import DecodedSample, parse_fields, text_segments
 
     raw = parse_fields(sample_id, fields)
-    pieces, eos = constructor.segments(DecodedSample(sample_id, raw.text, raw.response, [], raw.meta, raw.messages))
-    tok = constructor.tokenizer
-    placeholders = set(tok.placeholder_ids.values())
-    n = (tok.bos_id is not None) + int(eos)
+    sample = DecodedSample(sample_id, raw.text, raw.response, [], raw.meta, raw.messages)
+    pieces, eos = text_segments(tokenizer, sample, options)
+    placeholders = set(tokenizer.placeholder_ids.values())
+    n = (tokenizer.bos_id is not None) + int(eos)
     for text, _ in pieces:
-        n += sum(1 for t in tok.encode(as_encoder_placeholders(text)) if t not in placeholders)
+        n += sum(1 for t in tokenizer.encode(as_encoder_placeholders(text)) if t not in placeholders)
     return n
 
 
-# A counting worker's constructor and reader: set once per forked worker by ``_init`` (a
-# process-local of the pool's own processes, not state of the caller's).
+# A counting worker's tokenizer, source options and reader: set once per forked worker by
+# ``_init`` (a process-local of the pool's own processes, not state of the caller's).
 _worker: dict = {}
 
 
-def _init(constructor, reader, name: str) -> None:
-    _worker.update(constructor=constructor, reader=reader, name=name)
+def _init(tokenizer, options: SourceOptions, reader, name: str) -> None:
+    _worker.update(tokenizer=tokenizer, options=options, reader=reader, name=name)
 
 
 def _count_keys(keys: list[str]) -> list[tuple[str, int | None]]:
-    c, reader, name = _worker["constructor"], _worker["reader"], _worker["name"]
+    tok, options, reader, name = _worker["tokenizer"], _worker["options"], _worker["reader"], _worker["name"]
     out = []
     for key in keys:
         try:
-            out.append((key, count_text_tokens(c, f"{name}/{key}", reader.get(key))))
+            out.append((key, count_text_tokens(tok, options, f"{name}/{key}", reader.get(key))))
         except DataError as e:
             if e.kind == "config":
                 raise
@@ -86,8 +86,6 @@ def chat_token_counts(name: str, index, tokenizer, options: SourceOptions | None
     cached."""
     from tqdm import tqdm
 
-    from dataloading.constructor import SampleConstructor
-
     keys = [m.key for m in index.samples if m.chat]
     if not keys:
         return {}
@@ -97,7 +95,6 @@ def chat_token_counts(name: str, index, tokenizer, options: SourceOptions | None
             return {k: int(v) for k, v in json.loads(cache.read_text()).items()}
         except (ValueError, AttributeError):
             pass  # unreadable (an interrupted write cannot be: writes are atomic); count again
-    constructor = SampleConstructor({}, tokenizer, {}, None, options={name: options or SourceOptions()})
     reader = index.reader(name)
     by_shard: dict[str, list[str]] = {}
     for m in index.samples:
@@ -108,7 +105,8 @@ def chat_token_counts(name: str, index, tokenizer, options: SourceOptions | None
     counts: dict[str, int] = {}
     bar = tqdm(total=len(keys), desc=f"count conversation tokens {name}", unit="sample", disable=not progress)
     try:
-        for res in imap_in_workers(_count_keys, jobs, workers, _init, (constructor, reader, name)):
+        init_args = (tokenizer, options or SourceOptions(), reader, name)
+        for res in imap_in_workers(_count_keys, jobs, workers, _init, init_args):
             counts.update((k, n) for k, n in res if n is not None)
             bar.update(len(res))
     finally:

@@ -29,7 +29,7 @@ from functools import cached_property
 from pathlib import Path
 
 from dataloading.errors import DataError
-from dataloading.shards import list_shards
+from dataloading.index.shards import list_shards
 
 INDEX_NAME = "omni_index.jsonl"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

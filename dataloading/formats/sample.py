@@ -2,11 +2,11 @@
 
 A sample is the files of a webdataset shard that share a key (see docs/data.md): its text,
 either ``txt`` with an optional ``response.txt`` or a conversation, ``messages.json``
-(``dataloading.chat``); ``json`` (optional) and media: one item as a plain extension (``png``)
+(``dataloading.formats.chat``); ``json`` (optional) and media: one item as a plain extension (``png``)
 or several as numbered fields (``0.png``, ``1.wav``, ...), the i-th placeholder of the text
 (of a conversation: over its turns in order) taking field i. A media item's *kind* (image, audio, video) is
 what its field and placeholder say; a video is encoded by the image encoder
-(``dataloading.media.ENCODED_AS``) but keeps its kind here and in the index.
+(``dataloading.formats.media.ENCODED_AS``) but keeps its kind here and in the index.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from dataloading.chat import MESSAGES_FIELD, parse_messages, prompt_text
 from dataloading.errors import DataError
-from dataloading.media import MEDIA_PLACEHOLDERS, MODALITY_EXTENSIONS
+from dataloading.formats.chat import MESSAGES_FIELD, last_answer, parse_messages, prompt_text, render_segments
+from dataloading.formats.media import MEDIA_PLACEHOLDERS, MODALITY_EXTENSIONS
 
 _MODALITY_OF_EXT = {ext: m for m, exts in MODALITY_EXTENSIONS.items() for ext in exts}
 _MODALITY_OF_PLACEHOLDER = {p: m for m, p in MEDIA_PLACEHOLDERS.items()}
@@ -48,7 +48,7 @@ class DecodedSample:
     text: str
     response: str | None
     # image: uint8 [H, W, 3]; audio: (float32 mono waveform [n], sample_rate);
-    # video: dataloading.video.Video (header read, frames decoded when the processor samples them)
+    # video: dataloading.formats.video.Video (header read, frames decoded when the processor samples them)
     media: list[tuple[str, Any]]
     meta: dict[str, Any] = field(default_factory=dict)
     messages: list[dict[str, str]] | None = None
@@ -163,7 +163,7 @@ def media_meta(modality: str, data: bytes) -> dict[str, Any]:
         info = soundfile.info(io.BytesIO(data))
         return {"num_samples": int(info.frames), "sample_rate": int(info.samplerate)}
     if modality == "video":
-        from dataloading.video import video_meta
+        from dataloading.formats.video import video_meta
 
         return video_meta(data)
     raise ValueError(f"unknown modality {modality!r}")
@@ -191,7 +191,7 @@ def _decode(modality: str, data: bytes) -> Any:
         return decode_image(data)
     if modality == "audio":
         return decode_audio(data)
-    from dataloading.video import decode_video
+    from dataloading.formats.video import decode_video
 
     return decode_video(data)
 
@@ -207,3 +207,27 @@ def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
         except Exception as e:
             raise _media_error(sample_id, name, e) from None
     return DecodedSample(sample_id, raw.text, raw.response, media, raw.meta, raw.messages)
+
+
+def text_segments(tokenizer, sample: DecodedSample, options,
+                  prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
+    """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target.
+    ``options``: its source's ``SourceOptions`` (``assistant_loss``, ``chat_template``). One home
+    for the constructor, which builds the sample from it, and the planner's token counts.
+
+    A conversation is its chat-template rendering, the assistant turns (per the source's
+    ``assistant_loss``) the targets, each closed by the template's own end of turn; held out
+    (``prompt_only``) it is the turns before its last answer with the generation prompt.
+    A prompt and response: the prompt (in the source's ``chat_template``) then the response
+    and EOS as targets; a text alone is all target."""
+    if sample.messages is not None:
+        if prompt_only:
+            question, _ = last_answer(sample.messages)
+            return [(tokenizer.render_chat(question, add_generation_prompt=True), False)], False
+        return render_segments(tokenizer, sample.sample_id, sample.messages, options.assistant_loss), False
+    text = options.chat_template.replace("{prompt}", sample.text) if options.chat_template else sample.text
+    if prompt_only:
+        return [(text, False)], False
+    if sample.response is None:
+        return [(text, True)], True
+    return [(text, False), (sample.response, True)], True

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dataloading.chat import ASSISTANT_LOSS
 from dataloading.errors import DataError
+from dataloading.formats.chat import ASSISTANT_LOSS
 
 REQUIRED_KEYS = ("name", "path", "weight")
 OPTION_KEYS = ("max_media", "image", "audio", "video", "chat_template", "assistant_loss", "bucket", "over_budget")
@@ -31,7 +31,7 @@ TOP_KEYS = ("sources", "eval")
 OVER_BUDGET_POLICIES = ("error", "truncate", "split", "skip")
 BUCKETS = ("auto", "short", "long")
 # Per-kind preprocessing options a source may set; the encoder's processor applies them (a
-# video's: the image processor that encodes videos; see dataloading/video.py and docs/data.md).
+# video's: the image processor that encodes videos; see dataloading/formats/video.py and docs/data.md).
 MEDIA_OPTIONS = {"image": {"max_patches": int, "min_patches": int, "resize": ("fit", "square")},
                  "audio": {"chunk_seconds": float},
                  "video": {"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int}}
@@ -232,9 +232,9 @@ def _weight(node: yaml.Node, where: str, err) -> float | WeightSchedule:
 
 def _source_path(rel: str, base: Path, fail) -> Path | str:
     """A folder stays a Path (the common case); globs, brace lists and URLs are checked by
-    ``dataloading.sources`` and kept as written."""
+    ``dataloading.index.sources`` and kept as written."""
     if "://" in rel or any(c in rel for c in "*?[{"):
-        from dataloading.sources import resolve_source
+        from dataloading.index.sources import resolve_source
 
         try:
             resolve_source(rel, base)

@@ -19,7 +19,7 @@ MODALITY_EXTENSIONS: dict[str, tuple[str, ...]] = {
     "video": ("mp4", "webm"),
 }
 #: Placeholder text per encoder modality, as written in a sample's ``txt`` field; each is one
-#: token id of the tokenizer (``dataloading.tokenizer``).
+#: token id of the tokenizer (``dataloading.formats.tokenizer``).
 PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
 #: Media kinds that another modality's encoder takes. A video is a sequence of frames for the
 #: vision tower (Qwen2-VL encodes it as one item of t x h x w patches, attending within each
@@ -41,7 +41,7 @@ def as_encoder_placeholders(text: str) -> str:
     """``text`` with each placeholder of a kind without an encoder of its own written as its
     encoder's (``<video>`` -> ``<image>``): the tokenizer gives ids to the encoder modalities'
     placeholders, and a video's item takes an image placeholder's place. The items' kinds were
-    matched to the placeholders before (``dataloading.sample.parse_fields``)."""
+    matched to the placeholders before (``dataloading.formats.sample.parse_fields``)."""
     for kind, modality in ENCODED_AS.items():
         text = text.replace(MEDIA_PLACEHOLDERS[kind], PLACEHOLDERS[modality])
     return text
@@ -60,7 +60,7 @@ class MediaItem:
     size: tuple[int, ...]  # image: (grid_h, grid_w) in patches; audio: (n_frames,)
     num_tokens: int  # LLM placeholder tokens this item turns into
     # For an LLM with M-RoPE (Qwen2-VL): (frames, rows, cols, time interval) of the item's
-    # placeholders (``dataloading.positions.mrope_position_ids``); set by processors of towers
+    # placeholders (``dataloading.construct.positions.mrope_position_ids``); set by processors of towers
     # made for it (qwen_vl). None: the item's placeholders count like text.
     rope_grid: tuple[int, int, int, float] | None = None
 
@@ -69,7 +69,7 @@ class MediaItem:
 class MediaProcessor(Protocol):
     """Raw decoded media -> encoder input. Implemented by every encoder plugin.
 
-    An image processor may also take videos: a ``video(clip: dataloading.video.Video) ->
+    An image processor may also take videos: a ``video(clip: dataloading.formats.video.Video) ->
     MediaItem`` method (frames sampled from ``clip``, an item of its own modality), and
     ``num_tokens_from_meta`` answering for a video's metadata too (it has a ``duration``)."""
 
@@ -81,7 +81,7 @@ class MediaProcessor(Protocol):
 
     def num_tokens_from_meta(self, meta: dict) -> int:
         """Token count from index metadata alone (image: height/width; audio:
-        num_samples/sample_rate; video: ``dataloading.video.video_meta``), so planning never
+        num_samples/sample_rate; video: ``dataloading.formats.video.video_meta``), so planning never
         decodes media."""
         ...
 

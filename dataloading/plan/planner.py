@@ -12,8 +12,8 @@ position, never stored:
   remainders go to the sources furthest behind (ties broken by a draw from (seed, s)), so a
   source's count never strays more than about one sample from its cumulative share — the
   mixture holds over any window of steps, not just on average;
-- the arrangement over ranks and micro-batches is ``dataloading.balance.arrange`` on the
-  samples' costs (``dataloading.cost.CostModel``) and token counts.
+- the arrangement over ranks and micro-batches is ``dataloading.plan.balance.arrange`` on the
+  samples' costs (``dataloading.plan.cost.CostModel``) and token counts.
 
 ``plan(step)`` is a pure function of (seed, state, step, dp size, balance settings) and only
 reads lengths from the metadata index: planning never opens a tar.
@@ -29,15 +29,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.balance import arrange
-from dataloading.cost import CostModel
 from dataloading.errors import DataError
-from dataloading.index import SampleMeta, SourceIndex
-from dataloading.media import MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality, processor_for
-from dataloading.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
-from dataloading.pieces import PIECE_SEP, split_piece
-from dataloading.token_counts import chat_token_counts
-from dataloading.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
+from dataloading.formats.media import (MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality,
+                                       processor_for)
+from dataloading.formats.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
+from dataloading.index.source_index import SampleMeta, SourceIndex
+from dataloading.plan.balance import arrange
+from dataloading.plan.cost import CostModel
+from dataloading.plan.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
+from dataloading.plan.pieces import PIECE_SEP, split_piece
+from dataloading.plan.token_counts import chat_token_counts
 
 log = logging.getLogger("omni.data")
 

@@ -18,16 +18,18 @@ from pathlib import Path
 
 import torch.utils.data as tud
 
-from dataloading.processes import worker_context
-from dataloading.batch import StepBatch
-from dataloading.constructor import SampleConstructor
+from dataloading.config import DataConfig
+from dataloading.construct.batch import StepBatch
+from dataloading.construct.constructor import SampleConstructor
+from dataloading.construct.step_jobs import SLOT_BYTES as _SLOT_BYTES, BuildSteps, FailedStep, step_job
 from dataloading.errors import DataError, ProblemCounter
-from dataloading.index import SourceIndex
-from dataloading.media import MediaProcessor
-from dataloading.planner import Planner
-from dataloading.ray_local import LOOPBACK, check_bind
-from dataloading.step_jobs import SLOT_BYTES as _SLOT_BYTES, BuildSteps, FailedStep, step_job
-from dataloading.tokenizer import Tokenizer
+from dataloading.formats.media import MediaProcessor
+from dataloading.formats.tokenizer import Tokenizer
+from dataloading.index.source_index import SourceIndex
+from dataloading.plan.planner import Planner
+from dataloading.processes import worker_context
+from dataloading.serve.committed import CommittedSteps
+from dataloading.serve.ray_local import check_bind
 
 BACKENDS = ("inline", "ray")
 
@@ -51,23 +53,17 @@ class _StepJobs:
             yield step_job(plan, self.dp_rank, work.state_dict())
 
 
-class StepLoader:
+class StepLoader(CommittedSteps):
     def __init__(self, planner: Planner, constructor: SampleConstructor, dp_rank: int, prefetch: int = 2,
                  num_workers: int = 1, worker_timeout_s: float = 600.0):
-        if not 0 <= dp_rank < planner.dp_size:
-            raise ValueError(f"dp_rank={dp_rank} outside dp_size={planner.dp_size}")
+        super().__init__(planner, constructor, dp_rank, prefetch)
         if num_workers < 0 or prefetch < 1:
             raise DataError(f"data.num_workers={num_workers} must be >= 0 and data.prefetch={prefetch} >= 1",
                             kind="config")
-        self.planner = planner  # holds the committed state
-        self.constructor = constructor
-        self.dp_rank = dp_rank
-        self.prefetch = prefetch
         self.num_workers = num_workers
         # A worker stuck (a hung network mount, a decoder in an endless loop) must not hang the
         # run: past this many seconds for one step the run stops naming the sample it is on.
         self.worker_timeout_s = worker_timeout_s
-        self.problems: dict[str, int] = {}  # totals over the steps handed out
         self._iter = None
         self._slots = None
 
@@ -130,12 +126,7 @@ class StepLoader:
         if isinstance(item, FailedStep):
             self.close()
             raise DataError(item.message, kind=item.kind)
-        batch, state = item
-        batch.data_wait_s = wait
-        self.planner.load_state_dict(state)
-        for k, v in batch.problems.items():
-            self.problems[k] = self.problems.get(k, 0) + v
-        return batch
+        return self._hand_out(item, wait)
 
     def close(self) -> None:
         """Stop the workers; built-ahead steps are dropped (the state does not include them)."""
@@ -143,40 +134,30 @@ class StepLoader:
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def set_weights(self, weights) -> None:
-        """Change the mixture from the next step on (curriculum); built-ahead steps are rebuilt."""
-        self.close()
-        self.planner.set_weights(weights)
-
-    # ---- checkpointing --------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"planner": self.planner.state_dict(), "problems": dict(self.problems)}
-
-    def load_state_dict(self, sd: Mapping) -> None:
-        self.close()
-        self.planner.load_state_dict(sd["planner"])
-        self.problems = dict(sd.get("problems", {}))
+    def _drop_ahead(self) -> None:
+        self.close()  # the workers hold the built-ahead steps
 
 
-def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
-                  seed: int, global_batch_size: int, dp_size: int, micro_batch_tokens: int | None,
-                  cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
-                  build_missing_index: bool = False, progress: bool = True,
-                  micro_batch_multiple: int = 1) -> tuple[Planner, dict]:
-    """Mixture YAML -> indices -> Planner (and the indices, for constructors: their key locators
-    and headers; the per-sample objects are freed once the planner's tables are made)."""
-    from dataloading.cost import CostModel
-    from dataloading.index import load_index
-    from dataloading.mixture import load_mixture
-    from dataloading.planner import SourceTable
+def build_planner(data: DataConfig, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *, seed: int,
+                  dp_size: int, cost_model=None, micro_batch_multiple: int = 1, build_missing_index: bool = False,
+                  progress: bool = True) -> tuple[Planner, dict]:
+    """``data.mixture`` -> indices -> Planner (and the indices, for constructors: their key locators
+    and headers; the per-sample objects are freed once the planner's tables are made).
 
-    mix = load_mixture(mixture)
+    ``data``: the run's data config, its mixture a file (the demo's path where the config names
+    none; ``recipes/data_plane.py`` resolves it); the planner reads its global batch, packing
+    budget, balancing and over-budget policy. The arguments are what the config does not say:
+    the seed, this run's data-parallel size, the cost model (None: ``CostModel()``), the
+    pipeline's micro-batch multiple."""
+    from dataloading.index.source_index import load_index
+    from dataloading.plan.cost import CostModel
+    from dataloading.plan.mixture import load_mixture
+    from dataloading.plan.planner import SourceTable
+
+    if data.mixture is None:
+        raise DataError("data.mixture is not set; give the mixture file (the demo's when running the demo)",
+                        kind="config")
+    mix = load_mixture(data.mixture)
     cost_model = cost_model or CostModel()
     indices, tables = {}, {}
     for s in mix.sources:  # one at a time: only one source's per-sample objects live at once
@@ -185,46 +166,42 @@ def build_planner(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping
         ix.release_samples()
         indices[s.name] = ix
     weights = {s.name: s.weight for s in mix.sources}
-    planner = Planner(tables, weights, seed, global_batch_size, dp_size, tokenizer=tokenizer, processors=processors,
-                      budget=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
-                      over_budget=over_budget, options={s.name: s.options for s in mix.sources},
-                      micro_batch_multiple=micro_batch_multiple)
+    planner = Planner(tables, weights, seed, data.global_batch_size, dp_size, tokenizer=tokenizer,
+                      processors=processors, budget=data.micro_batch_tokens, cost_model=cost_model,
+                      balance=data.balance, balance_group=data.balance_group, over_budget=data.over_budget,
+                      options={s.name: s.options for s in mix.sources}, micro_batch_multiple=micro_batch_multiple)
     return planner, indices
 
 
-def build_loader(mixture: str | Path, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *,
-                 seed: int, global_batch_size: int, dp_size: int, dp_rank: int, micro_batch_tokens: int,
-                 on_error: str = "skip", max_skip_fraction: float = 0.01, prefetch: int = 2, num_workers: int = 1,
-                 worker_timeout_s: float = 600.0, max_open_shards: int = 256,
-                 cost_model=None, balance: str = "balanced", balance_group: int = 0, over_budget: str = "error",
-                 backend: str = "inline", ray_address: str | None = None, ray_bind: str = LOOPBACK,
-                 build_missing_index: bool = False, progress: bool = True, micro_batch_multiple: int = 1) -> StepLoader:
-    """Mixture YAML -> indices -> Planner + SampleConstructor -> a loader for one DP rank.
+def build_loader(data: DataConfig, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor], *, seed: int,
+                 dp_size: int, dp_rank: int, cost_model=None, micro_batch_multiple: int = 1,
+                 build_missing_index: bool = False, progress: bool = True) -> StepLoader:
+    """``data.mixture`` -> indices -> Planner + SampleConstructor -> a loader for one DP rank.
 
-    ``backend="inline"``: planner here, constructors in DataLoader workers (StepLoader).
-    ``backend="ray"``: the same planner and constructors as Ray actors (RayStepLoader); the same
-    plan yields the same batches.
+    ``data``: the run's data config, as ``build_planner`` takes it; the loader also reads its
+    workers, prefetch, shard cap, bad-sample policy and backend. ``data.backend="inline"``:
+    planner here, constructors in DataLoader workers (StepLoader). ``"ray"``: the same planner
+    and constructors as Ray actors (RayStepLoader); the same plan yields the same batches.
     """
-    if backend not in BACKENDS:
-        raise DataError(f"data.backend={backend!r} is not a backend; use one of {list(BACKENDS)}", kind="config")
-    if backend == "ray":
-        check_bind(ray_bind)  # before the indices are read
-    planner, indices = build_planner(
-        mixture, tokenizer, processors, seed=seed, global_batch_size=global_batch_size, dp_size=dp_size,
-        micro_batch_tokens=micro_batch_tokens, cost_model=cost_model, balance=balance, balance_group=balance_group,
-        over_budget=over_budget, build_missing_index=build_missing_index, progress=progress,
-        micro_batch_multiple=micro_batch_multiple)
+    if data.backend not in BACKENDS:
+        raise DataError(f"data.backend={data.backend!r} is not a backend; use one of {list(BACKENDS)}", kind="config")
+    if data.backend == "ray":
+        check_bind(data.ray_bind)  # before the indices are read
+    planner, indices = build_planner(data, tokenizer, processors, seed=seed, dp_size=dp_size, cost_model=cost_model,
+                                     micro_batch_multiple=micro_batch_multiple,
+                                     build_missing_index=build_missing_index, progress=progress)
     constructor = SampleConstructor({n: ix.reader(n) for n, ix in indices.items()}, tokenizer, processors,
-                                    micro_batch_tokens, ProblemCounter(on_error, max_skip_fraction),
+                                    data.micro_batch_tokens, ProblemCounter(data.on_error, data.max_skip_fraction),
                                     options={n: t.options for n, t in planner.tables.items()},
-                                    over_budget=over_budget, max_open_shards=max_open_shards)
-    index_problems = _index_problems(indices, on_error)
-    if backend == "ray":
-        from dataloading.ray_backend import RayStepLoader
+                                    over_budget=data.over_budget, max_open_shards=data.max_open_shards)
+    index_problems = _index_problems(indices, data.on_error)
+    if data.backend == "ray":
+        from dataloading.serve.ray_backend import RayStepLoader
 
-        loader = RayStepLoader(planner, constructor, dp_rank, prefetch, address=ray_address, bind=ray_bind)
+        loader = RayStepLoader(planner, constructor, dp_rank, data.prefetch, address=data.ray_address,
+                               bind=data.ray_bind)
     else:
-        loader = StepLoader(planner, constructor, dp_rank, prefetch, num_workers, worker_timeout_s)
+        loader = StepLoader(planner, constructor, dp_rank, data.prefetch, data.num_workers, data.worker_timeout_s)
     loader.problems.update(index_problems)
     return loader
 

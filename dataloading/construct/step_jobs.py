@@ -8,10 +8,10 @@ import os
 
 import torch.utils.data as tud
 
-from dataloading.batch import StepBatch
-from dataloading.constructor import SampleConstructor
+from dataloading.construct.batch import StepBatch
+from dataloading.construct.constructor import SampleConstructor
 from dataloading.errors import DataError
-from dataloading.planner import StepPlan
+from dataloading.plan.planner import StepPlan
 
 SLOT_BYTES = 512  # per worker: "<pid> <step> <unit id>" of the sample it is on
 
