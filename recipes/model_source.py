@@ -29,7 +29,7 @@ def _run_of_checkpoint(path: Path) -> Path:
 
 
 def _checkpoint_of_run(run: Path, cfg, step: Optional[int]) -> Path:
-    from omni.runtime.checkpoint import PREFIX, completed_checkpoints
+    from omni.runtime.checkpoint_files import PREFIX, completed_checkpoints
 
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run / "checkpoints"
     done = completed_checkpoints(root)
@@ -46,7 +46,7 @@ def _checkpoint_of_run(run: Path, cfg, step: Optional[int]) -> Path:
 def init_checkpoint(spec: str, key: str = "model.init_from") -> Path:
     """The checkpoint folder ``spec`` names: itself, or a run directory's newest completed
     checkpoint; one line when it is neither."""
-    from omni.runtime.checkpoint import MARKER
+    from omni.runtime.checkpoint_files import MARKER
 
     path = Path(spec).expanduser()
     if not path.exists():
@@ -94,7 +94,7 @@ def locate(spec: str, step: Optional[int] = None) -> Located:
 
         family_of(str(path))
         return Located(hf=path)
-    from omni.runtime.checkpoint import MARKER
+    from omni.runtime.checkpoint_files import MARKER
 
     if (path / MARKER).exists():
         return Located(run=_run_of_checkpoint(path), checkpoint=path)
@@ -118,7 +118,7 @@ def load_model(spec: "str | Located", step: Optional[int] = None, attn_backend: 
         return LoadedModel(model.eval(), pretrained_tokenizer(str(where.hf), sorted(model.encoders)), where.hf)
     from dataloading.formats.tokenizer import load_tokenizer
     from omni.models.build import build_meta_model
-    from omni.runtime.checkpoint import load_model_weights
+    from omni.runtime.checkpoint_files import load_model_weights
 
     cfg = run_config(where.run)
     tokenizer = load_tokenizer(where.run / "tokenizer")

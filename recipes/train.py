@@ -135,7 +135,7 @@ def _closing_lines(cfg: OmniConfig, layout, checkpointer, loader) -> None:
 
 
 def _step_of(checkpoint: Path) -> int:
-    from omni.runtime.checkpoint import PREFIX
+    from omni.runtime.checkpoint_files import PREFIX
 
     return int(checkpoint.name[len(PREFIX):])
 

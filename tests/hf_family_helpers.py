@@ -96,6 +96,25 @@ LLAVA_CHAT = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
+def _llava_tokenizer():
+    """LLaVA's vocabulary as the tiny models have it: ``<s>`` BOS, ``</s>``, ``<image>``, LLaVA's chat format."""
+    tok = byte_level_tokenizer(["<unk>", "<s>", "</s>", "<image>"], eos="</s>", chat_template=LLAVA_CHAT)
+    tok.bos_token = "<s>"
+    return tok
+
+
+def _drawn_and_saved(model, tok, path: Path, std: float):
+    """``model`` with weights drawn large (norm gains about 1, the rest N(0, std)), so positions and
+    layout matter, saved with ``tok`` to ``path``; returned in eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
+    model = model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model
+
+
 def save_tiny_llava_chat(path: Path, seed: int = 0, std: float = 0.15):
     """A tiny LLaVA-1.5 (CLIP tower of 3 layers on 30 x 30 images in 6 x 6 patches, feature
     layer -2, a Llama with grouped-query attention), its tokenizer (``<s>`` BOS, ``</s>``,
@@ -103,8 +122,7 @@ def save_tiny_llava_chat(path: Path, seed: int = 0, std: float = 0.15):
     crop) in ``path``; returns (the transformers model, the tokenizer)."""
     import transformers
 
-    tok = byte_level_tokenizer(["<unk>", "<s>", "</s>", "<image>"], eos="</s>", chat_template=LLAVA_CHAT)
-    tok.bos_token = "<s>"
+    tok = _llava_tokenizer()
     torch.manual_seed(seed)
     cfg = transformers.LlavaConfig(
         vision_config=dict(model_type="clip_vision_model", image_size=30, patch_size=6, hidden_size=32,
@@ -114,12 +132,7 @@ def save_tiny_llava_chat(path: Path, seed: int = 0, std: float = 0.15):
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
         image_token_id=tok.convert_tokens_to_ids("<image>"), image_seq_length=25)
     model = transformers.LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
-    model = model.eval()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model = _drawn_and_saved(model, tok, path, std)
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
@@ -175,12 +188,7 @@ def save_tiny_llava_onevision(path: Path, seed: int = 0, std: float = 0.15, tile
         "image_token_index": ids["<image>"], "video_token_index": ids["<video>"], "image_grid_pinpoints": pinpoints,
         **config})
     model = transformers.LlavaOnevisionForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
-    model = model.eval()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model = _drawn_and_saved(model, tok, path, std)
     transformers.LlavaOnevisionImageProcessorPil(size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints,
                                                  image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
     return model, tok
@@ -195,8 +203,7 @@ def save_tiny_llava_next_chat(path: Path, seed: int = 0, std: float = 0.15, **co
     are drawn large (norm gains about 1) so that positions and layout matter."""
     import transformers
 
-    tok = byte_level_tokenizer(["<unk>", "<s>", "</s>", "<image>"], eos="</s>", chat_template=LLAVA_CHAT)
-    tok.bos_token = "<s>"
+    tok = _llava_tokenizer()
     pinpoints = config.pop("image_grid_pinpoints", [[16, 32], [32, 16], [32, 32]])
     torch.manual_seed(seed)
     cfg = transformers.LlavaNextConfig(**{
@@ -207,12 +214,7 @@ def save_tiny_llava_next_chat(path: Path, seed: int = 0, std: float = 0.15, **co
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
         "image_token_index": tok.convert_tokens_to_ids("<image>"), "image_grid_pinpoints": pinpoints, **config})
     model = transformers.LlavaNextForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, std)
-    model = model.eval()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    model = _drawn_and_saved(model, tok, path, std)
     transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
                                             image_grid_pinpoints=pinpoints).save_pretrained(path)
     return model, tok

@@ -2,7 +2,7 @@
 
 Each step, the media of micro-batch j of *every* data-parallel group form encoder chunk j.
 The ``multiplex.chunks_per_cut`` chunks of one insertion point (a *cut group*) are encoded by
-all encoder ranks together in one call (``omni.step.encoder_plan.plan_cut``: short items
+all encoder ranks together in one call (``omni.step.encoder_cut.plan_cut``: short items
 whole and balanced by cost, long items split over an SP block with Ulysses attention): one
 feature exchange and one encoder pass per modality, and one exchange of the outputs straight
 to the LLM ranks that embed them (first pipeline stage, the CP chunk and the TP/SP shard
@@ -50,7 +50,7 @@ from torch import nn
 
 from dataloading.construct.batch import MicroBatch
 from dataloading.plan.cost import CostModel
-from omni.step.encoder_plan import MediaManifest, describe_media, row_doc_lengths
+from omni.step.media_manifest import MediaManifest, describe_media, row_doc_lengths
 from omni.step.encoder_calls import Call, ChunkView, StepMedia, StepPlanner
 from omni.kernels.reshard import scatter_rows
 from omni.models.encoders.sequence_parallel import check_sequence_parallel

@@ -24,21 +24,16 @@ tensors and plain Python values and load with ``weights_only=True``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pickle
-import random
 import shutil
 import sys
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -48,58 +43,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from omni.errors import ConfigError
 from omni.models import lora
-from omni.models.materialize import SeededInit, Sources, WeightSource, materialize
+from omni.runtime.checkpoint_files import (MARKER, PREFIX, TMP, TRAINER_STATE, completed_checkpoints, load_plain,
+                                          rng_state, set_rng_state, single_process_quietly)
 from omni.runtime.checkpoint_manifest import MANIFEST, fsync_dir, read_manifest, seal, verify, write_manifest
 from omni.runtime.config import CheckpointConfig
 from omni.runtime.model_fingerprint import describe, fingerprint, local_entries, merge
 from omni.runtime.optim import PartOptimizers
 from parallel.layout import barrier, new_group
 
-MARKER = "COMPLETE"
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-PREFIX = "step_"
-TMP = ".tmp-"  # a checkpoint being written
-TRAINER_STATE = "trainer_state.pt"
-
-
-def rng_state() -> dict[str, Any]:
-    """Every generator's state as tensors and plain values (loadable with weights_only)."""
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
-    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_plain(path: Path) -> Any:
-    """A small checkpoint file (trainer state, RNG): tensors and plain values only. A file that
-    needs more (arbitrary pickled objects, which could run code) is refused, not loaded."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{path} holds pickled objects beyond tensors and plain values, which Omni never writes; "
-                          f"refusing to load it ({first}); resume from a checkpoint this run wrote, or "
-                          "checkpoint.resume=never to start fresh") from None
-
-
-def completed_checkpoints(root: Path) -> list[Path]:
-    """The completed checkpoint folders under ``root`` (``step_N`` with its marker), oldest first."""
-    if not root.is_dir():
-        return []
-    done = [p for p in root.glob(f"{PREFIX}*") if (p / MARKER).exists()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
 
 
 @dataclass
@@ -108,14 +60,6 @@ class Restored:
     loader_state: dict
     path: Path
     trainer: dict  # the trainer's own counters (skipped steps, ...)
-
-
-@contextlib.contextmanager
-def _single_process_quietly():
-    """DCP warns on every ``no_dist`` call that it assumes one process: here that is the point."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 class Checkpointer:
@@ -210,7 +154,7 @@ class Checkpointer:
                 "model": self.model_fingerprint(optim.parts)}
         state = _merged_state(optim)
         if self._writer is None:
-            with _single_process_quietly():
+            with single_process_quietly():
                 dcp.save(state, checkpoint_id=str(path), no_dist=self._no_dist)  # returns once every rank's shards are written
             self._seal_and_publish(path, final, meta)
             barrier()  # rank 0's rename is done before anyone looks for the folder
@@ -277,7 +221,7 @@ class Checkpointer:
     def load(self, path: Path, optim: PartOptimizers) -> Restored:
         self._refuse_other_model(path, self.model_fingerprint(optim.parts))  # before DCP reads anything
         state = _merged_state(optim)
-        with _single_process_quietly():
+        with single_process_quietly():
             dcp.load(state, checkpoint_id=str(path), no_dist=self._no_dist)
         for part, opt in zip(optim.parts, optim.optimizers):
             if not _trains(opt):
@@ -312,7 +256,7 @@ class Checkpointer:
         state = {}
         for part in parts:
             state.update(get_model_state_dict(part))
-        with _single_process_quietly():
+        with single_process_quietly():
             dcp.load({"model": lora.without_adapters(state) if fresh_adapters else state}, checkpoint_id=str(path),
                      no_dist=self._no_dist)
         for part in parts:
@@ -408,43 +352,3 @@ def _merged_state(optim: PartOptimizers) -> dict:
         model_sd.update(m)
         optim_sd.update(o)
     return {"model": model_sd, "optim": optim_sd}
-
-
-class _FilledByCheckpoint(WeightSource):
-    """Storage only, for the tensors a checkpoint holds (DCP writes them next)."""
-
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def has(self, name: str) -> bool:
-        return name in self.names
-
-    def read(self, name, model, shape, index):
-        return torch.empty([len(range(*s.indices(n))) for s, n in zip(index, shape)])
-
-
-def load_model_weights(model: nn.Module, path: str | Path) -> None:
-    """The model weights of the checkpoint folder ``path`` (saved under any layout) into
-    ``model``, the whole model built on the meta device, in this one process: what ``omni
-    export`` and ``omni generate`` read. Refused in one line, before any weight is read, when
-    the checkpoint holds another model; tensors no checkpoint holds (computed buffers such as
-    the rotary frequencies) come from the model's own rules."""
-    path = Path(path)
-    if not (path / MARKER).exists():
-        raise ConfigError(f"{path} is not a completed checkpoint folder (no {MARKER} file)")
-    manifest, _ = read_manifest(path)
-    saved = (manifest or {}).get("model")
-    here = fingerprint(local_entries([model]))
-    if isinstance(saved, dict) and saved.get("sha256") != here["sha256"]:
-        raise ConfigError(f"checkpoint {path} holds another model ({describe(saved)}) than its run's config "
-                          f"builds ({describe(here)})")
-    with _single_process_quietly():
-        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    held = {k[len("model."):] for k in keys if k.startswith("model.")}
-    wanted = set(model.state_dict())
-    if wanted - held:
-        missing = sorted(wanted - held)
-        raise ConfigError(f"checkpoint {path} lacks {len(missing)} of the model's tensors (first: {missing[0]})")
-    materialize([model], Sources([("", _FilledByCheckpoint(held))], SeededInit(0)), torch.device("cpu"))
-    with _single_process_quietly():
-        dcp.load({"model": model.state_dict()}, checkpoint_id=str(path), no_dist=True)

@@ -1,6 +1,6 @@
 """A step's encoder calls, planned on every rank from the step's gathered manifests (plain
 host numbers; the one device copy is the index upload at the end): the cut groups' calls
-(``omni.step.encoder_plan.plan_cut``), the bubble calls (``omni.step.bubbles``), and, on a
+(``omni.step.encoder_cut.plan_cut``), the bubble calls (``omni.step.bubbles``), and, on a
 consumer rank, where each micro-batch's rows land in the calls' receive buffers. The
 multiplexing runtime (``omni.multiplex.runtime``) runs what this plans.
 """
@@ -15,7 +15,9 @@ import torch
 from dataloading.plan.cost import CostModel
 from omni.step.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
                                     select_bubble_items, split_items, split_rows)
-from omni.step.encoder_plan import CutPlan, ItemMeta, MediaManifest, plan_cut
+from omni.step.encoder_cut import CutPlan, plan_cut
+from omni.step.encoder_plan import ItemMeta
+from omni.step.media_manifest import MediaManifest
 from omni.step.multiplex_rules import chunks_backward_after_pipeline, chunks_per_call, forward_insertion_points
 from parallel.sizing import Sizes
 from parallel.transfer import to_device

@@ -25,12 +25,12 @@ Buffers are laid out canonically: what rank p sends to rank q is ordered by (mod
 item, row), and q reads its receive buffer in source-rank order, so both sides agree without
 exchanging indices.
 
-``plan_cut`` plans several chunks (the ``multiplex.chunks_per_cut`` chunks of one insertion
+``omni.step.encoder_cut.plan_cut`` plans several chunks (the ``multiplex.chunks_per_cut`` chunks of one insertion
 point) as one: their items are balanced together and routed in one feature exchange per
 modality, one encoder call per modality and one output exchange, so the fixed cost of a call
 is paid once per cut rather than once per chunk.
 
-The plan's inputs come from ``describe_media``: each rank's host-side view of its micro-batch
+The plan's inputs come from ``omni.step.media_manifest.describe_media``: each rank's host-side view of its micro-batch
 (items, sizes, and which output rows land where under its CP and TP shares), read before the
 batch moves to the device, so planning and routing never wait for the accelerator.
 """
@@ -41,9 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataloading.construct.batch import MicroBatch
 from dataloading.plan.cost import CostModel
-from parallel.strict_device import on_device
 
 
 @dataclass(frozen=True)
@@ -91,60 +89,6 @@ class ChunkPlan:
     # Items whose estimated activation memory exceeds the budget even where they are encoded
     # (whole, or split over sp ranks): candidates for out-of-memory, reported in the metrics.
     over_memory: int = 0
-
-
-@dataclass
-class MediaManifest:
-    """One rank's micro-batch as the encoder planner sees it: plain host numbers."""
-
-    # (modality, index, tokens, feature rows, sizes row) per item, modalities in sorted order
-    items: list[tuple[str, int, int, int, tuple[int, ...]]] = field(default_factory=list)
-    # modality -> the output rows (indices into the concatenated outputs of the micro-batch's
-    # items) this rank embeds, and where: positions in its row (its TP shard under SP)
-    rows: dict[str, np.ndarray] = field(default_factory=dict)
-    positions: dict[str, np.ndarray] = field(default_factory=dict)
-    features: dict[str, tuple[int, str]] = field(default_factory=dict)  # modality -> (width, dtype name)
-    # The packed row's documents (the whole row's under CP): what its LLM work costs.
-    doc_lengths: list[int] = field(default_factory=list)
-
-
-def row_doc_lengths(mb: MicroBatch) -> list[int]:
-    """The document lengths of a host-side micro-batch's whole packed row (under context
-    parallelism, of the row it was cut from), for the cost model's LLM term."""
-    cu = mb.cp.global_cu_seqlens if mb.cp is not None and mb.cp.cp_size > 1 else mb.cu_seqlens
-    return [int(x) for x in (cu[1:] - cu[:-1]).tolist()]
-
-
-def describe_media(mb: MicroBatch, units_of: Mapping[str, Callable[[object], Sequence[int]]],
-                   tp_size: int = 1, tp_rank: int = 0) -> MediaManifest:
-    """The manifest of a host-side (padded, CP-sliced) micro-batch. ``units_of[m](sizes)``:
-    feature rows per item of modality m. Under sequence parallelism (``tp_size`` > 1) the row
-    is cut into ``tp_size`` equal shards and this rank embeds only the placeholders of shard
-    ``tp_rank`` (positions relative to it)."""
-    out = MediaManifest()
-    for m in sorted(mb.media):
-        media = mb.media[m]
-        # It reads the items' sizes, token counts and placeholder positions, which stay on the
-        # host; of the features (on the device when the data peers sent them ahead) only their
-        # shape and dtype, which the host knows.
-        read = (media.sizes, media.num_tokens, media.positions, media.output_rows)
-        if any(on_device(t) for t in read):
-            raise ValueError(f"describe_media reads host tensors; describe the {m} inputs before moving the "
-                             f"micro-batch to the device")
-        units = [int(u) for u in units_of[m](media.sizes)]
-        for i, (tok, u, size) in enumerate(zip(media.num_tokens.tolist(), units, media.sizes.tolist())):
-            out.items.append((m, i, int(tok), u, tuple(int(s) for s in size)))
-        pos = media.positions.numpy().astype(np.int64)
-        rows = (media.output_rows.numpy().astype(np.int64) if media.output_rows is not None
-                else np.arange(pos.size, dtype=np.int64))
-        if tp_size > 1:
-            shard = mb.input_ids.numel() // tp_size
-            keep = (pos // shard) == tp_rank
-            pos, rows = pos[keep] - tp_rank * shard, rows[keep]
-        out.rows[m], out.positions[m] = rows, pos
-        out.features[m] = (int(media.features.shape[1]), str(media.features.dtype).replace("torch.", ""))
-    out.doc_lengths = row_doc_lengths(mb)
-    return out
 
 
 def piece_bounds(n_tokens: int, sp: int, member: int, granule: int = 1) -> tuple[int, int]:
@@ -405,82 +349,6 @@ def plan_chunk(
     over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > memory_limit) \
         if memory else 0
     return ChunkPlan(plans, len(block_of), a.balance, over)
-
-
-@dataclass
-class CutPlan:
-    """Several encoder chunks planned as one (``plan_cut``): one call's plan over their items.
-
-    Inside ``plan`` an item is named by (modality, group, cut index): a group's items of one
-    modality numbered on through the chunks (chunk 0's first, then chunk 1's, ...), and their
-    output rows likewise, so the group's items of the cut read as one long micro-batch.
-    ``origin`` maps a cut index back to the chunk and the item's index in it."""
-
-    plan: ChunkPlan
-    origin: dict[tuple[str, int, int], tuple[int, int]]  # (modality, group, cut index) -> (chunk, index)
-    # need_index[r][c][modality]: into rank r's receive buffer of the cut, the rows rank r asked
-    # for in chunk c (in its order); what ``RankPlan.need_index`` is for a single chunk.
-    need_index: list[list[dict[str, np.ndarray]]]
-    items: list[ItemMeta]  # the cut's items, renumbered
-
-
-def plan_cut(
-    items_by_chunk: Sequence[Sequence[ItemMeta]],
-    needs_by_chunk: Sequence[Mapping[int, Mapping[str, np.ndarray]]],
-    group_of: Sequence[int],
-    world: int,
-    cost: CostModel,
-    pinned: Mapping[tuple[int, str, int, int], int] | None = None,
-    **kwargs,
-) -> CutPlan:
-    """Plan the chunks of one insertion point together: ``items_by_chunk[c]`` and
-    ``needs_by_chunk[c]`` are what ``plan_chunk`` takes for chunk c (item indices and rows
-    relative to chunk c's micro-batches); ``kwargs`` are ``plan_chunk``'s. The items are
-    balanced as one set (and the auto long threshold compares them with the cut's share per
-    rank), and every rank gets one receive buffer for the cut, ``need_index`` saying where in it
-    each chunk's rows are. One chunk: the plan is ``plan_chunk``'s, indices unchanged.
-    ``pinned``: (chunk position c, modality, group, index in chunk c) -> the rank that encodes
-    the item whole."""
-    merged: list[ItemMeta] = []
-    origin: dict[tuple[str, int, int], tuple[int, int]] = {}
-    before: dict[tuple[str, int], tuple[int, int]] = {}  # (modality, group) -> (items, rows) of earlier chunks
-    row_base: list[dict[tuple[str, int], int]] = []
-    before_of: list[dict[tuple[str, int], int]] = []  # per chunk: items of earlier chunks, per (modality, group)
-    for c, items in enumerate(items_by_chunk):
-        row_base.append({k: rows for k, (_, rows) in before.items()})
-        before_of.append({k: n_items for k, (n_items, _) in before.items()})
-        seen = dict(before)
-        for it in items:
-            n_items, n_rows = before.get((it.modality, it.group), (0, 0))
-            renamed = ItemMeta(it.group, it.modality, n_items + it.index, it.tokens, it.units)
-            merged.append(renamed)
-            origin[renamed.key] = (c, it.index)
-            k, r = seen.get((it.modality, it.group), (0, 0))
-            seen[(it.modality, it.group)] = (k + 1, r + it.tokens)
-        before = seen
-    needs: dict[int, dict[str, list[np.ndarray]]] = {}
-    lengths: dict[int, dict[str, list[int]]] = {}
-    for c, per_rank in enumerate(needs_by_chunk):
-        for q, per_modality in per_rank.items():
-            for m, rows in per_modality.items():
-                rows = np.asarray(rows, dtype=np.int64)
-                needs.setdefault(q, {}).setdefault(m, []).append(rows + row_base[c].get((m, group_of[q]), 0))
-                lengths.setdefault(q, {}).setdefault(m, [0] * len(needs_by_chunk))[c] = rows.size
-    flat = {q: {m: np.concatenate(parts) for m, parts in per.items()} for q, per in needs.items()}
-    renamed_pins = {}
-    for key, r in (pinned or {}).items():
-        c, m, g, i = key
-        renamed_pins[(m, g, i + before_of[c].get((m, g), 0))] = r
-    plan = plan_chunk(merged, flat, group_of, world, cost, pinned=renamed_pins, **kwargs)
-    need_index = [[{} for _ in needs_by_chunk] for _ in range(world)]
-    for q, per in lengths.items():
-        for m, counts in per.items():
-            at = 0
-            for c, n in enumerate(counts):
-                if c < len(needs_by_chunk) and m in needs_by_chunk[c].get(q, {}):
-                    need_index[q][c][m] = plan.ranks[q].need_index[m][at:at + n]
-                at += n
-    return CutPlan(plan, origin, need_index, merged)
 
 
 def _bytes(item_bytes, it: ItemMeta) -> float:

@@ -1,12 +1,12 @@
 import json
 
 import pytest
-import torch
 
 from dataloading.config import DataConfig
 from dataloading.errors import DataError
 from dataloading.formats.tokenizer import ByteTokenizer
 from dataloading.serve.loader import build_loader
+from step_asserts import assert_same_step, take
 
 
 def loader(demo_dir, processors, rank=0, dp=2, budget=1024, workers=1, **kw):
@@ -15,20 +15,8 @@ def loader(demo_dir, processors, rank=0, dp=2, budget=1024, workers=1, **kw):
     return build_loader(data, ByteTokenizer(), processors, seed=7, dp_size=dp, dp_rank=rank, progress=False)
 
 
-def take(it, n):
-    return [next(it) for _ in range(n)]
-
-
 def same(a, b):
-    assert a.step == b.step and len(a.micro_batches) == len(b.micro_batches)
-    for x, y in zip(a.micro_batches, b.micro_batches):
-        assert x.sample_ids == y.sample_ids
-        for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
-            assert torch.equal(getattr(x, name), getattr(y, name))
-        assert x.media.keys() == y.media.keys()
-        for m in x.media:
-            assert torch.equal(x.media[m].features, y.media[m].features)
-            assert torch.equal(x.media[m].positions, y.media[m].positions)
+    assert_same_step(a, b)
 
 
 def test_state_round_trip_gives_identical_next_batches(demo_dir, processors):

@@ -17,7 +17,6 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-import torch  # noqa: E402
 
 from dataloading.config import DataConfig  # noqa: E402
 from dataloading.errors import DataError  # noqa: E402
@@ -26,6 +25,7 @@ from dataloading.serve.loader import build_loader  # noqa: E402
 from dataloading.serve.ray_actors import (ConstructorActor, PlannerActor, SourceLoaderActor, _Error,  # noqa: E402
                                           _RemoteReader)
 from dataloading.serve.ray_backend import NAMESPACE, RayStepLoader, loader_counts  # noqa: E402
+from step_asserts import assert_same_step, take  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,21 +73,8 @@ def one_source(demo_dir, tmp_path_factory):
     return mixture
 
 
-def take(it, n):
-    return [next(it) for _ in range(n)]
-
-
 def same(a, b):
-    assert a.step == b.step and len(a.micro_batches) == len(b.micro_batches)
-    assert a.problems == b.problems and a.plan_stats == b.plan_stats
-    for x, y in zip(a.micro_batches, b.micro_batches):
-        assert x.sample_ids == y.sample_ids
-        for name in ("input_ids", "labels", "position_ids", "cu_seqlens"):
-            assert torch.equal(getattr(x, name), getattr(y, name))
-        assert x.media.keys() == y.media.keys()
-        for m in x.media:
-            for name in ("features", "sizes", "num_tokens", "positions"):
-                assert torch.equal(getattr(x.media[m], name), getattr(y.media[m], name))
+    assert_same_step(a, b, media_fields=("features", "sizes", "num_tokens", "positions"), stats=True)
 
 
 def run_actors(run):

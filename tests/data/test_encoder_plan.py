@@ -11,7 +11,8 @@ import torch
 
 from dataloading.construct.batch import MediaInputs, MicroBatch
 from dataloading.plan.cost import CostModel
-from omni.step.encoder_plan import ItemMeta, describe_media, piece_bounds, plan_chunk
+from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk
+from omni.step.media_manifest import describe_media
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dataloading.plan.cost import CostModel
-from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk, plan_cut, splits
+from omni.step.encoder_cut import plan_cut
+from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk, splits
 from test_encoder_plan import _expected as expected_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})

@@ -71,3 +71,15 @@ def omni_logits(model, mb) -> torch.Tensor:
     h, _ = model._body(model._input_hidden(p), p)
     head = model.llm.embed_tokens if model.llm.lm_head is None else model.llm.lm_head
     return torch.nn.functional.linear(model.llm.norm(h)[0], head.weight)
+
+
+def plugin_processor(encoder_cls, path):
+    """The media processor an encoder plugin builds from a saved Hugging Face directory (its
+    config.json and preprocessor_config.json), as ``omni train`` would."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    params = {**encoder_cls.params_from_hf_config(json.loads((path / "config.json").read_text())),
+              **encoder_cls.params_from_preprocessor_config(json.loads((path / "preprocessor_config.json").read_text()))}
+    return encoder_cls.processor(encoder_cls.build_config(params))

@@ -17,7 +17,7 @@ import torch
 from dataloading.construct.batch import IGNORE_INDEX
 from dataloading.construct.constructor import Tokenized, assemble
 from hf_family_helpers import save_tiny_llava_onevision
-from model_helpers import omni_logits, rel_err
+from model_helpers import omni_logits, plugin_processor, rel_err
 from omni.models.build import build_model, media_processors
 from omni.models.config import EncoderSlot, ModelConfig
 
@@ -98,9 +98,7 @@ def test_the_processor_equals_transformers_image_processor(tmp_path, size):
     from omni.models.encoders.llava_ov import LlavaOvEncoder
 
     save_tiny_llava_onevision(tmp_path)
-    proc = LlavaOvEncoder.processor(LlavaOvEncoder.build_config(
-        {**LlavaOvEncoder.params_from_hf_config(json.loads((tmp_path / "config.json").read_text())),
-         **LlavaOvEncoder.params_from_preprocessor_config(json.loads((tmp_path / "preprocessor_config.json").read_text()))}))
+    proc = plugin_processor(LlavaOvEncoder, tmp_path)
     image = np.random.default_rng(1).integers(0, 256, size=(*size, 3), dtype=np.uint8)
     want = PixelProcessor.from_pretrained(tmp_path)(images=[image], return_tensors="pt")["pixel_values"][0]
     item = proc(image)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dataloading.plan.cost import CostModel
-from omni.step.encoder_plan import ItemMeta, plan_cut
+from omni.step.encoder_cut import plan_cut
+from omni.step.encoder_plan import ItemMeta
 from parallel.reshard import p2p_transfers
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})

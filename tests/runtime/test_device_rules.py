@@ -152,7 +152,7 @@ def test_describe_media_takes_features_already_on_the_device():
     though it reads only their shape. Under the strict check the features are device tensors,
     and the old refusal ("describe_media reads host tensors") comes back if put back."""
     from dataloading.construct.batch import MediaInputs, MicroBatch
-    from omni.step.encoder_plan import describe_media
+    from omni.step.media_manifest import describe_media
 
     feats = torch.randn(6, 8)
     strict = StrictDevice()
