@@ -25,7 +25,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 EXCHANGE_MODES = ("all_to_all", "p2p")
 
@@ -99,23 +98,3 @@ def _exchange_p2p(x: torch.Tensor, out: torch.Tensor, send_counts: list[int], re
     if ops:  # batch_isend_irecv refuses an empty list; a rank that trades nothing waits for nothing
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-
-
-class _ExchangeRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group, mode):
-        ctx.counts, ctx.group, ctx.mode = (list(send_counts), list(recv_counts)), group, mode
-        return exchange_rows(x, send_counts, recv_counts, group, mode)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        send_counts, recv_counts = ctx.counts
-        return exchange_rows(grad.contiguous(), recv_counts, send_counts, ctx.group, ctx.mode), None, None, None, None
-
-
-def exchange_rows_autograd(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                           group: dist.ProcessGroup | None, mode: str = "all_to_all") -> torch.Tensor:
-    """``exchange_rows`` whose backward is the inverse exchange. Every rank of the group must
-    run the backward too (ranks that received nothing included), in the same order."""
-    return _ExchangeRows.apply(x, list(send_counts), list(recv_counts), group, mode)

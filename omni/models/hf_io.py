@@ -87,31 +87,6 @@ def _missing_expert(layer: int, key, config: DecoderConfig) -> ValueError:
     )
 
 
-def hf_state_dict_to_native(sd: Tensors, config: DecoderConfig) -> Tensors:
-    """HF ``*ForCausalLM`` tensor names -> ``Decoder.state_dict()`` names (either expert layout)."""
-    out: Tensors = {}
-    experts: Dict[int, Dict[int, Dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    for hf_name, t in sd.items():
-        mapped = hf_name_to_native(hf_name, config)
-        if mapped is None:
-            continue
-        name, expert = mapped
-        if expert is None:
-            out[name] = t
-        else:
-            experts[expert[0]][expert[1]][expert[2]] = t
-    if experts:
-        gate_n, up_n, down_n = _expert_names(config)
-        for layer, per in experts.items():
-            try:
-                ws = [per[e] for e in range(config.num_experts)]
-                out[f"layers.{layer}.mlp.experts.w_gate_up"] = torch.stack([torch.cat([w[gate_n], w[up_n]]) for w in ws])
-                out[f"layers.{layer}.mlp.experts.w_down"] = torch.stack([w[down_n] for w in ws])
-            except KeyError as e:
-                raise _missing_expert(layer, e, config) from None
-    return out
-
-
 class CheckpointSource(WeightSource):
     """The decoder's tensors read from a HF checkpoint directory region by region
     (``materialize`` asks each rank for its own shard only). Names are ``Decoder`` names.
