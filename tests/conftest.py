@@ -31,11 +31,11 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 LONGEST_FIRST = [
     "runtime/test_faults.py", "test_demo_learns.py", "parallel/test_device_rules_layouts.py",
     "runtime/test_faults_hangs.py",
-    "parallel/test_multiplex_equal_single.py", "parallel/test_layouts_equal_single.py", "test_export_cmd.py",
+    "multiplex/test_multiplex_equal_single.py", "parallel/test_layouts_equal_single.py", "test_export_cmd.py",
     "sim/test_simulate.py", "parallel/test_startup_scale.py", "test_recipes_train.py", "test_gpu_check.py",
-    "data/test_data_ray.py", "parallel/test_multiplex_grouped_p2p.py", "parallel/test_cli_layouts.py",
+    "data/test_data_ray.py", "multiplex/test_multiplex_grouped_p2p.py", "parallel/test_cli_layouts.py",
     "runtime/test_validation.py", "runtime/test_stop.py", "runtime/test_stages.py",
-    "parallel/test_multiplex_bubbles.py",
+    "multiplex/test_multiplex_bubbles.py",
 ]
 
 

@@ -168,7 +168,7 @@ class Trainer:
         # Autocast keeps the bf16 copy of an fp32 weight for the whole autocast region (the
         # step). For fp32 DTensor parameters (FSDP's, TP's) used by several forwards before
         # their backwards (pipeline micro-batches, encoder calls at the cuts), that shared copy
-        # gave wrong gradients (sharded encoder weights under pp=2: 30-80% off; tests/parallel/
+        # gave wrong gradients (sharded encoder weights under pp=2: 30-80% off; tests/multiplex/
         # test_multiplex_equal_single.py). So they are cast at every use instead; bf16 FSDP
         # parameters (the GPU default) need no cast at all.
         self._autocast_cache = not any(isinstance(p, DTensor) and p.dtype == torch.float32
