@@ -50,6 +50,7 @@ from torch import nn
 
 from dataloading.construct.batch import MicroBatch
 from dataloading.plan.cost import CostModel
+from omni.step.encoder_plan import SplitRules
 from omni.step.media_manifest import MediaManifest, describe_media, row_doc_lengths
 from omni.step.encoder_calls import Call, ChunkView, StepMedia, StepPlanner
 from omni.kernels.reshard import scatter_rows
@@ -124,9 +125,9 @@ class Multiplexer:
         self.planner = StepPlanner(
             placement=cfg.placement, members=self.members, group_of=self.group_of,
             member_stage=[sizes.coords(r)["pp"] for r in self.members], sizes=sizes,
-            virtual=pcfg.pp_virtual_stages if sizes.pp > 1 else 1, cost=cost, sp=sp,
-            long_threshold=self.long_threshold, sp_modalities=self.sp_modalities, item_bytes=self._item_bytes,
-            memory_limit=self.memory_limit, split_fixed_cost=self.split_fixed_cost,
+            virtual=pcfg.pp_virtual_stages if sizes.pp > 1 else 1, cost=cost,
+            split=SplitRules(sp, self.long_threshold, tuple(self.sp_modalities), self._item_bytes, self.memory_limit,
+                             self.split_fixed_cost),
             lookahead=self.lookahead, exchange=self.exchange,
             fill_bubbles=self.fill_bubbles, closing_rule=cfg.encoder_weights != "replicated", index=self.index,
             consumer=self.consumer, device=self.device)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omni.step.bubbles import BubbleCall, select_bubble_items
-from omni.step.encoder_plan import ItemMeta, assign_items
+from omni.step.encoder_plan import ItemMeta, SplitRules, assign_items
 from omni.step.config import MultiplexConfig
 from omni.step.multiplex_rules import chunks_per_call
 from omni.sim.data import MicroBatchWork
@@ -126,6 +126,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
     def item_bytes(modality: str, rows: int) -> float:
         return item_activation_bytes(spec, modality, rows)
 
+    split = SplitRules(sp, threshold, tuple(sp_modalities), item_bytes, memory_limit)
     out = []
     carried = np.zeros(world)
     for c, first in enumerate(range(0, n, size)):
@@ -147,9 +148,7 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
         if skip:
             allowed = {g: [i for i in (eligible or {}).get(g, range(world)) if i not in skip]
                        for g in set(group_of) | {it.group for it in items}}
-        a = assign_items(items, group_of, world, spec.cost, sp=sp, long_threshold=threshold,
-                         sp_modalities=sp_modalities, eligible=allowed, item_bytes=item_bytes,
-                         memory_limit=memory_limit, base_loads=carried)
+        a = assign_items(items, group_of, world, spec.cost, split, eligible=allowed, base_loads=carried)
         carried = a.loads
         # (modality, encoder tokens, sp, group, LLM rows)
         per_gpu: list[list[tuple[str, int, int, int, int]]] = [[] for _ in range(world)]

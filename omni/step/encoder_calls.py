@@ -6,7 +6,6 @@ multiplexing runtime (``omni.multiplex.runtime``) runs what this plans.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +15,7 @@ from dataloading.plan.cost import CostModel
 from omni.step.bubbles import (BubbleCall, busy_ranks, closing_modalities, forward_unit_cost,
                                     select_bubble_items, split_items, split_rows)
 from omni.step.encoder_cut import CutPlan, plan_cut
-from omni.step.encoder_plan import ItemMeta
+from omni.step.encoder_plan import ItemMeta, SplitRules
 from omni.step.media_manifest import MediaManifest
 from omni.step.multiplex_rules import chunks_backward_after_pipeline, chunks_per_call, forward_insertion_points
 from parallel.sizing import Sizes
@@ -99,12 +98,7 @@ class StepPlanner:
     sizes: Sizes
     virtual: int  # model chunks per pipeline rank
     cost: CostModel
-    sp: int
-    long_threshold: int | None
-    sp_modalities: list[str]
-    item_bytes: Callable[[str, int], float | None] | None
-    memory_limit: float | None
-    split_fixed_cost: float
+    split: SplitRules  # the long-short split
     lookahead: int
     exchange: str
     fill_bubbles: bool
@@ -165,10 +159,8 @@ class StepPlanner:
                 allowed = {g: [i for i in (eligible or {}).get(g, range(len(self.members))) if i not in busy]
                            for g in set(self.group_of) | {it.group for its in sub for it in its}}
             cut_plan = plan_cut(sub, [self._source_needs(media, needs_by_chunk[j], j, "cut", owner) for j in js],
-                                self.group_of, len(self.members), self.cost, sp=self.sp,
-                                long_threshold=self.long_threshold, sp_modalities=self.sp_modalities,
-                                eligible=allowed, item_bytes=self.item_bytes, memory_limit=self.memory_limit,
-                                base_loads=carried, split_fixed_cost=self.split_fixed_cost, busy=busy)
+                                self.group_of, len(self.members), self.cost, split=self.split,
+                                eligible=allowed, base_loads=carried, busy=busy)
             carried = carried + np.asarray([rp.load for rp in cut_plan.plan.ranks])
             call = Call(c, js, cut_plan, has_media=any(sub), media_chunks=sum(1 for x in sub if x),
                         original={(js.index(key[0]),) + key[1:]: i
@@ -214,7 +206,7 @@ class StepPlanner:
             end_chunks = chunks_backward_after_pipeline(self.placement, n, backward_cuts, size, self.lookahead)
             modalities = closing_modalities(media.items, end_chunks)
         return select_bubble_items(media.items, windows, self.member_stage, self.group_of, unit, self.cost,
-                                   modalities, self.item_bytes, self.memory_limit)
+                                   modalities, self.split.item_bytes, self.split.memory_limit)
 
     def _source_needs(self, media: StepMedia, needs: dict, j: int, source, owner: dict) -> dict:
         """The rows each consumer asked for in chunk j that ``source`` (a bubble call's index,

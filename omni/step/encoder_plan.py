@@ -59,6 +59,26 @@ class ItemMeta:
         return (self.modality, self.group, self.index)
 
 
+@dataclass(frozen=True)
+class SplitRules:
+    """The long-short split of a step's encoder calls, fixed for the run: SP blocks of ``sp``
+    ranks; ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an
+    item whose cost alone exceeds the call's balanced share per rank and whose split pays
+    (``splits``), or whose activations ``item_bytes(modality, tokens)`` exceed ``memory_limit``
+    bytes); only ``sp_modalities`` can be split; ``split_fixed_cost``: the SP pass's fixed cost in
+    the cost model's units."""
+
+    sp: int = 1
+    long_threshold: int | None = None
+    sp_modalities: Sequence[str] = ()
+    item_bytes: Callable[[str, int], float | None] | None = None
+    memory_limit: float | None = None
+    split_fixed_cost: float = 0.0
+
+
+NO_SPLIT = SplitRules()
+
+
 @dataclass
 class RankPlan:
     """One rank's part of an encoder chunk."""
@@ -134,21 +154,18 @@ def assign_items(
     group_of: Sequence[int],
     world: int,
     cost: CostModel,
-    sp: int = 1,
-    long_threshold: int | None = None,
-    sp_modalities: Sequence[str] = (),
+    split: SplitRules = NO_SPLIT,
     eligible: Mapping[int, Sequence[int]] | None = None,
-    item_bytes: Callable[[str, int], float | None] | None = None,
-    memory_limit: float | None = None,
     base_loads: Sequence[float] | None = None,
-    split_fixed_cost: float = 0.0,
     pinned: Mapping[tuple, int] | None = None,
 ) -> Assignment:
     """The long-short split and the balancing of ``plan_chunk`` (its docstring has the
     arguments). ``base_loads``: cost each rank already carries (e.g. earlier chunks of the step)
-    that the balancing evens out too; None: zeros. ``split_fixed_cost``: see ``splits``.
+    that the balancing evens out too; None: zeros. ``split``: ``SplitRules``.
     ``pinned``: item key -> the rank that encodes it whole, decided elsewhere (a bubble call's
     items, ``omni.step.bubbles``)."""
+    sp, long_threshold, sp_modalities = split.sp, split.long_threshold, split.sp_modalities
+    item_bytes, memory_limit, split_fixed_cost = split.item_bytes, split.memory_limit, split.split_fixed_cost
     if sp < 1 or world % sp:
         raise ValueError(f"encoder SP size {sp} must divide the {world} encoder ranks")
     group_arr = np.asarray(group_of, dtype=np.int64)
@@ -231,14 +248,9 @@ def plan_chunk(
     group_of: Sequence[int],
     world: int,
     cost: CostModel,
-    sp: int = 1,
-    long_threshold: int | None = None,
-    sp_modalities: Sequence[str] = (),
+    split: SplitRules = NO_SPLIT,
     eligible: Mapping[int, Sequence[int]] | None = None,
-    item_bytes: Callable[[str, int], float | None] | None = None,
-    memory_limit: float | None = None,
     base_loads: Sequence[float] | None = None,
-    split_fixed_cost: float = 0.0,
     pinned: Mapping[tuple, int] | None = None,
     busy: frozenset[int] | set[int] = frozenset(),
 ) -> ChunkPlan:
@@ -248,16 +260,13 @@ def plan_chunk(
     embeds, as indices into the concatenated outputs (item after item) of its group's
     micro-batch for that modality. ``group_of[r]``: rank r's data group (whose features it
     holds). ``eligible[g]``: the ranks allowed to encode group g's items (None: all).
-    ``long_threshold``: encoder tokens above which an item is long (None: ``auto``, an item
-    whose cost alone exceeds the chunk's balanced share per rank, or whose activations
-    ``item_bytes(modality, tokens)`` exceed ``memory_limit`` bytes). Only ``sp_modalities``
-    can be split. ``base_loads``, ``pinned``: see ``assign_items``. ``split_fixed_cost``: the SP
-    pass's fixed cost in the cost model's units (``splits``). ``busy``: ranks that send no
+    ``split``: the long-short split's rules (``SplitRules``). ``base_loads``, ``pinned``: see
+    ``assign_items``. ``busy``: ranks that send no
     features to others (they are running other work; a group whose holders are all busy sends
     from them anyway).
     """
-    a = assign_items(items, group_of, world, cost, sp, long_threshold, sp_modalities, eligible, item_bytes,
-                     memory_limit, base_loads, split_fixed_cost, pinned)
+    a = assign_items(items, group_of, world, cost, split, eligible, base_loads, pinned)
+    sp = split.sp
     plans = [RankPlan() for _ in range(world)]
     holders: dict[int, list[int]] = {}
     for r, g in enumerate(group_of):
@@ -346,7 +355,7 @@ def plan_chunk(
             item = np.searchsorted(st, rows, side="right") - 1
             p.need_index[m] = np.asarray([where[(m, g, i, r - int(st[i]))] for r, i in zip(rows.tolist(), item.tolist())],
                                          dtype=np.int64)
-    over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > memory_limit) \
+    over = sum(1 for it in items if memory.get(it.key, 0.0) / (sp if it.key in block_of else 1) > split.memory_limit) \
         if memory else 0
     return ChunkPlan(plans, len(block_of), a.balance, over)
 

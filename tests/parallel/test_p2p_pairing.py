@@ -12,7 +12,7 @@ import pytest
 
 from dataloading.plan.cost import CostModel
 from omni.step.encoder_cut import plan_cut
-from omni.step.encoder_plan import ItemMeta
+from omni.step.encoder_plan import ItemMeta, SplitRules
 from parallel.reshard import p2p_transfers
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
@@ -60,7 +60,8 @@ def _cut(world: int, sp: int, seed: int):
                     needs.setdefault(q, {})[m] = np.arange(q % 2, total, 2)  # the group's two ranks share rows
         items_by_chunk.append(items)
         needs_by_chunk.append(needs)
-    return plan_cut(items_by_chunk, needs_by_chunk, group_of, world, COST, sp=sp, sp_modalities=("image",))
+    return plan_cut(items_by_chunk, needs_by_chunk, group_of, world, COST,
+                    split=SplitRules(sp=sp, sp_modalities=("image",)))
 
 
 @pytest.mark.parametrize("world,sp", [(2, 1), (4, 2), (8, 2), (8, 4)])

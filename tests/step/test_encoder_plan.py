@@ -11,7 +11,7 @@ import torch
 
 from dataloading.construct.batch import MediaInputs, MicroBatch
 from dataloading.plan.cost import CostModel
-from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk
+from omni.step.encoder_plan import ItemMeta, SplitRules, piece_bounds, plan_chunk
 from omni.step.media_manifest import describe_media
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
@@ -95,8 +95,8 @@ def test_every_row_reaches_the_rank_that_asked(sp, long_every, threshold):
     group_of = [0, 0, 1, 1, 2, 2, 3, 3]  # 4 data groups x 2 ranks (e.g. TP or CP peers)
     items = _items(rng, 4, 5, long_every)
     needs = _needs(items, group_of, rng)
-    plan = plan_chunk(items, needs, group_of, 8, COST, sp=sp, long_threshold=threshold,
-                      sp_modalities=("image", "audio"))
+    plan = plan_chunk(items, needs, group_of, 8, COST,
+                      split=SplitRules(sp=sp, long_threshold=threshold, sp_modalities=("image", "audio")))
     assert _simulate(plan, items, needs, group_of, sp) == _expected(items, needs, group_of)
     # every item encoded exactly once (whole, or by exactly one SP block)
     seen = {}
@@ -117,7 +117,8 @@ def test_features_come_from_holders_and_reach_every_encoder():
     group_of = [0, 0, 1, 1]
     items = _items(rng, 2, 6, long_every=3)
     needs = _needs(items, group_of, rng)
-    plan = plan_chunk(items, needs, group_of, 4, COST, sp=2, long_threshold=50, sp_modalities=("image",))
+    plan = plan_chunk(items, needs, group_of, 4, COST,
+                      split=SplitRules(sp=2, long_threshold=50, sp_modalities=("image",)))
     for m in ("image", "audio"):
         for src, rp in enumerate(plan.ranks):
             for dst in range(4):
@@ -166,10 +167,10 @@ def test_auto_threshold_splits_items_heavier_than_a_fair_share():
     group_of = [0, 1, 2, 3]
     items = [ItemMeta(0, "image", 0, 200, 200)] + [ItemMeta(g, "image", i, 5, 5) for g in range(4) for i in
                                                    range(1 if g == 0 else 0, 3)]
-    plan = plan_chunk(items, {}, group_of, 4, COST, sp=2, sp_modalities=("image",))
+    plan = plan_chunk(items, {}, group_of, 4, COST, split=SplitRules(sp=2, sp_modalities=("image",)))
     assert plan.long_items == 1
     assert plan.ranks[0].long["image"] == [(0, 0)] or plan.ranks[2].long["image"] == [(0, 0)]
-    plan = plan_chunk(items, {}, group_of, 4, COST, sp=1, sp_modalities=("image",))
+    plan = plan_chunk(items, {}, group_of, 4, COST, split=SplitRules(sp=1, sp_modalities=("image",)))
     assert plan.long_items == 0
 
 
@@ -179,24 +180,24 @@ def test_auto_threshold_splits_items_over_the_memory_budget():
     the budget even in sp pieces is counted (the metrics report it)."""
     items = [ItemMeta(g, "image", i, 40, 40) for g in range(4) for i in range(2)]
     per_token = lambda m, tokens: 1000.0 * tokens  # bytes of activations
-    plain = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",))
+    plain = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, split=SplitRules(sp=2, sp_modalities=("image",)))
     assert plain.long_items == 0 and plain.over_memory == 0
-    roomy = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",), item_bytes=per_token,
-                       memory_limit=50_000.0)
+    roomy = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST,
+                       split=SplitRules(sp=2, sp_modalities=("image",), item_bytes=per_token, memory_limit=50_000.0))
     assert roomy.long_items == 0
-    tight = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",), item_bytes=per_token,
-                       memory_limit=30_000.0)
+    tight = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST,
+                       split=SplitRules(sp=2, sp_modalities=("image",), item_bytes=per_token, memory_limit=30_000.0))
     assert tight.long_items == 8 and tight.over_memory == 0  # 40 000 bytes, 20 000 per SP member
-    too_big = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",), item_bytes=per_token,
-                         memory_limit=10_000.0)
+    too_big = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST,
+                         split=SplitRules(sp=2, sp_modalities=("image",), item_bytes=per_token, memory_limit=10_000.0))
     assert too_big.long_items == 8 and too_big.over_memory == 8
     # An explicit token threshold is the user's choice: memory does not override it.
-    fixed = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, long_threshold=100, sp_modalities=("image",),
-                       item_bytes=per_token, memory_limit=30_000.0)
+    fixed = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST,
+                       split=SplitRules(sp=2, long_threshold=100, sp_modalities=("image",), item_bytes=per_token, memory_limit=30_000.0))
     assert fixed.long_items == 0 and fixed.over_memory == 8
     # An encoder that cannot estimate its memory (None) is never split for it.
-    unknown = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST, sp=2, sp_modalities=("image",),
-                         item_bytes=lambda m, t: None, memory_limit=1.0)
+    unknown = plan_chunk(items, {}, [0, 1, 2, 3], 4, COST,
+                         split=SplitRules(sp=2, sp_modalities=("image",), item_bytes=lambda m, t: None, memory_limit=1.0))
     assert unknown.long_items == 0
 
 
@@ -241,7 +242,7 @@ def test_piece_bounds_cover_an_item_once():
 
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="must divide"):
-        plan_chunk([], {}, [0, 1, 2], 3, COST, sp=2)
+        plan_chunk([], {}, [0, 1, 2], 3, COST, split=SplitRules(sp=2))
     items = [ItemMeta(0, "image", 0, 3, 3)]
     with pytest.raises(ValueError, match="needs image output row 5"):
         plan_chunk(items, {0: {"image": np.array([5])}}, [0], 1, COST)

@@ -9,7 +9,7 @@ import pytest
 
 from dataloading.plan.cost import CostModel
 from omni.step.encoder_cut import plan_cut
-from omni.step.encoder_plan import ItemMeta, piece_bounds, plan_chunk, splits
+from omni.step.encoder_plan import ItemMeta, SplitRules, piece_bounds, plan_chunk, splits
 from test_encoder_plan import _expected as expected_chunk
 
 COST = CostModel(encoders={"image": (1.0, 10.0), "audio": (2.0, 1.0)})
@@ -94,8 +94,8 @@ def test_every_chunks_rows_reach_the_rank_that_asked(chunks, sp, long_every, thr
     group_of = [0, 0, 1, 1, 2, 2, 3, 3]
     items_by_chunk = [_chunk_items(rng, 4, long_every) for _ in range(chunks)]
     needs_by_chunk = [_chunk_needs(items, group_of, rng) for items in items_by_chunk]
-    cut = plan_cut(items_by_chunk, needs_by_chunk, group_of, 8, COST, sp=sp, long_threshold=threshold,
-                   sp_modalities=MODALITIES)
+    cut = plan_cut(items_by_chunk, needs_by_chunk, group_of, 8, COST,
+                   split=SplitRules(sp=sp, long_threshold=threshold, sp_modalities=MODALITIES))
     assert _simulate_cut(cut, items_by_chunk, group_of, sp) == _expected(items_by_chunk, needs_by_chunk, group_of)
     # every item of every chunk is in the one call exactly once
     assert sorted(cut.origin.values()) == sorted((c, it.index) for c, items in enumerate(items_by_chunk)
@@ -113,8 +113,8 @@ def test_features_of_the_cut_come_from_holders():
     group_of = [0, 0, 1, 1]
     items_by_chunk = [_chunk_items(rng, 2, long_every=2) for _ in range(3)]
     needs_by_chunk = [_chunk_needs(items, group_of, rng) for items in items_by_chunk]
-    cut = plan_cut(items_by_chunk, needs_by_chunk, group_of, 4, COST, sp=2, long_threshold=50,
-                   sp_modalities=("image",))
+    cut = plan_cut(items_by_chunk, needs_by_chunk, group_of, 4, COST,
+                   split=SplitRules(sp=2, long_threshold=50, sp_modalities=("image",)))
     for m in sorted(cut.plan.ranks[0].feat_send):
         for src, rp in enumerate(cut.plan.ranks):
             for dst in range(4):
@@ -129,8 +129,8 @@ def test_one_chunk_is_plan_chunk():
     group_of = [0, 0, 1, 1]
     items = _chunk_items(rng, 2, long_every=2)
     needs = _chunk_needs(items, group_of, rng)
-    alone = plan_chunk(items, needs, group_of, 4, COST, sp=2, sp_modalities=MODALITIES)
-    cut = plan_cut([items], [needs], group_of, 4, COST, sp=2, sp_modalities=MODALITIES)
+    alone = plan_chunk(items, needs, group_of, 4, COST, split=SplitRules(sp=2, sp_modalities=MODALITIES))
+    cut = plan_cut([items], [needs], group_of, 4, COST, split=SplitRules(sp=2, sp_modalities=MODALITIES))
     assert cut.origin == {it.key: (0, it.index) for it in items}
     for a, b, q in zip(alone.ranks, cut.plan.ranks, range(4)):
         assert a.short == b.short and a.long == b.long and a.feat_send == b.feat_send
@@ -148,12 +148,13 @@ def test_auto_split_pays_only_above_the_fixed_cost_and_the_cuts_share():
     # in the planner: one big image and small ones on 2 ranks (one SP block of 2)
     big = ItemMeta(0, "image", 0, 30, 30)  # cost 30^2 + 300 = 1200
     small = [ItemMeta(1, "image", i, 10, 10) for i in range(4)]  # cost 200 each
-    one = plan_cut([[big, *small]], [{}], [0, 1], 2, COST, sp=2, sp_modalities=("image",))
+    one = plan_cut([[big, *small]], [{}], [0, 1], 2, COST, split=SplitRules(sp=2, sp_modalities=("image",)))
     assert one.plan.long_items == 1  # 1200 > share (2000 / 2) and the SP pass is free
-    costly = plan_cut([[big, *small]], [{}], [0, 1], 2, COST, sp=2, sp_modalities=("image",),
-                      split_fixed_cost=700.0)
+    costly = plan_cut([[big, *small]], [{}], [0, 1], 2, COST,
+                      split=SplitRules(sp=2, sp_modalities=("image",), split_fixed_cost=700.0))
     assert costly.plan.long_items == 0  # halving saves 600, the pass costs 700
     # the same chunk in a cut with a second, busier chunk: the call's share (2600) exceeds the item
     other = [ItemMeta(1, "image", i, 10, 10) for i in range(6)]
-    grouped = plan_cut([[big, *small], other], [{}, {}], [0, 1], 2, COST, sp=2, sp_modalities=("image",))
+    grouped = plan_cut([[big, *small], other], [{}, {}], [0, 1], 2, COST,
+                       split=SplitRules(sp=2, sp_modalities=("image",)))
     assert grouped.plan.long_items == 0
