@@ -25,8 +25,9 @@ from omni.models.multimodal import OmniModel
 from omni.runtime.checkpoint import Checkpointer
 from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.final_eval import final_evaluation
-from omni.runtime.guards import BadStepGuard, NonFiniteSteps, SpikeDetector
-from omni.runtime.metrics import MetricsLog, progress_bar
+from omni.runtime.guards import BadStepGuard, NonFiniteSteps
+from omni.runtime.metrics import progress_bar
+from omni.runtime.step_journal import StepJournal
 from omni.runtime.trackers import TrackedRun, open_trackers
 from omni.runtime.validation import Validator
 from omni.runtime.optim import PartOptimizers
@@ -54,7 +55,6 @@ def _device_sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor
     return torch.stack([p.to(torch.float64) for p in parts]).sum()
 
 
-FLAGGED = "flagged_steps.jsonl"  # non-finite and spiking steps, with their sample ids
 
 
 class CollectiveTimeout(UserError):
@@ -135,14 +135,10 @@ class Trainer:
         self.ckpt_cfg = ckpt_cfg
         self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank, layout=asdict(layout.sizes),
                                          timeout=layout.timeout)
-        self.metrics = MetricsLog(self.run_dir, enabled=layout.is_main)
+        self.journal = StepJournal(trainer_cfg, self.run_dir, layout.is_main)
+        self.metrics = self.journal.metrics
         self.validator = validator
         self.run_config = run_config or {}
-        self.flagged = MetricsLog(self.run_dir, enabled=layout.is_main, name=FLAGGED)
-        self.sample_log = MetricsLog(self.run_dir, enabled=layout.is_main and trainer_cfg.log_samples,
-                                     name="samples.jsonl")
-        self.guard = BadStepGuard(trainer_cfg.max_bad_steps)
-        self.spikes = SpikeDetector(trainer_cfg.loss_spike_sigmas, trainer_cfg.loss_spike_window)
         self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
         # Ctrl-C / SIGTERM during fit's loop: a stop after the step every rank agrees on, with a
         # checkpoint (omni/runtime/stop.py); ``_stopping`` is that agreement, from the step's sums.
@@ -387,9 +383,7 @@ class Trainer:
             restored = self.checkpointer.load(resume, self.optim)
             start = restored.step
             self.loader.load_state_dict(restored.loader_state)
-            self.guard.load_state_dict(restored.trainer)
-            for log in (self.metrics, self.flagged, self.sample_log):
-                log.truncate_after(start)
+            self.journal.resume_at(start, restored.trainer)
             if self.layout.is_main:
                 print(f"omni: resumed from {resume} (step {start})", flush=True)
         elif self.init_from is not None:  # a run with checkpoints of its own resumes from them instead
@@ -465,7 +459,7 @@ class Trainer:
         finished = step >= self.cfg.max_steps
         accuracy = self._final_eval(step) if finished and self.cfg.eval_at_end and self.eval_samples else None
         self.metrics.close()
-        return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy, skipped_steps=self.guard.skipped)
+        return FitResult(last_step=step, losses=losses, eval_accuracy=accuracy, skipped_steps=self.journal.guard.skipped)
 
     def _watch_the_stop(self, signum: int) -> None:
         """On the first signal: a rank that then makes no progress for a few step times (a peer
@@ -526,38 +520,18 @@ class Trainer:
         stats.update(self._step_profile(step, timed))
         dt = time.perf_counter() - t0
         self._longest_step_s = max(self._longest_step_s, dt)
-        tokens = inputs.global_tokens
-        bad = stats["skipped"]
-        spike = None if bad else self.spikes.check(stats["loss"])
-        samples = self._gather_samples(batch) if (bad or spike or self.cfg.log_samples) else None
-        stats["skipped_steps"] = self.guard.skipped + int(bad)
-        stats["tokens_per_s"] = tokens / dt
+        stats["tokens_per_s"] = inputs.global_tokens / dt
         record = {"step": step, **stats, "step_time_s": dt, "data_wait_s": batch.data_wait_s, **batch.plan_stats}
         # Running totals kept by the loader (and in its checkpointed state), index-time ones included.
         problems = getattr(self.loader, "problems", None) or batch.problems
         if problems:
             record["data_problems"] = dict(problems)
-        if step % self.cfg.log_every == 0 or step == self.cfg.max_steps or bad:
-            self.metrics.write(record)
-        if self.cfg.log_samples:
-            self.sample_log.write({"step": step, "samples": samples})
-        if bad or spike:
-            kind = {"kind": "non_finite", "loss": stats["loss"], "grad_norm": stats["grad_norm"]} if bad \
-                else {"kind": "loss_spike", **spike}
-            self.flagged.write({"step": step, **kind, "samples": samples})
-            if spike and self.layout.is_main:
-                print(f"omni: loss spike at step {step}: {spike['loss']:.4g} against a mean of "
-                      f"{spike['window_mean']:.4g} (+{spike['sigmas']:.1f} sigma); sample ids in "
-                      f"{self.run_dir / FLAGGED}", flush=True)
-        if bad and self.layout.is_main:
-            print(f"omni: step {step} skipped: loss {stats['loss']}, gradient norm {stats['grad_norm']} "
-                  f"(skipped so far: {stats['skipped_steps']}; sample ids in {self.run_dir / FLAGGED})", flush=True)
-        last_good = None
-        if bad:  # named in the message should this streak stop the run (not listed every step)
+
+        def last_good():
             done = self.checkpointer.completed()
-            last_good = str(done[-1]) if done else None
-        self.guard.record(step, bad, f"last loss {stats['loss']}, gradient norm {stats['grad_norm']}",
-                          last_good, str(self.run_dir / FLAGGED))
+            return str(done[-1]) if done else None
+
+        self.journal.record(step, stats, record, lambda: self._gather_samples(batch), last_good)
         return stats
 
     def _build_ahead(self, it, step: int) -> None:
@@ -585,7 +559,7 @@ class Trainer:
         self._phase("checkpoint save")
         # the loader's state after this step: it has moved on if the next step was built ahead
         state = self._loader_state if self._ahead is not None else self.loader.state_dict()
-        self.checkpointer.save(step, self.optim, state, self.guard.state_dict())
+        self.checkpointer.save(step, self.optim, state, self.journal.guard.state_dict())
         if self.ckpt_cfg.async_save:
             self.metrics.write({"event": "checkpoint", "step": step, "blocked_s": self.checkpointer.last_block_s})
 
