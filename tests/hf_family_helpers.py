@@ -223,3 +223,24 @@ def save_tiny_llava_next_chat(path: Path, seed: int = 0, std: float = 0.15, **co
 SAVERS = {"qwen2_vl": lambda path, **kw: save_tiny_qwen_vl(path, "qwen2_vl", **kw), "qwen2_5_vl": save_tiny_qwen2_5_vl,
           "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision,
           "llava_next": save_tiny_llava_next_chat}
+
+
+def image_prompt(loaded, image: np.ndarray):
+    """One image and a chat prompt, built as ``omni generate`` builds it, for a loaded model
+    (``recipes.model_source.load_model``): Omni's micro-batch and the image's MediaItem."""
+    from dataloading.construct.constructor import SampleConstructor
+    from dataloading.formats.sample import DecodedSample
+    from omni.models.build import media_processors
+    from recipes.generate_cmd import prompt_text
+
+    text = prompt_text(loaded.tokenizer, ["image"], "what is this?")
+    c = SampleConstructor({}, loaded.tokenizer, media_processors(loaded.model), None)
+    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, [("image", image)]))
+    return mb, media_processors(loaded.model)["image"](image)
+
+
+def model_logits(model, mb) -> torch.Tensor:
+    """[T, vocab]: an ``OmniModel``'s logits for the prompt row ``mb``, called as a module."""
+    with torch.no_grad():
+        return model(mb.input_ids, media=mb.media, position_ids=mb.position_ids,
+                     rope_position_ids=mb.rope_position_ids)[0]

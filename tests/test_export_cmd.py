@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_family_helpers import SAVERS, hf_inputs
+from hf_family_helpers import SAVERS, hf_inputs, image_prompt, model_logits
 from recipe_helpers import tiny_overrides, torchrun_train, train
 from recipes.cli import main
 
@@ -28,25 +28,7 @@ IMAGE = np.random.default_rng(1).integers(0, 256, size=(56, 84, 3), dtype=np.uin
 
 
 def _prompt(loaded):
-    """One image and a chat prompt, built as `omni generate` builds it: Omni's micro-batch and
-    the image's MediaItem."""
-    from dataloading.construct.constructor import SampleConstructor
-    from dataloading.formats.sample import DecodedSample
-    from omni.models.build import media_processors
-    from recipes.generate_cmd import prompt_text
-
-    text = prompt_text(loaded.tokenizer, ["image"], "what is this?")
-    c = SampleConstructor({}, loaded.tokenizer, media_processors(loaded.model), None)
-    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, [("image", IMAGE)]))
-    return mb, media_processors(loaded.model)["image"](IMAGE)
-
-
-def _omni_logits(model, mb) -> torch.Tensor:
-    with torch.no_grad():
-        embeds = model.embed(mb.input_ids, mb.media)
-        out = model.llm(inputs_embeds=embeds[None], position_ids=mb.position_ids[None], output_hidden=True,
-                        rope_position_ids=mb.rope_position_ids)
-        return model.llm.lm_logits(out.hidden_states[0])
+    return image_prompt(loaded, IMAGE)
 
 
 def _check_export(out: Path, loaded) -> None:
@@ -64,7 +46,7 @@ def _check_export(out: Path, loaded) -> None:
     _check_processor(out, loaded, mb, inputs["pixel_values"])
     with torch.no_grad():
         want = hf(**inputs).logits[0]
-    got = _omni_logits(loaded.model, mb)
+    got = model_logits(loaded.model, mb)
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
     # the exported tokenizer (and chat template) give the ids Omni built: the prompt as the
     # template renders it, the image's placeholder repeated once per merged patch
