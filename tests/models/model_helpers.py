@@ -83,3 +83,27 @@ def plugin_processor(encoder_cls, path):
     params = {**encoder_cls.params_from_hf_config(json.loads((path / "config.json").read_text())),
               **encoder_cls.params_from_preprocessor_config(json.loads((path / "preprocessor_config.json").read_text()))}
     return encoder_cls.processor(encoder_cls.build_config(params))
+
+
+def media_sample(name, before, after, item, token, modality: str = "image"):
+    """A tokenized sample: ``before`` ids, ``item``'s placeholders (``token`` once per encoder
+    output row), ``after`` ids; next-token labels everywhere."""
+    import numpy as np
+
+    from dataloading.construct.batch import IGNORE_INDEX
+    from dataloading.construct.constructor import Tokenized
+
+    ids = np.array(before + [token] * item.num_tokens + after, dtype=np.int64)
+    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = ids[1:]
+    return Tokenized(name, ids, labels, [(modality, item, np.arange(len(before), len(before) + item.num_tokens))])
+
+
+def load_with_tower(path, encoder: str):
+    """The whole model of a saved Hugging Face directory, its vision tower by the ``encoder``
+    plugin, in eval mode."""
+    from omni.models.build import build_model
+    from omni.models.config import EncoderSlot, ModelConfig
+
+    return build_model(ModelConfig(pretrained=str(path)), {"vision": EncoderSlot(name=encoder, pretrained=str(path))},
+                       vocab_needed=0, seed=0).eval()

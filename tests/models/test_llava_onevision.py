@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from dataloading.construct.batch import IGNORE_INDEX
-from dataloading.construct.constructor import Tokenized, assemble
+from dataloading.construct.constructor import assemble
 from hf_family_helpers import save_tiny_llava_onevision
-from model_helpers import omni_logits, plugin_processor, rel_err
-from omni.models.build import build_model, media_processors
-from omni.models.config import EncoderSlot, ModelConfig
+from model_helpers import load_with_tower, media_sample, omni_logits, plugin_processor, rel_err
+from omni.models.build import media_processors
 
 transformers = pytest.importorskip("transformers")
 PixelProcessor = transformers.LlavaOnevisionImageProcessorPil
@@ -38,15 +36,11 @@ class _Clip:
 
 
 def _sample(name, before, after, item, token):
-    ids = np.array(before + [token] * item.num_tokens + after, dtype=np.int64)
-    labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
-    labels[:-1] = ids[1:]
-    return Tokenized(name, ids, labels, [("image", item, np.arange(len(before), len(before) + item.num_tokens))])
+    return media_sample(name, before, after, item, token)
 
 
 def _load(path):
-    return build_model(ModelConfig(pretrained=str(path)), {"vision": EncoderSlot(name="llava_ov", pretrained=str(path))},
-                       vocab_needed=0, seed=0).eval()
+    return load_with_tower(path, "llava_ov")
 
 
 def _video_pixels(frames):
