@@ -91,7 +91,7 @@ def read_trace(path: str) -> list[dict]:
 
 
 def calibrate_from_trace(cfg: SimConfig, path: str) -> CalibrationFit:
-    from omni.sim.simulate import one_step_for_calibration
+    from omni.sim.one_step import one_step_for_calibration
 
     events = read_trace(path)
     if not events:

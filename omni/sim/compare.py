@@ -14,13 +14,14 @@ from typing import Any
 from omni.errors import ConfigError
 from omni.sim import megatron
 from omni.sim.config import PLACEMENTS, SimConfig
-from omni.sim.data import StepWork, check_data
+from omni.sim.data import check_data
+from omni.sim.layout_checks import check_encoder_sp, disaggregated_split, llm_sizes
 from omni.sim.once import Warnings
 from omni.sim.search import plan_layouts, with_layout
-from omni.sim.simulate import (check_encoder_sp, describe_model, disaggregated_split, llm_sizes,
-                               simulate_placement)
-from omni.sim.spec import model_spec
-from omni.sim.timing import Machine
+from omni.sim.simulate import simulate_placement
+from omni.sim.spec import describe_model, model_spec
+from omni.sim.machine import Machine
+from omni.sim.work import StepWork
 from omni.sim.workload import describe_workload
 
 

@@ -11,10 +11,10 @@ from omni.step.multiplex_rules import chunks_per_cut_setting
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import SimConfig
-from omni.sim.data import MicroBatchWork
+from omni.sim.work import MicroBatchWork
 from omni.sim.encoders import plan_chunks
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import Machine
+from omni.sim.machine import Machine
 from parallel.sizing import Sizes
 
 

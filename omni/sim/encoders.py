@@ -23,10 +23,11 @@ from omni.step.bubbles import BubbleCall, select_bubble_items
 from omni.step.encoder_plan import ItemMeta, SplitRules, assign_items
 from omni.step.config import MultiplexConfig
 from omni.step.multiplex_rules import chunks_per_call
-from omni.sim.data import MicroBatchWork
+from omni.sim.work import MicroBatchWork
 from omni.sim.memory import encoder_activation_bytes
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, CommGroup, EncoderWork, Machine, encoder_work
+from omni.sim.machine import CommGroup, Machine
+from omni.sim.timing import BF16, EncoderWork, encoder_work
 
 
 @dataclass

@@ -54,10 +54,11 @@ from dataclasses import dataclass, field
 from omni.sim import memory as mem
 from omni.sim import sync
 from omni.sim.config import SimConfig, SimDataConfig
-from omni.sim.data import MicroBatchWork
+from omni.sim.work import MicroBatchWork
 from omni.sim.engine import StepTimeline
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, CommGroup, Machine, StageWork, encoder_work
+from omni.sim.machine import CommGroup, Machine
+from omni.sim.timing import BF16, StageWork, encoder_work
 from parallel.pipeline_schedule import split_layers
 from parallel.sizing import Sizes
 

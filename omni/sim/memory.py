@@ -4,7 +4,8 @@ per micro-batch, and the short-lived peaks of the loss and of a layer's backward
 
 The activation terms are counted from what *our* decoder saves (omni/models/llm/layers.py,
 moe.py, attention.py; torch.autograd.graph.saved_tensors_hooks, one count per storage), tensor by
-tensor, so each term below names the tensor it stands for; no factor is fitted.
+tensor, so each term (``omni.sim.block_activations``) names the tensor it stands for; no
+factor is fitted.
 tests/sim/test_memory_model.py holds the sum to the measured peak of a real CPU training step.
 
 Shapes follow the code, not an idealised model: under tensor parallelism the attention and
@@ -17,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from omni.models.llm.config import DecoderConfig
+from omni.sim.block_activations import (FP32, INDEX, BlockRun, backward_workspace_bytes, dense_mlp_bytes,
+                                      layer_bytes, moe_bytes, norm_bytes, saved_by_block, selective_bytes)
 from omni.sim.spec import ModelSpec
 from parallel.sizing import LOSS_CHUNK_BYTES, RING_SCORE_BYTES
 
 GIB = float(2**30)
-FP32 = 4  # RMSNorm statistics, router probabilities, attention log-sum-exp, logits in the loss
-INDEX = 8  # int64 index tensors
 
 
 @dataclass
@@ -161,113 +162,7 @@ def encoder_static_memory(spec: ModelSpec, modality: str, *, shard: int = 1, mas
     return out
 
 
-# -- activations -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Run:
-    """One micro-batch through one GPU's blocks: ``tokens`` of the row (after CP slicing),
-    ``n`` of them on this TP rank between blocks (sequence parallelism), activations of ``e``
-    bytes, weights of ``master`` bytes (the autocast source), ``kernel`` the attention path."""
-
-    c: DecoderConfig
-    tokens: float
-    tp: int
-    e: int
-    ep: int
-    master: int
-    kernel: str
-
-    @property
-    def n(self) -> float:
-        return self.tokens / self.tp
-
-
-def _norm(r: _Run) -> float:
-    """RMSNorm on the shard: the fp32 input (its upcast; in fp32 the input itself) for the
-    statistics' gradient, the normalised value before the gain (the gain's gradient), and the
-    1/rms per token. The gain's output is its consumer's input, counted there."""
-    return (FP32 * r.c.hidden_size + r.e * r.c.hidden_size + FP32) * r.n
-
-
-def _attention(r: _Run) -> float:
-    """Self-attention of a block (the first norm excluded)."""
-    c, e = r.c, r.e
-    heads, qd, kvd = c.num_heads, c.num_heads * c.resolved_head_dim(), c.num_kv_heads * c.resolved_head_dim()
-    gathered_input = e * c.hidden_size * r.tokens  # the normed row, all-gathered under SP: q/k/v's input
-    if r.kernel == "varlen":
-        # Flash/Triton varlen kernels keep q, k, v (GQA: k/v at their own width), the output
-        # (which is also o_proj's input: the transposes back are views) and the log-sum-exp.
-        return gathered_input + (e * (2 * qd + 2 * kvd) + FP32 * heads) * r.n
-    if r.kernel == "sdpa":
-        # PyTorch path on a packed row (omni.kernels.segment_attention._bucketed_attention): k/v repeated
-        # to every head; SDPA keeps its q, k, v bucket gathers, output and log-sum-exp;
-        # index_copy keeps the re-assembled outputs (its source); o_proj keeps a contiguous copy.
-        # Plus the gather / scatter indices (int64) and the bucket-padding mask (bool).
-        return gathered_input + (e * 6 * qd + FP32 * heads) * r.n + (2 * INDEX + 1) * r.tokens
-    raise ValueError(f"attention kernel {r.kernel!r} is not one of varlen, sdpa")
-
-
-def _dense_mlp(r: _Run) -> float:
-    """SwiGLU: its (gathered) input, then gate(x), up(x), silu(gate) and silu * up (down's input)."""
-    return r.e * r.c.hidden_size * r.tokens + 4 * r.e * r.c.intermediate_size * r.n
-
-
-def _shared_expert(r: _Run) -> float:
-    """Qwen2-MoE's shared expert: SwiGLU intermediates, its output and the sigmoid gate (kept by
-    their product)."""
-    s = r.c.shared_expert_intermediate_size
-    return (4 * r.e * s + r.e * r.c.hidden_size + r.e) * r.n if s else 0.0
-
-
-def _moe(r: _Run) -> float:
-    """A MoE MLP on the sequence shard (MoE layers are not TP-split), each token routed to k
-    experts (no capacity limit; under EP the rows received balance the rows sent)."""
-    c, e = r.c, r.e
-    h, k, ie, nx = c.hidden_size, c.num_experts_per_tok, c.expert_intermediate_size(), c.num_experts
-    per_token = e * h  # the normed input: router's, shared expert's and the expert rows' source
-    per_token += FP32 * nx  # router probabilities (softmax output, also the aux loss's)
-    if c.router_z_loss_coef:
-        per_token += FP32 * nx + FP32  # fp32 logits and their log-sum-exp for the z-loss
-    per_token += INDEX * k  # top-k expert ids
-    if c.norm_topk_prob:
-        per_token += FP32 * k + FP32  # top-k probabilities and their sum (the division's inputs)
-    per_token += e * k  # routing weights, kept by the weighted sum of the k outputs
-    per_token += INDEX * k + e * k * h  # the sort gather's index and its rows (the experts' inputs)
-    per_token += k * 4 * e * ie  # per routed row: gate_up output (2 ie), silu(gate), silu * up
-    per_token += INDEX * k + e * k * h  # inverse permutation and the un-permuted expert outputs
-    # (The routed experts' compute-dtype copy is shared by the micro-batches in flight: counted
-    # once per stage, in static_memory's gathered weights.)
-    return per_token * r.n + _shared_expert(r)
-
-
-def _layer(r: _Run, i: int) -> float:
-    """What block ``i`` saves for backward without recompute."""
-    return 2 * _norm(r) + _attention(r) + (_moe(r) if r.c.is_moe_layer(i) else _dense_mlp(r))
-
-
-def _selective(r: _Run, i: int) -> float:
-    """Selective recompute (omni.models.recompute.SAVE_OPS): the block input plus every matmul output and the
-    aten SDPA outputs; norms, activations, rotary and indexing are recomputed (so are the
-    varlen kernels: they are not aten ops). Row-parallel outputs (o_proj, down_proj) are kept
-    before their reduce-scatter: whole rows."""
-    c, e, n = r.c, r.e, r.n
-    h, heads = c.hidden_size, c.num_heads
-    qd, kvd = heads * c.resolved_head_dim(), c.num_kv_heads * c.resolved_head_dim()
-    out = e * h * n  # block input
-    out += e * (qd + 2 * kvd) * n  # q, k, v projections
-    if r.kernel == "sdpa":
-        out += (e * qd + FP32 * heads) * n  # the aten kernel's output and log-sum-exp
-    out += e * h * r.tokens  # o_proj output
-    if c.is_moe_layer(i):
-        k, ie, s = c.num_experts_per_tok, c.expert_intermediate_size(), c.shared_expert_intermediate_size
-        out += e * c.num_experts * n  # router logits
-        out += e * k * (2 * ie + h) * n  # experts' gate_up and down outputs, per routed row
-        if s:
-            out += e * (2 * s + h + 1) * n  # shared expert's gate, up, down and its gate's logit
-    else:
-        out += 2 * e * c.intermediate_size * n + e * h * r.tokens  # gate, up; down
-    return out
+# -- activations (summed over a stage's blocks: omni.sim.block_activations) ------------------
 
 
 def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1, recompute: str = "none",
@@ -283,10 +178,10 @@ def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1,
     Activations are taken in the compute dtype, as FSDP mixed precision gives; without FSDP,
     autocast keeps the residual stream in fp32 and casts each projection's input separately,
     which is more. The re-run of the block in backward is in ``layer_transient_bytes``."""
-    r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
+    r = BlockRun(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
     c, e = r.c, r.e
     layers = list(layers)
-    saved = _saved_by_block(r, recompute)
+    saved = saved_by_block(r, recompute)
     total = 0.0
     for i, block in zip(layers, spec.by_kind(layers, lambda i: saved(r, i))):  # block by block, in order
         if offload is not None and i not in offload:
@@ -297,19 +192,8 @@ def llm_activation_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1,
         total += INDEX * tokens  # token ids, kept by the embedding for its gradient
     if last:
         # Final norm, the rows with a target (taken as every row) gathered for the head, the mask.
-        total += _norm(r) + e * c.hidden_size * tokens + tokens
+        total += norm_bytes(r) + e * c.hidden_size * tokens + tokens
     return total
-
-
-def _saved_by_block(r: _Run, recompute: str):
-    """What one block keeps for its backward under ``recompute``: a function of (run, layer)."""
-    if recompute == "none":
-        return _layer
-    if recompute == "selective":
-        return _selective
-    if recompute == "full":
-        return lambda r, i: r.e * r.c.hidden_size * r.n  # the block input, kept by the checkpoint
-    raise ValueError(f"recompute {recompute!r} is not one of none, selective, full")
 
 
 def offloaded_block_bytes(spec: ModelSpec, layers, tokens: float, offload, *, tp: int = 1,
@@ -319,8 +203,8 @@ def offloaded_block_bytes(spec: ModelSpec, layers, tokens: float, offload, *, tp
     for its backward), by layer index. ``offload``: the offloaded blocks (None: all). The device
     holds two such blocks' worth during the backward: the block running and the one brought
     back ahead of it (``parallel/activation_offload.py``)."""
-    r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
-    saved = _saved_by_block(r, recompute)
+    r = BlockRun(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
+    saved = saved_by_block(r, recompute)
     layers = list(layers)
     return {i: b for i, b in zip(layers, spec.by_kind(layers, lambda i: saved(r, i)))
             if offload is None or i in offload}
@@ -337,7 +221,7 @@ def layer_transient_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1
     stage's final-norm and head tensors of the running micro-batch are freed by then.)
     ``ring``: attention is ring CP attention, whose backward holds ``ring_workspace_bytes``
     after the block's MLP and second norm have run their backward (their saved tensors freed)."""
-    r = _Run(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
+    r = BlockRun(spec.llm, tokens, tp, element_bytes, ep, master_bytes, attention)
     kind_of, first_of_kind = spec.layer_kinds()  # the worst block is the worst kind's (max: order-free)
     worst = 0.0
     for i in (first_of_kind[k] for k in sorted({kind_of[i] for i in layers})):
@@ -346,49 +230,16 @@ def layer_transient_bytes(spec: ModelSpec, layers, tokens: float, *, tp: int = 1
             # The re-run block holds everything a block without recompute saves; what recompute
             # kept for it (the block input; under selective the matmul outputs, which the re-run
             # takes over, dropping those backward does not read) is in the activations already.
-            # In fp32 the block input is also the first norm's saved input, counted in _layer.
+            # In fp32 the block input is also the first norm's saved input, counted in layer_bytes.
             block_input = r.e * r.c.hidden_size * r.n
-            kept = block_input if recompute == "full" else _selective(r, i)
-            redo = _layer(r, i) + (0.0 if r.e == FP32 else block_input) - kept
-        workspace = _backward_workspace(r, i)
+            kept = block_input if recompute == "full" else selective_bytes(r, i)
+            redo = layer_bytes(r, i) + (0.0 if r.e == FP32 else block_input) - kept
+        workspace = backward_workspace_bytes(r, i)
         if ring:
-            freed = _norm(r) + (_moe(r) if r.c.is_moe_layer(i) else _dense_mlp(r))
+            freed = norm_bytes(r) + (moe_bytes(r) if r.c.is_moe_layer(i) else dense_mlp_bytes(r))
             workspace = max(workspace, ring_workspace_bytes(spec, tokens, tp=tp) - freed)
         worst = max(worst, redo + r.e * r.c.hidden_size * r.n + workspace)
     return worst
-
-
-def _backward_workspace(r: _Run, i: int) -> float:
-    """Gradients in flight inside a block's backward beyond its saved tensors, at the worst
-    moment (the moments are those of our code, found by tracking every storage; the counts
-    name what is alive then)."""
-    c, e, n = r.c, r.e, r.n
-    if not c.is_moe_layer(i):
-        # SwiGLU: at silu * up's backward, the gradients of its output and of one factor.
-        return 2 * e * c.intermediate_size * n
-    h, k, ie = c.hidden_size, c.num_experts_per_tok, c.expert_intermediate_size()
-    shared = _shared_expert(r)
-    # (a) The start: the weighted sum's backward holds the gradient of the k outputs and a
-    # temporary of the same size for the routing weights' gradient; with a shared expert, whose
-    # backward runs first (and then frees its tensors), its output and gate gradients.
-    start = 2 * e * k * h * n
-    if shared:
-        start = max(2 * e * h * n, start - shared)
-    # (b) The routed experts' weight gradients: ``w_gate_up[e]`` is a select of the stacked
-    # parameter, whose backward materialises a zero gradient of the whole stack (masters'
-    # dtype) per expert, and autograd sums them out of place. From the second expert on: the
-    # gate_up running sum, the incoming one and their sum (3 stacks) plus the down sum (1).
-    # By then the shared expert, the weighted outputs and two experts' tensors are freed; those
-    # two experts' input gradients (and the shared expert's) wait for the split's backward.
-    local = max(1, c.num_experts // r.ep)
-    if local >= 2:
-        stacks, done = r.master * 7 * local * ie * h, 2
-    else:
-        stacks, done = r.master * 3 * ie * h, 1
-    experts = stacks + done / local * k * n * e * (h - 4 * ie)
-    if shared:
-        experts += e * h * n - shared
-    return max(start, experts)
 
 
 def ring_workspace_bytes(spec: ModelSpec, tokens: float, *, tp: int = 1) -> float:

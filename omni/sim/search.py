@@ -27,11 +27,12 @@ from typing import Any
 from omni.errors import ConfigError
 from omni.sim import megatron
 from omni.sim.config import SimConfig
-from omni.sim.data import StepWork
 from omni.sim.once import Warnings
-from omni.sim.simulate import check_encoder_sp, llm_sizes, simulate_placement
+from omni.sim.layout_checks import check_encoder_sp, llm_sizes
+from omni.sim.simulate import simulate_placement
 from omni.sim.spec import ModelSpec, model_spec
-from omni.sim.timing import Machine
+from omni.sim.machine import Machine
+from omni.sim.work import StepWork
 from omni.sim.workload import describe_workload
 from parallel.sizing import LayoutError
 

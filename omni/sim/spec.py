@@ -171,3 +171,9 @@ def _ask(enc, modality: str, name: str):
     except NotImplementedError:
         raise ConfigError(f"encoders: {type(enc).__name__} ({modality}) does not implement {name}(), which the "
                           f"simulator needs (docs/simulate.md, \"What the simulator asks of an encoder\")") from None
+
+
+def describe_model(spec: ModelSpec) -> dict[str, Any]:
+    return {"llm_params_b": spec.llm_params() / 1e9, "layers": spec.num_layers, "hidden": spec.hidden,
+            "encoders": {m: {"params_b": e.params / 1e9, "layers": e.num_layers, "hidden": e.hidden}
+                         for m, e in spec.encoders.items()}}

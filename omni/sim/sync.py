@@ -11,7 +11,8 @@ from omni.step.multiplex_rules import encoder_gradient_reduction, encoder_shard_
 from omni.sim.config import SimConfig
 from omni.sim.encoders import ChunkTimes
 from omni.sim.spec import ModelSpec
-from omni.sim.timing import BF16, CommGroup, Machine, StageWork
+from omni.sim.machine import CommGroup, Machine
+from omni.sim.timing import BF16, StageWork
 from parallel.sizing import Sizes, frees_after_backward, reduces_every_microbatch
 
 FP32 = 4  # FSDP's reduce dtype under bf16 mixed precision; the replicated masters' dtype

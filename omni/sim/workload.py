@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from omni.errors import ConfigError
-from omni.sim.data import StepWork, step_media_share
+from omni.sim.work import StepWork, step_media_share
 
 
 def command_line_keys(overrides: list[str]) -> set[str]:

@@ -124,6 +124,14 @@ def peak_ratio(before: dict | None, now: dict | None, limit_gib: float) -> str:
     return f"over {limit_gib * 2**30 / now['peak_above_inputs']:.0f}x"
 
 
+def before_now_cells(point: dict, limit_gib: float) -> list[str]:
+    """A point's ``before`` and ``now`` memory measurements as table cells: each peak, their
+    ratio, and the seconds ``now`` took where it fit."""
+    before, now = point["before"], point["now"]
+    return [peak_cell(before, limit_gib), peak_cell(now, limit_gib), peak_ratio(before, now, limit_gib),
+            f"{now['seconds']:.0f}" if now and now["fits"] else ""]
+
+
 def proc_status_bytes(field: str) -> int:
     """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -140,6 +148,36 @@ def save(out: str | Path, name: str, results: dict) -> Path:
                "git": git_state(), **results}
     path.write_text(json.dumps(results, indent=1, default=float) + "\n")
     return path
+
+
+def save_and_plot(out: str | Path, name: str, results: dict, plot) -> None:
+    """Save ``results`` as ``name``.json in ``out``, draw ``plot(results, png)`` beside it, and
+    say where (with the run's ``wall_s``)."""
+    path = save(out, name, results)
+    png = path.with_suffix(".png")
+    plot(results, png)
+    print(f"\nwrote {path} and {png} ({results['wall_s']:.0f}s)")
+
+
+def run_record(t0: float, **fields) -> dict:
+    """``fields`` and where and when the run was made: the commit, the machine, the seconds since
+    ``t0`` and the clock time (what a measured doc section cites, ``measured_on_cpu``)."""
+    return {**fields, "git": git_state(), "machine": machine(), "seconds": time.perf_counter() - t0,
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def measured_on_cpu(script: str, res: dict) -> str:
+    """The first words of a doc section measured on this machine's CPU: the script and the run
+    (``run_record``) that measured it."""
+    return (f"**Measured** on this machine's CPU: `scripts/bench/{script}` (commit {res['git']['commit']}, "
+            f"{res['time']}, {res['seconds']:.0f} s; {res['machine'].get('cpu', '')}).")
+
+
+def publish(body: str, doc: str | None, section: str) -> None:
+    """Print a doc section's body and, with ``--doc``, (re)write the section in that file."""
+    print(body)
+    if doc:
+        write_doc_section(Path(doc), section, body)
 
 
 def write_doc_section(doc: Path, section: str, body: str) -> None:

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from _common import REPO, median, parser, save, table  # noqa: F401  (REPO: sys.path set-up)
+from _common import REPO, median, parser, save_and_plot, table  # noqa: F401  (REPO: sys.path set-up)
 
 from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.balance import METHODS, arrange
@@ -362,11 +362,7 @@ def main() -> None:
     res["wall_s"] = time.perf_counter() - t0
     text = report(res)
     print(text)
-    name = "balance_quality" + ("_quick" if args.quick else "")
-    path = save(args.out, name, res)
-    png = path.with_suffix(".png")
-    plot(res, png)
-    print(f"\nwrote {path} and {png} ({res['wall_s']:.0f}s)")
+    save_and_plot(args.out, "balance_quality" + ("_quick" if args.quick else ""), res, plot)
 
 
 if __name__ == "__main__":

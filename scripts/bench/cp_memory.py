@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import (REPO, git_state, in_fresh_process, machine, parser, peak_cell, peak_ratio, proc_status_bytes,
-                     save, table, worktree, write_doc_section)
+from _common import (REPO, before_now_cells, in_fresh_process, measured_on_cpu, parser, proc_status_bytes, publish,
+                     run_record, save, table, worktree)
 
 SECTION = "## Context parallelism memory: ring and Ulysses in linear memory (CPU)"
 GIB = 2 ** 30
@@ -148,15 +148,11 @@ def main() -> None:
                     print(layers, impl, n, points[f"{layers}/{impl}/{n}"], flush=True)
 
     lim = args.limit_gib
-    rows = [[r["layers"], r["impl"], r["tokens"], r["tokens"] // CP, peak_cell(r["before"], lim), peak_cell(r["now"], lim),
-             peak_ratio(r["before"], r["now"], lim),
-             f"{r['now']['seconds']:.0f}" if r["now"] and r["now"]["fits"] else ""] for r in points.values()]
-    res = {"layers": args.layers.split(","), "before_commit": args.before, "limit_gib": args.limit_gib, "points": points,
-           "git": git_state(), "machine": machine(), "seconds": time.perf_counter() - t0,
-           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    rows = [[r["layers"], r["impl"], r["tokens"], r["tokens"] // CP, *before_now_cells(r, lim)] for r in points.values()]
+    res = run_record(t0, layers=args.layers.split(","), before_commit=args.before, limit_gib=args.limit_gib,
+                     points=points)
     print(save(args.out, "cp_memory", res))
-    body = (f"**Measured** on this machine's CPU: `scripts/bench/cp_memory.py` (commit {res['git']['commit']}, "
-            f"{res['time']}, {res['seconds']:.0f} s; {res['machine'].get('cpu', '')}). One `Trainer.train_step` "
+    body = (measured_on_cpu("cp_memory.py", res) + " One `Trainer.train_step` "
             f"of a Llama-style decoder of `layers` layers (hidden 128, 2 query heads and 1 KV head of 64 dims, bf16 "
             f"autocast) on one row holding one document of `tokens` tokens, cut zig-zag over 2 gloo CP ranks; each "
             f"point in fresh processes, each rank limited to {args.limit_gib:.0f} GiB of address space. Per rank: the "
@@ -172,9 +168,7 @@ def main() -> None:
             "of scores alive, a constant that dominates `now` at these small widths); Ulysses sorts the row into "
             "documents and attends per document (`parallel/cp_attention.py`). Both grow linearly in the tokens. "
             "`over Nx`: before exceeded the limit, so the ratio is at least N.\n")
-    print(body)
-    if args.doc:
-        write_doc_section(Path(args.doc), SECTION, body)
+    publish(body, args.doc, SECTION)
 
 
 if __name__ == "__main__":

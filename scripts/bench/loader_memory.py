@@ -63,7 +63,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from _common import REPO, git_state, median, parser, save, table
+from _common import REPO, git_state, median, parser, save_and_plot, table
 
 SHARDS_PER_SOURCE = 4
 SAMPLES_PER_SHARD = 50
@@ -1056,11 +1056,8 @@ def main() -> None:
     res = run(args)
     res["wall_s"] = time.perf_counter() - t0
     print(report(res))
-    path = save(args.out, name, res)
+    save_and_plot(args.out, name, res, plot)
     Path(args.out, f"{name}.partial.json").unlink(missing_ok=True)
-    png = path.with_suffix(".png")
-    plot(res, png)
-    print(f"\nwrote {path} and {png} ({res['wall_s']:.0f}s)")
 
 
 def argparse_hidden():

@@ -28,7 +28,7 @@ import time
 
 import torch.utils.data as tud
 
-from _common import median, parser, save, table
+from _common import median, parser, save_and_plot, table
 
 GLOBAL_BATCH = 64
 BUDGET = 1024
@@ -211,11 +211,7 @@ def main() -> None:
     res = run(args)
     res["wall_s"] = time.perf_counter() - t0
     print(report(res))
-    name = "loader_throughput" + ("_quick" if args.quick else "")
-    path = save(args.out, name, res)
-    png = path.with_suffix(".png")
-    plot(res, png)
-    print(f"\nwrote {path} and {png} ({res['wall_s']:.0f}s)")
+    save_and_plot(args.out, "loader_throughput" + ("_quick" if args.quick else ""), res, plot)
 
 
 if __name__ == "__main__":

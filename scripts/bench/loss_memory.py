@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import git_state, in_fresh_process, machine, parser, proc_status_bytes, save, table, write_doc_section
+from _common import in_fresh_process, measured_on_cpu, parser, proc_status_bytes, publish, run_record, save, table
 
 SECTION = "## Loss memory: the chunked LM head and cross-entropy (CPU)"
 GIB = 2 ** 30
@@ -71,11 +71,9 @@ def main() -> None:
                      f"{r['chunked']['peak_above_inputs'] / buffer:.2f}x",
                      f"{r['plain']['seconds']:.1f} / {r['chunked']['seconds']:.1f}"])
         print(rows[-1], flush=True)
-    res = {"vocab": args.vocab, "hidden": args.hidden, "points": results, "git": git_state(), "machine": machine(),
-           "seconds": time.perf_counter() - t0, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res = run_record(t0, vocab=args.vocab, hidden=args.hidden, points=results)
     print(save(args.out, "loss_memory", res))
-    body = (f"**Measured** on this machine's CPU: `scripts/bench/loss_memory.py` (commit {res['git']['commit']}, "
-            f"{res['time']}, {res['seconds']:.0f} s; {res['machine'].get('cpu', '')}). One forward and backward of "
+    body = (measured_on_cpu("loss_memory.py", res) + " One forward and backward of "
             f"the LM head and its summed cross-entropy under bf16 autocast, vocabulary {args.vocab}, hidden "
             f"{args.hidden}, each point in a fresh process: its peak resident memory above what it held once the "
             f"inputs (hidden states, head, labels) existed, next to the size of one fp32 `[targets, vocab]` buffer. "
@@ -83,9 +81,7 @@ def main() -> None:
             f"`parallel/linear_cross_entropy.py` (chunks of one 256 MiB fp32 logits buffer).\n\n"
             + table(["targets", "fp32 [targets, vocab] GiB", "plain peak GiB", "plain / buffer",
                      "chunked peak GiB", "chunked / buffer", "seconds plain / chunked"], rows) + "\n")
-    print(body)
-    if args.doc:
-        write_doc_section(Path(args.doc), SECTION, body)
+    publish(body, args.doc, SECTION)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ Counted with the project's own rules, and one correction:
   datasheet ``peak_tflops`` (``conf/cluster/``, chosen from ``torch.cuda.get_device_name``;
   ``--cluster`` to force one) and the dense matmul throughput measured in the same run
   (``matmul_peak``: large matmuls in the step's dtype, timed with CUDA events);
-- predicted memory and step time: ``omni.sim.simulate.simulate`` on one GPU of that preset,
+- predicted memory and step time: ``omni.sim.compare.simulate`` on one GPU of that preset,
   placement colocated (the runtime's default), uncalibrated; its MFU here is the same FLOPs over
   its predicted step time.
 

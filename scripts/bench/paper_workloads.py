@@ -1,6 +1,6 @@
 """MegaScale-Omni's workloads A-D in the scale simulator, every placement side by side.
 
-One ``omni.sim.simulate.simulate(cfg)`` call per workload preset (conf/workload/A..D.yaml) and
+One ``omni.sim.compare.simulate(cfg)`` call per workload preset (conf/workload/A..D.yaml) and
 image:text mix 1:9 ... 9:1 (``data.image_ratio`` 0.1 ... 0.9), plus one call per workload with the
 mix ramping 0.1 -> 0.9 over the run (``data.image_ratio_schedule=[[0,0.1],[1,0.9]]``, 9 simulated
 steps; 3 in --quick), gives all placements. Speedups are over ``megatron``, Megatron-LM as its users

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (git_state, in_fresh_process, machine, parser, peak_cell, peak_ratio, proc_status_bytes, save,
-                     table, worktree, write_doc_section)
+from _common import (before_now_cells, in_fresh_process, measured_on_cpu, parser, proc_status_bytes, publish, run_record,
+                     save, table, worktree)
 
 SECTION = "## Qwen2.5-VL tower memory: window attention as contiguous segments (CPU)"
 GIB = 2 ** 30
@@ -88,14 +88,10 @@ def main() -> None:
             print(n, points[n], flush=True)
 
     lim = args.limit_gib
-    rows = [[n, (r["now"] or r["before"])["tokens"], peak_cell(r["before"], lim), peak_cell(r["now"], lim),
-             peak_ratio(r["before"], r["now"], lim), f"{r['now']['seconds']:.0f}" if r["now"] and r["now"]["fits"] else ""]
-            for n, r in points.items()]
-    res = {"layers": args.layers, "side": SIDE, "before_commit": args.before, "points": points, "git": git_state(),
-           "machine": machine(), "seconds": time.perf_counter() - t0, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    rows = [[n, (r["now"] or r["before"])["tokens"], *before_now_cells(r, lim)] for n, r in points.items()]
+    res = run_record(t0, layers=args.layers, side=SIDE, before_commit=args.before, points=points)
     print(save(args.out, "qwen_tower_memory", res))
-    body = (f"**Measured** on this machine's CPU: `scripts/bench/qwen_tower_memory.py` (commit "
-            f"{res['git']['commit']}, {res['time']}, {res['seconds']:.0f} s; {res['machine'].get('cpu', '')}). One "
+    body = (measured_on_cpu("qwen_tower_memory.py", res) + " One "
             f"training forward and backward of a Qwen2.5-VL tower at the 7B's width with {args.layers} blocks (the "
             f"last one full attention) under bf16 autocast, on images of {SIDE} px resized as Qwen's processor does "
             f"(74 x 74 patches each), each point in a fresh process limited to {args.limit_gib:.0f} GiB of address "
@@ -107,9 +103,7 @@ def main() -> None:
             "dense mask over the whole call and its attention kept a `[T, T]` bf16 bias for the backward (an "
             "allocation that fails is that bias: 2 bytes x T^2). `now` grows linearly; its own size is the "
             "blocks' saved activations without recompute (`parallel.encoder_activation_checkpoint=none`).\n")
-    print(body)
-    if args.doc:
-        write_doc_section(Path(args.doc), SECTION, body)
+    publish(body, args.doc, SECTION)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-from _common import git_state, in_fresh_process, machine, parser, save, table, write_doc_section
+from _common import in_fresh_process, parser, publish, run_record, save, table
 
 SECTION = "## Start-up: materialising a from-scratch Qwen2.5-VL tower (CPU)"
 
@@ -52,8 +51,7 @@ def main() -> None:
         rows.append([n, f"{after['params'] / 1e6:.0f}M", f"{before['seconds']:.1f}", f"{after['seconds']:.1f}",
                      f"{before['seconds'] / after['seconds']:.1f}x"])
         print(rows[-1], flush=True)
-    res = {"points": points, "git": git_state(), "machine": machine(), "seconds": time.perf_counter() - t0,
-           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res = run_record(t0, points=points)
     print(save(args.out, "startup_init", res))
     body = (f"**Measured** on this machine's CPU: `scripts/bench/startup_init.py --layers {args.layers}` (commit "
             f"{res['git']['commit']}, {res['time']}, {res['seconds']:.0f} s). A Qwen2.5-VL vision tower at "
@@ -62,9 +60,7 @@ def main() -> None:
             f"its RMSNorm without `reset_parameters` (every norm gain had the whole tower built afresh on the host); "
             f"`after`, as shipped.\n\n"
             + table(["layers", "parameters", "before s", "after s", "before / after"], rows) + "\n")
-    print(body)
-    if args.doc:
-        write_doc_section(Path(args.doc), SECTION, body)
+    publish(body, args.doc, SECTION)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-from _common import git_state, parser, save, table, write_doc_section
+from _common import git_state, parser, publish, save, table
 
 from recipes.simulate_cmd import load_sim_config
 
@@ -102,9 +101,7 @@ def main() -> None:
     slim = {k: {p: {x: v for x, v in r.items() if x != "per_rank"} for p, r in pl.items()} for k, pl in runs.items()}
     print(save(args.out, "step_decomposition", {**res, "runs": slim}))
     body = section(res)
-    print(body)
-    if args.doc:
-        write_doc_section(Path(args.doc), SECTION, body)
+    publish(body, args.doc, SECTION)
 
 
 if __name__ == "__main__":

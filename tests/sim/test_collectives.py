@@ -1,4 +1,4 @@
-"""The simulator's collective-communication model (omni/sim/timing.py): NCCL-like rings whose
+"""The simulator's collective-communication model (omni/sim/machine.py): NCCL-like rings whose
 node crossings use every NIC the group owns in a node, NCCL's tree for all-reduce across nodes,
 NVLink SHARP all-reduce inside a node, two-level (HSDP) reductions, all-to-all over groups that
 span nodes, and nccl-tests' bus bandwidth algebra. Times are the model's, from the cluster
@@ -15,7 +15,7 @@ import yaml
 
 from omni.errors import ConfigError
 from omni.sim.config import ClusterConfig
-from omni.sim.timing import CommGroup, Machine
+from omni.sim.machine import CommGroup, Machine
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2 ** 30

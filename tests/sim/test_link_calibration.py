@@ -1,4 +1,4 @@
-"""The link model (omni/sim/timing.py) with the cluster presets (conf/cluster/) against published
+"""The link model (omni/sim/machine.py) with the cluster presets (conf/cluster/) against published
 nccl-tests and vendor figures for H100, H200 and H800: each row is one published bus bandwidth,
 with its source, and the model's figure for the same collective, group and size must be within
 15% of it. docs/benchmarks.md tables the same rows (model, published, difference), the rows left
@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from omni.sim.config import ClusterConfig
-from omni.sim.timing import CommGroup, Machine
+from omni.sim.machine import CommGroup, Machine
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2 ** 30

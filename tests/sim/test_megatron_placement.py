@@ -13,11 +13,14 @@ import pytest
 
 from omni.sim import megatron
 from omni.sim.config import SimConfig
-from omni.sim.data import MicroBatchWork, draw_steps
+from omni.sim.data import draw_steps
+from omni.sim.work import MicroBatchWork
 from omni.sim.compare import simulate
-from omni.sim.simulate import _one_step, llm_sizes
+from omni.sim.layout_checks import llm_sizes
+from omni.sim.one_step import one_step
 from omni.sim.spec import model_spec
-from omni.sim.timing import Machine, encoder_work
+from omni.sim.machine import Machine
+from omni.sim.timing import encoder_work
 from recipes.simulate_cmd import load_sim_config, simulate_main
 
 SMALL = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",
@@ -39,7 +42,7 @@ def _runs(cfg: SimConfig):
     m = Machine(cfg.cluster)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, cfg.cluster.gpus_per_node)
     step = draw_steps(megatron.data_config(cfg, NAIVE), spec, sizes.dp)[0]
-    return (_one_step(cfg, spec, m, sizes, NAIVE, step, 0), _one_step(cfg, spec, m, sizes, "disaggregated", step, 0),
+    return (one_step(cfg, spec, m, sizes, NAIVE, step, 0), one_step(cfg, spec, m, sizes, "disaggregated", step, 0),
             spec, m, sizes, step)
 
 

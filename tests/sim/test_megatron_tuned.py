@@ -13,7 +13,8 @@ from omni.sim.compare import simulate
 from omni.sim.search import megatron_candidates, with_layout
 from omni.sim.simulate import simulate_placement
 from omni.sim.spec import model_spec
-from omni.sim.timing import Machine, stage_work
+from omni.sim.machine import Machine
+from omni.sim.timing import stage_work
 from recipes.simulate_cmd import load_sim_config
 
 SMALL = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni.sim.simulate import one_step_for_calibration
+from omni.sim.one_step import one_step_for_calibration
 from recipes.simulate_cmd import load_sim_config
 
 # Workload A's models (LLaMA-12B, ViT-1B) on two nodes of 8 GPUs, pp=2 (a node per pipeline

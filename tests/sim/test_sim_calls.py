@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from omni.step.multiplex_rules import chunks_per_call
-from omni.sim.simulate import one_step_for_calibration
+from omni.sim.one_step import one_step_for_calibration
 from recipes.simulate_cmd import load_sim_config
 
 SMALL = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",

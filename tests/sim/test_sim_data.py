@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from omni.errors import ConfigError
-from omni.sim.data import (SampleModel, check_data, draw_steps, media_llm_tokens, ratio_at, sample_media_share,
-                           step_media_share)
+from omni.sim.data import check_data, draw_steps, ratio_at
+from omni.sim.sample_model import SampleModel
+from omni.sim.work import media_llm_tokens, sample_media_share, step_media_share
 from omni.sim.spec import model_spec
 from recipes.cli import main
 from recipes.simulate_cmd import load_sim_config

@@ -21,12 +21,14 @@ from omni.multiplex.media_tower import MediaTower
 
 from omni.step.multiplex_rules import tower_grads_unsharded, tower_reshards_after_backward, tower_syncs_gradients
 from omni.sim import sync
-from omni.sim.data import MicroBatchWork, StepWork
+from omni.sim.work import MicroBatchWork, StepWork
 from omni.sim.encoders import empty_call
 from omni.sim.engine import programs
-from omni.sim.simulate import _one_step, llm_sizes, one_step_for_calibration
+from omni.sim.layout_checks import llm_sizes
+from omni.sim.one_step import one_step, one_step_for_calibration
 from omni.sim.spec import model_spec
-from omni.sim.timing import BF16, Machine
+from omni.sim.machine import Machine
+from omni.sim.timing import BF16
 from recipes.simulate_cmd import load_sim_config, simulate_main
 
 GIB = 2.0**30
@@ -255,7 +257,7 @@ def test_sharded_gathers_go_to_the_first_chunk_with_items():
         spec, m = model_spec(cfg.model, cfg.encoders), Machine(cfg.cluster)
         sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, 8)
         step = StepWork([[text, media, media, text] for _ in range(sizes.dp)], 1.0)
-        runs[weights] = _one_step(cfg, spec, m, sizes, "colocated", step, 0).chunks
+        runs[weights] = one_step(cfg, spec, m, sizes, "colocated", step, 0).chunks
     sharded, replicated = runs["sharded"], runs["replicated"]
     assert sharded[0].modalities == [] and sharded[0].forward_s == 0.0 == sharded[0].backward_s
     gather = m.ring("all_gather", BF16 * spec.encoders["image"].params, 8, False)
@@ -280,18 +282,18 @@ def test_llm_stages_gather_once_per_step_under_pp(schedule, pp, virtual, n):
 def test_llm_first_forward_carries_the_exposed_gather():
     """Identical micro-batches: the first forward of a stage is longer by the gather that its
     compute cannot hide, plus one layer's; later forwards and every backward pay none."""
-    from omni.sim.simulate import _local_params
+    from omni.sim.one_step import local_params
     from parallel.pipeline_schedule import split_layers
 
     cfg = load_sim_config([*SMALL, "encoders=none", "data.image_ratio=0"])
     spec, m = model_spec(cfg.model, cfg.encoders), Machine(cfg.cluster)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, 8)
     mb = MicroBatchWork([512, 512])
-    run = _one_step(cfg, spec, m, sizes, "colocated", StepWork([[mb] * 4 for _ in range(sizes.dp)], 1.0), 0)
+    run = one_step(cfg, spec, m, sizes, "colocated", StepWork([[mb] * 4 for _ in range(sizes.dp)], 1.0), 0)
     layers = split_layers(spec.num_layers, sizes.pp)
     for st in range(sizes.pp):
         first, later = run.work[(0, st, 0)], run.work[(0, st, 1)]
-        local = _local_params(spec, layers[st], st == 0, st == sizes.pp - 1, sizes.tp, sizes.ep)
+        local = local_params(spec, layers[st], st == 0, st == sizes.pp - 1, sizes.tp, sizes.ep)
         ag = m.ring("all_gather", BF16 * local, sizes.dp_shard, False)
         assert ag > 0
         assert first.forward_s - later.forward_s == pytest.approx(
@@ -342,7 +344,7 @@ def test_gpus_without_items_pay_the_calls_fixed_cost():
     spec, m = model_spec(cfg.model, cfg.encoders), Machine(cfg.cluster)
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, 8)
     one_image = [MicroBatchWork([600], [("image", 64, 64)])] + [MicroBatchWork([600])] * 3
-    run = _one_step(cfg, spec, m, sizes, "colocated", StepWork([one_image] * sizes.dp, 1.0), 0)
+    run = one_step(cfg, spec, m, sizes, "colocated", StepWork([one_image] * sizes.dp, 1.0), 0)
     ch = run.chunks[0]
     busy = [f for f in ch.gpu_forward_s if f > empty_call(m, spec, "image").forward_s]
     assert 0 < len(busy) < len(ch.gpu_forward_s)  # some GPUs encode, the others call with none
@@ -365,13 +367,13 @@ def test_each_row_pads_to_its_own_length_and_throughput_counts_real_tokens():
     sizes = llm_sizes(cfg.parallel, cfg.cluster.num_gpus, spec, cfg.data.micro_batch_tokens, 8)
     long_group = [MicroBatchWork([1000]), MicroBatchWork([900]), MicroBatchWork([800])]
     short_group = [MicroBatchWork([200]), MicroBatchWork([100]), MicroBatchWork([])]
-    run = _one_step(cfg, spec, m, sizes, "colocated", StepWork([long_group, short_group], 1.0), 0)
+    run = one_step(cfg, spec, m, sizes, "colocated", StepWork([long_group, short_group], 1.0), 0)
     unit = 8 * sizes.tp
     assert run.work[(0, 0, 0)].tokens == -(-1000 // unit) * unit
     assert [run.work[(1, 0, i)].tokens for i in range(4)] == [-(-200 // unit) * unit, -(-100 // unit) * unit,
                                                              unit, unit]  # the 4th: pp's padding
-    from omni.sim.simulate import _summarise
+    from omni.sim.summary import summarise
 
     step = StepWork([long_group, short_group], 1.0)
-    s = _summarise(cfg, spec, sizes, "colocated", [step], [run], 0)
+    s = summarise(cfg, spec, sizes, "colocated", [step], [run], 0)
     assert s["tokens_per_s"] * s["step_time_s"] == pytest.approx(3000)

@@ -13,9 +13,11 @@ from omni.step.multiplex_rules import encoder_gradient_reduction, tower_grads_un
 from omni.step.multiplex_rules import encoder_ranks
 from omni.sim import sync
 from omni.sim.encoders import ChunkTimes
-from omni.sim.simulate import llm_sizes, one_step_for_calibration
+from omni.sim.layout_checks import llm_sizes
+from omni.sim.one_step import one_step_for_calibration
 from omni.sim.spec import model_spec
-from omni.sim.timing import BF16, CommGroup, Machine, StageWork
+from omni.sim.machine import CommGroup, Machine
+from omni.sim.timing import BF16, StageWork
 from parallel.sizing import Sizes, reduces_every_microbatch
 from recipes.simulate_cmd import load_sim_config, simulate_main
 

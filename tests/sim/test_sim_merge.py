@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from omni.sim.data import draw_steps, media_rows, step_media_share
-from omni.sim.simulate import one_step_for_calibration
+from omni.sim.data import draw_steps
+from omni.sim.work import media_rows, step_media_share
+from omni.sim.one_step import one_step_for_calibration
 from omni.sim.spec import model_spec
 from recipes.simulate_cmd import load_sim_config
 

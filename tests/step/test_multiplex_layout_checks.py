@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from omni.errors import ConfigError
-from omni.sim.simulate import check_encoder_sp
+from omni.sim.layout_checks import check_encoder_sp
 from omni.step.config import MultiplexConfig
 from omni.step.multiplex_rules import check_multiplex_layout
 from parallel.sizing import LayoutError, resolve_sizes
