@@ -157,8 +157,8 @@ def test_a_lora_run_resumes_exactly_and_exports_merged_and_as_adapter(demo_root,
     from recipes.model_source import load_model
     from PIL import Image
 
-    from hf_family_helpers import hf_inputs
-    from test_export_cmd import IMAGE, _check_export, _family_run, _omni_logits, _prompt
+    from hf_family_helpers import hf_inputs, model_logits
+    from test_export_cmd import IMAGE, _check_export, _family_run, _prompt
 
     lora_keys = ["model.lora.rank=4", "model.lora.alpha=8", "trainer.max_steps=4", "optim.lr=1e-2",
                  "data.global_batch_size=2"]
@@ -182,7 +182,7 @@ def test_a_lora_run_resumes_exactly_and_exports_merged_and_as_adapter(demo_root,
 
     assert main(["export", str(run), "--adapter", "--out", str(tmp_path / "apart")]) == 0
     mb, _ = _prompt(adapted)
-    want = _omni_logits(adapted.model, mb)
+    want = model_logits(adapted.model, mb)
     hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "apart").eval()
     inputs = hf_inputs(tmp_path / "apart", [Image.fromarray(IMAGE)], mb.input_ids.numpy(),
                        adapted.tokenizer.placeholder_ids["image"])
