@@ -60,7 +60,7 @@ def saved_config(cfg, llm_config) -> str:
     """``config.yaml`` of the run: the composed config, with the backbone's fields replaced by
     the architecture that was really built (config.json's under ``model.pretrained``, and the
     vocabulary after the tokenizer's placeholders were added)."""
-    from dataclasses import asdict, fields, replace
+    from dataclasses import fields, replace
 
     arch = {f.name: getattr(llm_config, f.name) for f in fields(llm_config)}
     model = replace(cfg.model, **{k: v for k, v in arch.items() if k in {f.name for f in fields(cfg.model)}})

@@ -8,7 +8,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from dataloading.construct.batch import IGNORE_INDEX

@@ -1,6 +1,5 @@
 """Encoder activation checkpointing (parallel.encoder_activation_checkpoint, set on each encoder
 by ``parallelize``): the same outputs and gradients, and far less kept for backward."""
-import dataclasses
 
 import pytest
 import torch

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from parallel.device_rules import DeviceRulesError, free_memory_at_steady_state, resolve_device_rules
 from parallel.strict_device import HostSyncError, StrictDevice, host_read, on_device
