@@ -76,8 +76,10 @@ class ParallelModel:
 
     def __post_init__(self) -> None:
         if self.runner is None and self.num_stages == 1:  # (parallelize sets a pipeline's own)
-            # One stage: no messages, so no shapes (hidden size and dtype unused).
-            self.runner = PipelineExecutor(self.chunks, self.stage_ids, 1, None, torch.device("cpu"), 0, torch.float32,
+            # One stage: no messages, so no shapes (hidden size and dtype unused); the first
+            # stage's placeholder input goes where the model is (a GPU's, not the host).
+            device = next((p.device for p in self.chunks[0].parameters()), torch.device("cpu"))
+            self.runner = PipelineExecutor(self.chunks, self.stage_ids, 1, None, device, 0, torch.float32,
                                            self.timeline)
 
     @property
