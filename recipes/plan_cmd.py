@@ -111,7 +111,7 @@ def _padded_fraction(plan, par) -> float:
 def _print_table(plans, padded, planner, balance: str, dp: int, mixture: str, out, par) -> None:
     names = planner.names
     weights = {n: [] for n in names}
-    out.write(f"omni data plan: {mixture}, dp={dp}, balance={balance}, budget={planner.budget} tokens, "
+    out.write(f"omni data plan: {mixture}, dp={dp}, balance={balance}, budget={planner.packing.budget} tokens, "
               f"global batch {planner.global_batch_size}; padded rows as tp={par.tp} x pp={par.pp} runs them\n\n")
     share_cols = " | ".join(f"{n} %" for n in names)
     out.write(f"| step | max/mean | lower bound | utilisation | micro-batches | padded % | skipped | {share_cols} |\n")

@@ -36,7 +36,8 @@ from dataloading.formats.tokenizer import ByteTokenizer, Tokenizer, estimate_tex
 from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.balance import arrange
 from dataloading.plan.cost import CostModel
-from dataloading.plan.mixture import OVER_BUDGET_POLICIES, SourceOptions, WeightSchedule
+from dataloading.plan.mixture import SourceOptions, WeightSchedule
+from dataloading.plan.packing import Packing
 from dataloading.plan.pieces import PIECE_SEP, split_piece
 from dataloading.plan.token_counts import chat_token_counts
 
@@ -159,26 +160,16 @@ class StepPlan:
 class Planner:
     def __init__(self, sources: Mapping[str, SourceIndex | SourceTable], weights: Mapping[str, float | WeightSchedule],
                  seed: int, global_batch_size: int, dp_size: int, *, tokenizer: Tokenizer | None = None,
-                 processors: Mapping[str, MediaProcessor] | None = None, budget: int | None = None,
-                 cost_model: CostModel | None = None, balance: str = "balanced", balance_group: int = 0,
-                 over_budget: str = "error", options: Mapping[str, SourceOptions] | None = None,
-                 micro_batch_multiple: int = 1):
+                 processors: Mapping[str, MediaProcessor] | None = None, cost_model: CostModel | None = None,
+                 options: Mapping[str, SourceOptions] | None = None, packing: Packing = Packing()):
         if dp_size < 1 or global_batch_size < dp_size:
             raise DataError(f"data.global_batch_size={global_batch_size} must be >= the data-parallel size "
                             f"{dp_size} (every rank needs a sample each step)", kind="config")
-        if over_budget not in OVER_BUDGET_POLICIES:
-            raise DataError(f"data.over_budget={over_budget!r} is not a policy; use one of "
-                            f"{list(OVER_BUDGET_POLICIES)}", kind="config")
         self.seed = int(seed)
         self.global_batch_size = int(global_batch_size)
         self.dp_size = int(dp_size)
-        self.budget = budget
+        self.packing = packing
         self.cost_model = cost_model or CostModel()
-        self.balance = balance
-        self.balance_group = balance_group
-        # Micro-batches per rank come in multiples of this (the pipeline's stages; 1 without PP).
-        self.micro_batch_multiple = int(micro_batch_multiple)
-        self.over_budget = over_budget
         # Sorted, so reordering the mixture file does not change the stream.
         self.names = sorted(sources)
         options = options or {}
@@ -271,7 +262,7 @@ class Planner:
     # ---- samples -> units of work (the over-budget policy) --------------------------
     def _units(self, picked: list[tuple[str, int]]) -> tuple[list[str], list[int], list[float], dict[str, int]]:
         ids, tokens, costs, skipped = [], [], [], {}
-        budget = self.budget
+        budget = self.packing.budget
 
         def add(unit_id: str, n: int, cost: float) -> None:
             ids.append(unit_id)
@@ -288,7 +279,7 @@ class Planner:
             if budget is None or n <= budget:
                 add(sid, n, float(t.cost[i]))
                 continue
-            policy = t.options.over_budget or self.over_budget
+            policy = t.options.over_budget or self.packing.over_budget
             if policy == "error":
                 raise DataError(f"sample {sid} needs {n} tokens but data.micro_batch_tokens={budget}; raise "
                                 f"data.micro_batch_tokens, lower the image patch budget, or set data.over_budget "
@@ -320,13 +311,14 @@ class Planner:
         for s in range(self.step, step):
             state = self._draw(s, state)[1]
         picked = self._draw(step, state)[0]
-        return self.arrange(step, picked, dp_size or self.dp_size, balance or self.balance)
+        return self.arrange(step, picked, dp_size or self.dp_size, balance or self.packing.balance)
 
     def arrange(self, step: int, picked: list[tuple[str, int]], dp_size: int, balance: str) -> StepPlan:
         ids, tokens, costs, skipped = self._units(picked)
         cost_arr = np.asarray(costs, dtype=np.float64)
-        arr = arrange(cost_arr, np.asarray(tokens, dtype=np.int64), dp_size, self.budget, balance,
-                      self.balance_group, self.micro_batch_multiple)
+        pk = self.packing
+        arr = arrange(cost_arr, np.asarray(tokens, dtype=np.int64), dp_size, pk.budget, balance, pk.balance_group,
+                      pk.micro_batch_multiple)
         ranks = [[[ids[i] for i in mb] for mb in rank] for rank in arr.ranks]
         counts: dict[str, int] = {}
         for name, _ in picked:

@@ -152,6 +152,7 @@ def build_planner(data: DataConfig, tokenizer: Tokenizer, processors: Mapping[st
     from dataloading.index.source_index import load_index
     from dataloading.plan.cost import CostModel
     from dataloading.plan.mixture import load_mixture
+    from dataloading.plan.packing import Packing
     from dataloading.plan.planner import SourceTable
 
     if data.mixture is None:
@@ -167,9 +168,8 @@ def build_planner(data: DataConfig, tokenizer: Tokenizer, processors: Mapping[st
         indices[s.name] = ix
     weights = {s.name: s.weight for s in mix.sources}
     planner = Planner(tables, weights, seed, data.global_batch_size, dp_size, tokenizer=tokenizer,
-                      processors=processors, budget=data.micro_batch_tokens, cost_model=cost_model,
-                      balance=data.balance, balance_group=data.balance_group, over_budget=data.over_budget,
-                      options={s.name: s.options for s in mix.sources}, micro_batch_multiple=micro_batch_multiple)
+                      processors=processors, cost_model=cost_model, options={s.name: s.options for s in mix.sources},
+                      packing=Packing.of(data, micro_batch_multiple))
     return planner, indices
 
 

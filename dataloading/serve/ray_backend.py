@@ -24,6 +24,7 @@ config DataError.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -125,9 +126,7 @@ class RayStepLoader(CommittedSteps):
     def _fingerprint(self) -> str:
         p = self.planner
         return json.dumps({"seed": p.seed, "global_batch_size": p.global_batch_size, "dp_size": p.dp_size,
-                           "budget": p.budget, "balance": p.balance, "balance_group": p.balance_group,
-                           "micro_batch_multiple": p.micro_batch_multiple,
-                           "over_budget": p.over_budget, "sources": {n: len(t) for n, t in p.tables.items()},
+                           **dataclasses.asdict(p.packing), "sources": {n: len(t) for n, t in p.tables.items()},
                            "micro_batch_tokens": self.constructor.micro_batch_tokens}, sort_keys=True)
 
     def _setup(self) -> None:

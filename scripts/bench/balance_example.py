@@ -15,6 +15,7 @@ import numpy as np
 
 from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.cost import CostModel
+from dataloading.plan.packing import Packing
 from dataloading.plan.planner import Planner
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     # The tiny demo LLM (4 layers, 4 heads of 32, ~0.95M active params) and its SigLIP tower.
     cost = CostModel(alpha=2 * 4 * 4 * 32, beta=2 * 0.95e6, encoders={"image": (4 * 2 * 96, 2.6e5)})
     planners = {m: Planner(sources(), {"text": 0.6, "images": 0.4}, 0, 256, 16, processors={"image": PatchCount()},
-                           budget=4096, cost_model=cost, balance=m) for m in ("none", "sorted_greedy", "balanced")}
+                           cost_model=cost, packing=Packing(budget=4096, balance=m)) for m in ("none", "sorted_greedy", "balanced")}
     ratios = {m: [] for m in planners}
     first = {}
     for step in range(args.steps):

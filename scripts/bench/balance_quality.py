@@ -31,6 +31,7 @@ from _common import REPO, median, parser, save_and_plot, table  # noqa: F401  (R
 from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.balance import METHODS, arrange
 from dataloading.plan.cost import CostModel
+from dataloading.plan.packing import Packing
 from dataloading.plan.planner import Planner
 
 GLOBAL_BATCH = 4096
@@ -153,8 +154,8 @@ def build_planner(name: str, n: int, seed: int = 0) -> Planner:
     sources = MIXTURES[name](rng, n)
     indices = {s: SourceIndex(s, samples) for s, (_, samples) in sources.items()}
     weights = {s: w for s, (w, _) in sources.items()}
-    return Planner(indices, weights, seed, GLOBAL_BATCH, DPS[0], processors=PROCESSORS, budget=BUDGET,
-                   cost_model=COST, balance="balanced")
+    return Planner(indices, weights, seed, GLOBAL_BATCH, DPS[0], processors=PROCESSORS, cost_model=COST,
+                   packing=Packing(budget=BUDGET, balance="balanced"))
 
 
 def timed(fn, *args, **kw):

@@ -130,3 +130,20 @@ def test_bad_configs(sources, processors):
         make(sources, processors, seed=5).load_state_dict(planner.state_dict())
     with pytest.raises(DataError, match="unknown sources"):
         planner.set_weights({"zzz": 1.0})
+
+
+def test_packing_is_the_rules_a_data_config_sets(sources, processors):
+    from dataloading.config import DataConfig
+    from dataloading.plan.packing import Packing
+
+    data = DataConfig(micro_batch_tokens=300, balance="lpt", balance_group=2, over_budget="skip")
+    packing = Packing.of(data, micro_batch_multiple=2)
+    assert packing == Packing(budget=300, balance="lpt", balance_group=2, over_budget="skip", micro_batch_multiple=2)
+    with pytest.raises(DataError, match="data.over_budget='trunc' is not a policy"):
+        Packing(over_budget="trunc")
+    # The planner arranges under them: micro-batches in multiples of 2, none over the budget,
+    # and the samples over it skipped.
+    plan = Planner(sources, WEIGHTS, 0, 20, 2, processors=processors, packing=packing).plan()
+    assert all(len(rank) % 2 == 0 for rank in plan.ranks)
+    assert all(sum(plan.unit_tokens[u] for u in mb) <= 300 for rank in plan.ranks for mb in rank)
+    assert plan.skipped.get("over_budget", 0) > 0
