@@ -1,5 +1,7 @@
-"""The training loop: micro-batch accumulation, global-token loss normalisation, AdamW with
-warmup + cosine, clipping, checkpoints, metrics, and the held-out evaluation at the end.
+"""The training run around its steps: resume, the loop (each step's host inputs built while
+the device runs the one before), checkpoints, metrics, validation and the held-out evaluation
+at the end. The step itself (global-token loss normalisation, the program's forwards and
+backwards, gradient sync, clipping, AdamW) is ``omni.runtime.step_runner.StepRunner``.
 
 Fault handling (docs/fault-tolerance.md): non-finite steps are skipped and counted, loss spikes
 logged with their sample ids, a hang watchdog ends a stuck rank, a collective that times
@@ -7,54 +9,36 @@ out says at which step and phase, and Ctrl-C or SIGTERM stops every rank after t
 with a checkpoint there (omni/runtime/stop.py)."""
 from __future__ import annotations
 
-import contextlib
-import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-import torch
-from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 from dataloading.construct.batch import MicroBatch, StepBatch
 from dataloading.errors import DataError
 from omni.errors import UserError
+from omni.models.freeze import ModuleNames
 from omni.models.multimodal import OmniModel
 from omni.runtime.checkpoint import Checkpointer
 from omni.runtime.config import CheckpointConfig, OptimConfig, TrainerConfig
 from omni.runtime.final_eval import final_evaluation
-from omni.runtime.guards import BadStepGuard, NonFiniteSteps
+from omni.runtime.guards import NonFiniteSteps
 from omni.runtime.metrics import progress_bar
-from omni.runtime.step_journal import StepJournal
-from omni.runtime.trackers import TrackedRun, open_trackers
-from omni.runtime.validation import Validator
 from omni.runtime.optim import PartOptimizers
-from omni.runtime.stages import Stage, StageSchedule
-from omni.models.freeze import ModuleNames
-from omni.models.multimodal import Prepared, StageLog
 from omni.runtime.parallelize import ParallelModel
-from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
-                                   write_chrome_trace)
-from parallel.data_parallel import all_reduce_sums
-from parallel.grad_norm import local_grad_square_sum, scale_to_max_norm_
+from omni.runtime.stages import StageSchedule
+from omni.runtime.step_journal import StepJournal
+from omni.runtime.step_runner import HostInputs, StepRunner
 from omni.runtime.stop import (STOP_GRACE_MIN_S, RunStopped, StopNow, StopOnSignal, exit_if_stuck,
                                interrupted_message, stopped_message)
+from omni.runtime.timeline import (RunSummary, gather_step_times, peak_memory, reset_peak_memory, summarise_ranks,
+                                   write_chrome_trace)
+from omni.runtime.trackers import TrackedRun, open_trackers
+from omni.runtime.validation import Validator
 from omni.runtime.watchdog import Watchdog
 from parallel.layout import Layout, host_group
-from parallel.strict_device import StrictDevice, host_read
-from omni.step import StepProgram, plan_step
-
-
-def _device_sum(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The sum of detached 0-dim losses in fp64 (the precision the logged totals always had),
-    on the device: nothing is read back."""
-    if not parts:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([p.to(torch.float64) for p in parts]).sum()
-
-
 
 
 class CollectiveTimeout(UserError):
@@ -64,18 +48,6 @@ class CollectiveTimeout(UserError):
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc)
     return "Timed out" in text or "timed out" in text or "Timeout" in text
-
-
-@dataclass
-class HostInputs:
-    """A step's host work (``Trainer._host_inputs``): its program (``omni.step.plan_step``: the
-    micro-batch count, each row's length, every pipeline rank's actions), its micro-batches
-    ready on the device, and the global batch's target and token counts."""
-
-    program: StepProgram
-    prepared: list[Prepared]
-    global_targets: float
-    global_tokens: float
 
 
 @dataclass
@@ -127,10 +99,7 @@ class Trainer:
             modules = ModuleNames.of_parameters(name for name, _ in self.pm.named_parameters())
         self.optim = PartOptimizers(self.pm.parts, optim_cfg, trainer_cfg.max_steps, modules)
         self.stages = StageSchedule(trainer_cfg.stages, modules) if trainer_cfg.stages else None
-        self._stage: Stage | None = None
-        self._idle: list[torch.nn.Parameter] = []  # trainable, but sitting the current stage out
         self.init_from = None if init_from is None else Path(init_from)
-        self.clip = optim_cfg.clip_grad_norm
         self.run_dir = Path(trainer_cfg.run_dir)
         self.ckpt_cfg = ckpt_cfg
         self.checkpointer = Checkpointer(ckpt_cfg, self.run_dir, rank=layout.rank, layout=asdict(layout.sizes),
@@ -141,9 +110,8 @@ class Trainer:
         self.run_config = run_config or {}
         self.watchdog = Watchdog(trainer_cfg.hang_timeout_s, layout.rank, self.run_dir)
         # Ctrl-C / SIGTERM during fit's loop: a stop after the step every rank agrees on, with a
-        # checkpoint (omni/runtime/stop.py); ``_stopping`` is that agreement, from the step's sums.
+        # checkpoint (omni/runtime/stop.py); ``steps.stopping`` is that agreement, from the step's sums.
         self._stop = StopOnSignal(announce=layout.is_main)
-        self._stopping = False
         # Host numbers and objects (global counts, sample ids, timelines) go over gloo (None: the
         # default group already is), never through the accelerator.
         self._host = host_group(layout)
@@ -151,56 +119,15 @@ class Trainer:
         self._ahead: tuple | None = None  # (step, batch, HostInputs) built during the previous step
         self._loader_state: dict | None = None  # the loader's state before the step built ahead
         self._last = trainer_cfg.max_steps
-        self._mux_metrics: dict = {}
         self.trace_step = trace_step
-        # bf16 autocast as the layout's device rules take trainer.precision (auto: bf16 under CUDA's).
-        self.bf16 = replace(layout.rules, precision=trainer_cfg.precision).bf16
-        # CUDA's rules on the CPU: the strict device check (parallel/strict_device.py) runs every
-        # step; the parameters and buffers are where a GPU would hold them.
-        self.strict = StrictDevice() if layout.rules.emulated else None
-        if self.strict is not None:
-            for part in self.pm.parts:
-                self.strict.mark_module(part)
-        # Autocast keeps the bf16 copy of an fp32 weight for the whole autocast region (the
-        # step). For fp32 DTensor parameters (FSDP's, TP's) used by several forwards before
-        # their backwards (pipeline micro-batches, encoder calls at the cuts), that shared copy
-        # gave wrong gradients (sharded encoder weights under pp=2: 30-80% off; tests/multiplex/
-        # test_multiplex_equal_single.py). So they are cast at every use instead; bf16 FSDP
-        # parameters (the GPU default) need no cast at all.
-        self._autocast_cache = not any(isinstance(p, DTensor) and p.dtype == torch.float32
-                                       for p in self.pm.parameters())
+        self.steps = StepRunner(self.pm, layout, self.optim, clip=optim_cfg.clip_grad_norm,
+                                precision=trainer_cfg.precision, pad_id=self.pad_id, stages=self.stages,
+                                host=self._host, phase=lambda name: self._phase(name), stop_requested=lambda: self._stop.requested)
 
     @property
     def model(self) -> OmniModel:
         """The (first) model chunk this rank holds."""
         return self.pm.chunks[0]
-
-    def _autocast(self):
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, cache_enabled=self._autocast_cache)
-
-    def _counts(self, batch: StepBatch) -> tuple[float, float, float]:
-        """(target tokens, real micro-batches, tokens) of the whole global batch, from host
-        numbers over the host (gloo) group: nothing touches the accelerator. Peers that hold the
-        same tokens (TP, PP) or the same micro-batches (CP) count them once."""
-        holder = self.layout.counts_data
-        targets = batch.num_target_tokens if holder else 0
-        real = sum(1 for mb in batch.micro_batches if mb.sample_ids) if holder and self.layout.cp_rank == 0 else 0
-        tokens = batch.num_tokens if holder else 0
-        return tuple(all_reduce_sums([targets, real, tokens], torch.device("cpu"), self._host))
-
-    def _prepare(self, row: tuple[MicroBatch, int], global_targets: float) -> Prepared:
-        mb, real = row
-        lengths = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
-        longest = int(lengths.max()) if lengths.numel() else 0  # on the host, for the varlen kernels
-        # The host row: prepare derives what it needs on the host (targets, CP hops) and moves
-        # the row to the device once.
-        return self.model.prepare(mb, global_targets, real_tokens=real, max_seqlen=longest, device=self.device)
-
-    def _span(self, kind: str, name: str):
-        tl = self.pm.timeline
-        return tl.span(kind, name) if tl is not None else contextlib.nullcontext()
 
     def _phase(self, name: str) -> None:
         """Tell the watchdog (and a collective-timeout message) where this rank is."""
@@ -209,172 +136,8 @@ class Trainer:
 
     def train_step(self, batch: StepBatch, step: int | None = None, inputs: HostInputs | None = None,
                    before_read: Callable[[], None] | None = None) -> dict[str, float]:
-        """One optimizer step over this rank's micro-batches; returns the step's metrics.
-        ``step``: the optimizer step it is (1-based; default fit's count), which picks the stage.
-        ``inputs``: the step's host inputs when they were built ahead (``fit``); ``before_read``:
-        host work to do while the device runs the step, before the host waits for its read (the
-        next step's inputs)."""
-        self._enter_stage(self._step if step is None else step)
-        with self.strict_scope():
-            if inputs is None:
-                inputs = self._host_inputs(batch)
-            window = contextlib.nullcontext() if self.strict is None else self.strict.device_window()
-            with window:
-                out = self._device_step(inputs, before_read)
-        # Of the rows the LLM ran (every rank's, empty micro-batches included), the share that is
-        # padding: what parallel.rows' per-row lengths keep small (the simulator's padded_fraction).
-        rows = out.pop("row_tokens")
-        out["padded_fraction"] = max(0.0, 1.0 - inputs.global_tokens / rows) if rows > 0 else 0.0
-        if self.strict is not None:
-            # what the strict check counted since the step's data arrived: the host syncs
-            # (declared reads) and the batched host-to-device copies
-            out.update(host_syncs=self.strict.sync_count, host_to_device_copies=self.strict.copies)
-            self.strict.begin_step()
-        return out
-
-    def strict_scope(self):
-        """The strict device check around what feeds a step too (``fit`` fetches the step's data
-        under it: the features the data peers send ahead are device tensors, as on a GPU)."""
-        return contextlib.nullcontext() if self.strict is None else self.strict
-
-    def _enter_stage(self, step: int) -> None:
-        """``trainer.stages``: the parameters whose gradients the stage of ``step`` drops
-        (omni/runtime/stages.py), and one line when a stage begins (or a resumed run is in it)."""
-        if self.stages is None:
-            return
-        stage = self.stages.at(max(step, 1))
-        if stage is self._stage:
-            return
-        self._stage = stage
-        # Every part's own parameters: a tied embedding's two copies on one rank both sit out.
-        named = [(name, p) for part in self.pm.parts for name, p in part.named_parameters()]
-        self._idle = self.stages.idle(stage, named)
-        if self.layout.is_main:
-            trainable = {self.stages.names.unit_of(name) for name, p in named if p.requires_grad}
-            print(f"omni: {self.stages.describe(stage, trainable)}", flush=True)
-
-    def _host_inputs(self, batch: StepBatch) -> HostInputs:
-        """The step's host work: global counts (over the host group), the step's program, and
-        every micro-batch's inputs built on the host, padded as the program says and moved to
-        the device once."""
-        global_targets, global_real, global_tokens = self._counts(batch)
-        if global_targets == 0:
-            raise UserError(f"step {batch.step} has no target tokens in the whole global batch; check the data")
-        # Every rank divides by the same global count, so summing gradients over ranks and
-        # micro-batches yields the gradient of the mean loss over the whole global batch. Router
-        # losses are averaged over the global batch's micro-batches the same way.
-        for chunk in self.pm.chunks:
-            chunk.runtime.aux_weight = 1.0 / max(global_real, 1.0)
-        mbs = list(batch.micro_batches)
-        tokens = [mb.num_tokens for mb in mbs]
-        program = plan_step(self.pm.shape, tokens)
-        rows = [mb.padded(n, self.pad_id) for mb, n in zip(mbs, program.lengths)]
-        mux = self.pm.multiplexer
-        if mux is not None:
-            # Every rank learns every group's media from host-side manifests (nothing is read
-            # back from the device); groups with fewer micro-batches run empty ones, so the
-            # encoder chunks line up.
-            n = mux.gather([mux.describe(mb) for mb in rows], program.n_micro)
-            if n != program.n_micro:
-                program = plan_step(self.pm.shape, tokens, n)
-        cp = mbs[0].cp if mbs else None
-        rows += [MicroBatch.empty(cp).padded(n, self.pad_id) for n in program.lengths[len(rows):]]
-        prepared = [self._prepare((mb, real), global_targets) for mb, real in zip(rows, program.real)]
-        for i, p in enumerate(prepared):
-            p.index = i
-        if mux is not None:
-            mux.plan(program, prepared[:len(mbs)])
-        return HostInputs(program, prepared, global_targets, global_tokens)
-
-    def _forward_backward(self, program: StepProgram, prepared: list[Prepared]) -> tuple[list[torch.Tensor],
-                                                                                         list[torch.Tensor]]:
-        """Forward and backward of the step's micro-batches, as its program orders them on every
-        layout (one pipeline stage included): their CE sums and router losses (detached, on the
-        device), in the order they ran. Every micro-batch runs, empty ones too: FSDP, TP, CP and
-        EP collectives must happen the same number of times on every rank."""
-        log = StageLog()
-        mux = self.pm.multiplexer
-        with self._autocast():
-            if mux is not None:
-                mux.before_pipeline()
-            self.pm.runner.run(program.programs, program.shards, prepared, log,
-                               at_cut=mux.cut if mux is not None and program.programs else None,
-                               at_tail=mux.tail if mux is not None and program.shape.tail_cuts else None)
-            if mux is not None:
-                mux.finish()
-        return log.ce_sums, log.aux_sums
-
-    def _counts_loss(self) -> bool:
-        """The last stage's TP ranks all hold the same (vocabulary-parallel) CE sum: one counts it."""
-        return self.layout.tp_rank == 0 and any(ch.runtime.last_stage for ch in self.pm.chunks)
-
-    def _device_step(self, inputs: HostInputs, before_read: Callable[[], None] | None = None) -> dict[str, float]:
-        """Forward, backward, gradient sync and optimizer step. Losses stay on the device; the
-        step reads the device once: one ``tolist`` of [CE sum, router loss, squared gradient
-        norm], all-reduced together, which the log and the non-finite guard need (tests/runtime/
-        test_no_host_sync.py holds it to that). ``before_read`` runs just before that read, while
-        a GPU still works through the step. A fourth number rides along: whether this rank was
-        asked to stop (a signal); summed over ranks, every rank stops after the same step."""
-        ce_parts, aux_parts = self._forward_backward(inputs.program, inputs.prepared)
-        lengths, global_targets = inputs.program.lengths, inputs.global_targets
-        mux = self.pm.multiplexer
-        self._mux_metrics = mux.step_metrics() if mux is not None else {}  # before the next step's plan
-        self._phase("gradient sync")
-        with self._span("comm", "gradient sync"):
-            self.pm.sync_gradients()
-            for p in self._idle:  # sitting this stage out: no update, no decay, not in the norm
-                p.grad = None
-        self._phase("optimizer")
-        with self._span("optim", "clip and step"):
-            params = list(self.pm.parameters())
-            # torch.full, not torch.tensor: a host number becomes a device value without a copy
-            stop = torch.full((), float(self._stop.requested), dtype=torch.float64, device=self.device)
-            # The rows' padded lengths ride along, counted once per group holding the same rows.
-            rows = torch.full((), float(sum(lengths) if self.layout.counts_data else 0), dtype=torch.float64,
-                              device=self.device)
-            sums = torch.stack([_device_sum(ce_parts if self._counts_loss() else [], self.device),
-                                _device_sum(aux_parts, self.device),
-                                local_grad_square_sum(params, self.layout.stage_world, self.pm.norm_skip,
-                                                      self.device), stop, rows])
-            if self.layout.world_size > 1:
-                dist.all_reduce(sums)  # one collective for the loss, the router loss, the norm, the stop, the rows
-            max_norm = self.clip if self.clip > 0 else math.inf
-            scale_to_max_norm_(params, sums[2].sqrt(), max_norm)
-            if before_read is not None:
-                with self._host_work():
-                    before_read()
-            with host_read("the step's losses and gradient norm"):
-                ce_sum, aux_sum, square, stops, row_tokens = sums.tolist()  # the step's one device read
-            self._stopping = stops > 0
-            loss_value, grad_norm = ce_sum / global_targets, math.sqrt(square)
-            lr, group_lrs = self.optim.lr, self.optim.group_lrs()
-            # The loss and the norm are the same on every rank (all-reduced), so every rank
-            # skips the same steps. A skipped step leaves weights, optimizer moments and the lr
-            # schedule as they were; only its gradients are dropped.
-            bad = BadStepGuard.is_bad(loss_value, grad_norm) or not math.isfinite(aux_sum)
-            if not bad:
-                self.optim.step()
-            self.optim.zero_grad()
-        out = {"loss": loss_value, "lr": lr, **group_lrs, "grad_norm": grad_norm,
-               "target_tokens": int(global_targets), "skipped": bad, "row_tokens": row_tokens}
-        if self._stage is not None:
-            out["stage"] = self._stage.number
-        if aux_sum:
-            out["aux_loss"] = aux_sum
-        return out
-
-    def losses_without_update(self, batch: StepBatch) -> list[torch.Tensor]:
-        """The training step's forward and backward over ``batch``, with no update (validation,
-        ``omni/runtime/validation.py``): the micro-batches' CE sums in order on the ranks that
-        count the loss, none elsewhere. The backward runs because the training path is the one
-        that is exact under every layout (the pipeline executor and the multiplexer interleave
-        forwards and backwards); its gradients are dropped here, and nothing else moves: no
-        gradient sync, optimizer, lr schedule, guard or spike detector."""
-        inputs = self._host_inputs(batch)
-        ce_parts, _ = self._forward_backward(inputs.program, inputs.prepared)
-        for p in self.pm.parameters():
-            p.grad = None
-        return ce_parts if self._counts_loss() else []
+        """One optimizer step (``StepRunner.run``); ``step`` defaults to fit's count."""
+        return self.steps.run(batch, self._step if step is None else step, inputs, before_read)
 
     def fit(self) -> FitResult:
         start = 0
@@ -408,7 +171,7 @@ class Trainer:
         stats: dict = {"skipped": False}
         self._stop = StopOnSignal(announce=self.layout.is_main, below_bar=self.cfg.progress,
                                   on_request=self._watch_the_stop)
-        self._stopping = self._loop_done = False
+        self.steps.stopping = self._loop_done = False
         self._longest_step_s = 0.0
         try:
             with self.watchdog, self._stop:
@@ -426,7 +189,7 @@ class Trainer:
                     if self.ckpt_cfg.every and step % self.ckpt_cfg.every == 0 and not stats["skipped"]:
                         self._guarded(self._save, step)
                         last_saved = step
-                    if self._stopping:  # every rank read the same sum: all stop after this step
+                    if self.steps.stopping:  # every rank read the same sum: all stop after this step
                         break
                 self._loop_done = True  # (a stop's watch ends here: what follows is the save)
                 bar.close()
@@ -435,7 +198,7 @@ class Trainer:
                         print(f"omni: {line}", flush=True)
                 # A stop saves too (nothing is saved after a skipped step, though); a signal after
                 # the last step's sum stops before the final evaluation, the end saved as usual.
-                stopping = self._stopping or self._stop.requested
+                stopping = self.steps.stopping or self._stop.requested
                 saves = self.ckpt_cfg.save_at_end or (stopping and self.ckpt_cfg.every > 0)
                 if saves and step > last_saved and not stats["skipped"]:
                     self._guarded(self._save, step)
@@ -465,7 +228,7 @@ class Trainer:
         """On the first signal: a rank that then makes no progress for a few step times (a peer
         gone, a hang) ends at once instead of holding the signal until torchrun kills it."""
         grace = max(STOP_GRACE_MIN_S, 3.0 * self._longest_step_s)
-        exit_if_stuck(signum, lambda: self.watchdog._now, lambda: self._stopping or self._loop_done, grace,
+        exit_if_stuck(signum, lambda: self.watchdog._now, lambda: self.steps.stopping or self._loop_done, grace,
                       self.layout.rank)
 
     def _newest_checkpoint(self) -> Path | None:
@@ -502,7 +265,7 @@ class Trainer:
         step's host inputs were usually built during the previous step (``_build_ahead``)."""
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        with self.strict_scope():
+        with self.steps.strict_scope():
             if ahead is not None and ahead[0] == step:
                 _, batch, inputs = ahead
             else:
@@ -514,7 +277,7 @@ class Trainer:
             if timed:
                 self.pm.timeline.begin_step(step)
             if inputs is None:
-                inputs = self._host_inputs(batch)
+                inputs = self.steps.host_inputs(batch)
             stats = self.train_step(batch, inputs=inputs, before_read=lambda: self._build_ahead(it, step + 1))
         self._phase("logging")
         stats.update(self._step_profile(step, timed))
@@ -547,13 +310,8 @@ class Trainer:
         self._phase("next step's inputs")
         self._loader_state = self.loader.state_dict()
         batch = next(it)
-        self._ahead = (step, batch, self._host_inputs(batch))
+        self._ahead = (step, batch, self.steps.host_inputs(batch))
         self._phase(phase)
-
-    def _host_work(self):
-        """Host work inside the step's device window (the next step's inputs): host tensors
-        there are host tensors, under the strict check too."""
-        return contextlib.nullcontext() if self.strict is None else self.strict.outside_window()
 
     def _save(self, step: int) -> None:
         self._phase("checkpoint save")
@@ -609,7 +367,7 @@ class Trainer:
             out.update(summarise_ranks(per_rank))
             if trace and self.layout.is_main:
                 write_chrome_trace(self.run_dir / f"trace_step{step}.json", per_rank)
-        out.update(self._mux_metrics)  # the step's own plan (the next one may be planned already)
+        out.update(self.steps.mux_metrics)  # the step's own plan (the next one may be planned already)
         out.update(peak_memory(self.device))
         return out
 

@@ -5,7 +5,7 @@ Every rank holds the same validation micro-batches (``dataloading.construct.held
 built the same way everywhere); data-parallel rank r takes every dp-th of them, and its TP, CP
 and PP peers the same ones (CP ranks their zig-zag slice), as the training loader hands a step
 out. The share runs through the training step's own forward and backward
-(``Trainer.losses_without_update``: exact under every layout, multiplexing included), with no
+(``StepRunner.losses_without_update``: exact under every layout, multiplexing included), with no
 update and its gradients dropped. The per-group CE sums of all ranks meet in one all-reduce,
 and the losses are divided by the target tokens counted on the host.
 """
@@ -52,7 +52,7 @@ class Validator:
     def run(self, trainer, step: int) -> dict:
         """Validate the weights after ``step`` (a collective: every rank calls it at the same
         steps); the metrics.jsonl record (the same on every rank)."""
-        ce = trainer.losses_without_update(StepBatch(step, list(self._rows)))
+        ce = trainer.steps.losses_without_update(StepBatch(step, list(self._rows)))
         device = self.layout.device
         sums = torch.zeros(len(self.groups), dtype=torch.float64, device=device)
         mine = len(self._group_of)

@@ -73,7 +73,7 @@ LAYOUTS = {
         # the GPU default on the CPU: bf16 autocast, fp32 weights (no FSDP on the LLM)
         ("pp=2 1f1b colocated bf16 autocast", PP2, {**IMAGE, "precision": "bf16"}, SHORT, {}),
         # ... with replicated encoder weights, and with sharded ones (fp32 DTensors on the CPU:
-        # autocast must not share one bf16 copy of them over the step's calls, trainer._autocast)
+        # autocast must not share one bf16 copy of them over the step's calls, StepRunner.autocast)
         ("pp=2 1f1b colocated bf16 autocast, replicated encoders", PP2, {**IMAGE, "precision": "bf16"}, SHORT,
          {"encoder_weights": "replicated"}),
         ("pp=2 1f1b colocated bf16 autocast, sharded encoders", PP2, {**IMAGE, "precision": "bf16"}, SHORT, SHARDED),

@@ -340,7 +340,7 @@ def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple 
     feed = iter(steps)
     padded = []
     for _ in range(n):
-        with trainer.strict_scope():  # as fit() fetches a step
+        with trainer.steps.strict_scope():  # as fit() fetches a step
             out = trainer.train_step(next(feed))
         losses.append(out["loss"])
         norms.append(out["grad_norm"])

@@ -2,13 +2,13 @@
 whatever its number of micro-batches (one process and 2 data-parallel gloo ranks, CPU).
 
 On the CPU every tensor is a host tensor, so "a device read" is counted structurally: inside
-``Trainer._device_step`` (forward, backward, gradient sync, clipping, optimizer), every call
+``StepRunner.device_step`` (forward, backward, gradient sync, clipping, optimizer), every call
 that needs a tensor's value on the host — ``item``/``float``/``int``/``bool`` (all of them go
 through ``aten._local_scalar_dense``), ``tolist``, and the ops whose output size depends on the
 data (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``, ``repeat_interleave``
 without ``output_size``). On a GPU each of those waits for the device. The optimizer's own
 ``step`` is left out: torch keeps AdamW's step counters on the host (not capturable), so its
-``item`` calls read host memory on a GPU too. Host work before (``Trainer._host_inputs``: the
+``item`` calls read host memory on a GPU too. Host work before (``StepRunner.host_inputs``: the
 batch's counts, padding, target positions, CP hop plans) reads host tensors only by design.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _reads_per_step(sizes: dict, micro: int, moe: bool = True, backend: str = "t
                                                       progress=False, eval_at_end=False),
                       OPTIM, CheckpointConfig(save_at_end=False))
     reads = HostReads()
-    device_step, optim_step = trainer._device_step, trainer.optim.step
+    device_step, optim_step = trainer.steps.device_step, trainer.optim.step
 
     def counted_step(*args):
         with reads, reads.tolist_counted():
@@ -102,7 +102,7 @@ def _reads_per_step(sizes: dict, micro: int, moe: bool = True, backend: str = "t
         with reads.pause():
             optim_step()
 
-    trainer._device_step, trainer.optim.step = counted_step, uncounted_optim
+    trainer.steps.device_step, trainer.optim.step = counted_step, uncounted_optim
     out = []
     dp = layout.dp_size
     for step, mbs in enumerate(global_batches(96, micro=micro * dp, steps=2)):
@@ -198,7 +198,7 @@ def test_cuda_step_synchronises_once():
         trainer = Trainer(pm, None, layout, TrainerConfig(max_steps=10, run_dir=tempfile.mkdtemp(prefix="omni-sync-"),
                                                           progress=False, eval_at_end=False, precision="bf16"),
                           OPTIM, CheckpointConfig(save_at_end=False))
-        device_step = trainer._device_step
+        device_step = trainer.steps.device_step
         syncs = []
 
         def watched(*args):
@@ -212,7 +212,7 @@ def test_cuda_step_synchronises_once():
                     torch.cuda.set_sync_debug_mode("default")
                     syncs.append(sum("synchroniz" in str(w.message) for w in seen))
 
-        trainer._device_step = watched
+        trainer.steps.device_step = watched
         for micro in (1, 1, 3):  # the first step also sets things up (not counted)
             trainer.train_step(StepBatch(step=1, micro_batches=global_batches(96, micro=micro, steps=1)[0]))
         assert syncs[1:] == [1, 1], syncs

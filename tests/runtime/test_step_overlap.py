@@ -75,7 +75,7 @@ def test_the_next_steps_host_work_runs_before_this_steps_read(single_process):
     a time; a checkpoint of step N records the loader as after step N."""
     trainer = _trainer(4, media=("image",), every=2)
     events = []
-    host_inputs, optim_step, save = trainer._host_inputs, trainer.optim.step, trainer.checkpointer.save
+    host_inputs, optim_step, save = trainer.steps.host_inputs, trainer.optim.step, trainer.checkpointer.save
 
     def inputs(batch):
         events.append(("inputs", batch.step))
@@ -88,7 +88,7 @@ def test_the_next_steps_host_work_runs_before_this_steps_read(single_process):
     def saved(step, optim, loader_state, guard):
         events.append(("save", step, loader_state["next"]))
 
-    trainer._host_inputs, trainer.optim.step, trainer.checkpointer.save = inputs, stepped, saved
+    trainer.steps.host_inputs, trainer.optim.step, trainer.checkpointer.save = inputs, stepped, saved
     losses = trainer.fit().losses
     assert events == [("inputs", 1), ("inputs", 2), ("optimizer", 1), ("inputs", 3), ("optimizer", 2),
                       ("save", 2, 2), ("inputs", 4), ("optimizer", 3), ("optimizer", 4), ("save", 4, 4)]
