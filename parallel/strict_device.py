@@ -222,13 +222,18 @@ class StrictDevice:
         self.violations.append(line)
 
 
-class _FunctionMode(TorchFunctionMode):
-    """Python-level calls: host reads that never reach the dispatcher (``tolist``, ``numpy``),
-    and factories, whose ``device=`` says where their result goes."""
+class _Reporting:
+    """What both modes share: the ``StrictDevice`` they report to (a mixin before the torch mode
+    class, whose ``__init__`` it then calls)."""
 
     def __init__(self, strict: StrictDevice):
         super().__init__()
         self.strict = strict
+
+
+class _FunctionMode(_Reporting, TorchFunctionMode):
+    """Python-level calls: host reads that never reach the dispatcher (``tolist``, ``numpy``),
+    and factories, whose ``device=`` says where their result goes."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -288,13 +293,9 @@ def _moves_host_to_device(func, args, kwargs) -> bool:
                if a is not None)
 
 
-class _DispatchMode(TorchDispatchMode):
+class _DispatchMode(_Reporting, TorchDispatchMode):
     """Every op, forward and backward: marks follow the data, and the ops that wait for the
     device are caught."""
-
-    def __init__(self, strict: StrictDevice):
-        super().__init__()
-        self.strict = strict
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

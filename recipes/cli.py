@@ -148,28 +148,34 @@ examples:
 """
 
 
+def _sim_parser(sub: argparse._SubParsersAction, name: str, example: str, json_holds: str,
+                **texts: str) -> argparse.ArgumentParser:
+    """``omni simulate`` or ``omni plan``: both take Hydra overrides (``example``) and ``--json``
+    (one JSON object of ``json_holds``), and share the epilog; ``texts``: help, description."""
+    p = sub.add_parser(name, epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, **texts)
+    p.add_argument("overrides", nargs="*", help=f"Hydra overrides, e.g. {example}")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object ({json_holds})")
+    return p
+
+
 def _sim_parsers(sub: argparse._SubParsersAction) -> None:
-    sim = sub.add_parser(
-        "simulate", help="predict step time, MFU, bubbles and memory per placement on a (large) cluster",
+    sim = _sim_parser(
+        sub, "simulate", "workload=C data.image_ratio=0.9", "placements -> figures",
+        help="predict step time, MFU, bubbles and memory per placement on a (large) cluster",
         description="Simulate training steps of a model on a cluster without running them: the real schedule "
-                    "and planners, per-op times from FLOPs and bytes (docs/simulate.md).",
-        epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=C data.image_ratio=0.9")
-    sim.add_argument("--json", action="store_true", help="print one JSON object (placements -> figures)")
+                    "and planners, per-op times from FLOPs and bytes (docs/simulate.md).")
     sim.add_argument("--calibrate", metavar="TRACE",
                      help="fit the cluster's efficiency factors to a measured Chrome trace of `omni train` "
                           "(multiplex.trace_step=N) run with the same overrides")
     sim.add_argument("--out", metavar="FILE", help="with --calibrate: write the fitted factors here "
                                                     "(use them with sim.calibration=FILE)")
     sim.add_argument("--plot", metavar="FILE.png", help="draw the step decomposition per placement (PNG)")
-    plan = sub.add_parser(
-        "plan", help="search layouts for a model, cluster and mixture; print the best (and why others lost)",
+    plan = _sim_parser(
+        sub, "plan", "workload=B cluster=h200", "ranked layouts, rejections",
+        help="search layouts for a model, cluster and mixture; print the best (and why others lost)",
         description="Search dp_replicate, dp_shard, tp, pp, virtual stages, cp, ep, micro-batch tokens, encoder SP, "
                     "long threshold and activation checkpointing under the memory limit; rank by simulated "
-                    "throughput (docs/simulate.md).",
-        epilog=SIM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    plan.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=B cluster=h200")
-    plan.add_argument("--json", action="store_true", help="print one JSON object (ranked layouts, rejections)")
+                    "throughput (docs/simulate.md).")
     plan.add_argument("--top", type=int, default=None, help="layouts to show (default sim.top_k)")
     plan.add_argument("--placement", default="colocated", help="placement to plan for (default colocated)")
     plan.add_argument("--plot", metavar="FILE.png", help="draw the ranked layouts' steps and tokens/s (PNG)")

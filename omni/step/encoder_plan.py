@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -249,10 +250,8 @@ def plan_chunk(
     world: int,
     cost: CostModel,
     split: SplitRules = NO_SPLIT,
-    eligible: Mapping[int, Sequence[int]] | None = None,
-    base_loads: Sequence[float] | None = None,
-    pinned: Mapping[tuple, int] | None = None,
     busy: frozenset[int] | set[int] = frozenset(),
+    **balancing: Any,
 ) -> ChunkPlan:
     """Plan one encoder chunk over ranks ``0..world-1`` (indices into the exchange group).
 
@@ -260,12 +259,13 @@ def plan_chunk(
     embeds, as indices into the concatenated outputs (item after item) of its group's
     micro-batch for that modality. ``group_of[r]``: rank r's data group (whose features it
     holds). ``eligible[g]``: the ranks allowed to encode group g's items (None: all).
-    ``split``: the long-short split's rules (``SplitRules``). ``base_loads``, ``pinned``: see
-    ``assign_items``. ``busy``: ranks that send no
+    ``split``: the long-short split's rules (``SplitRules``). ``balancing``: ``assign_items``'
+    keywords (``eligible``, ``base_loads``, ``pinned``), passed on as they are, so that their
+    defaults have one home. ``busy``: ranks that send no
     features to others (they are running other work; a group whose holders are all busy sends
     from them anyway).
     """
-    a = assign_items(items, group_of, world, cost, split, eligible, base_loads, pinned)
+    a = assign_items(items, group_of, world, cost, split, **balancing)
     sp = split.sp
     plans = [RankPlan() for _ in range(world)]
     holders: dict[int, list[int]] = {}

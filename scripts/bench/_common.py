@@ -173,6 +173,15 @@ def measured_on_cpu(script: str, res: dict) -> str:
             f"{res['time']}, {res['seconds']:.0f} s; {res['machine'].get('cpu', '')}).")
 
 
+def save_measured(out: str | Path, name: str, t0: float, **fields) -> str:
+    """The end of a bench measured on this CPU (``scripts/bench/<name>.py``): its run record
+    (``run_record`` of ``fields``) saved as ``name``.json in ``out`` (the path printed); returns
+    the first words of its doc section (``measured_on_cpu``)."""
+    res = run_record(t0, **fields)
+    print(save(out, name, res))
+    return measured_on_cpu(f"{name}.py", res)
+
+
 def publish(body: str, doc: str | None, section: str) -> None:
     """Print a doc section's body and, with ``--doc``, (re)write the section in that file."""
     print(body)

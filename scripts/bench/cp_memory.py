@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import (REPO, before_now_cells, in_fresh_process, measured_on_cpu, parser, proc_status_bytes, publish,
-                     run_record, save, table, worktree)
+from _common import (REPO, before_now_cells, in_fresh_process, parser, proc_status_bytes, publish, save_measured, table,
+                     worktree)
 
 SECTION = "## Context parallelism memory: ring and Ulysses in linear memory (CPU)"
 GIB = 2 ** 30
@@ -149,10 +149,9 @@ def main() -> None:
 
     lim = args.limit_gib
     rows = [[r["layers"], r["impl"], r["tokens"], r["tokens"] // CP, *before_now_cells(r, lim)] for r in points.values()]
-    res = run_record(t0, layers=args.layers.split(","), before_commit=args.before, limit_gib=args.limit_gib,
-                     points=points)
-    print(save(args.out, "cp_memory", res))
-    body = (measured_on_cpu("cp_memory.py", res) + " One `Trainer.train_step` "
+    head = save_measured(args.out, "cp_memory", t0, layers=args.layers.split(","), before_commit=args.before,
+                         limit_gib=args.limit_gib, points=points)
+    body = (head + " One `Trainer.train_step` "
             f"of a Llama-style decoder of `layers` layers (hidden 128, 2 query heads and 1 KV head of 64 dims, bf16 "
             f"autocast) on one row holding one document of `tokens` tokens, cut zig-zag over 2 gloo CP ranks; each "
             f"point in fresh processes, each rank limited to {args.limit_gib:.0f} GiB of address space. Per rank: the "

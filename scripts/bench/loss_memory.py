@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import in_fresh_process, measured_on_cpu, parser, proc_status_bytes, publish, run_record, save, table
+from _common import in_fresh_process, parser, proc_status_bytes, publish, save_measured, table
 
 SECTION = "## Loss memory: the chunked LM head and cross-entropy (CPU)"
 GIB = 2 ** 30
@@ -71,9 +71,8 @@ def main() -> None:
                      f"{r['chunked']['peak_above_inputs'] / buffer:.2f}x",
                      f"{r['plain']['seconds']:.1f} / {r['chunked']['seconds']:.1f}"])
         print(rows[-1], flush=True)
-    res = run_record(t0, vocab=args.vocab, hidden=args.hidden, points=results)
-    print(save(args.out, "loss_memory", res))
-    body = (measured_on_cpu("loss_memory.py", res) + " One forward and backward of "
+    head = save_measured(args.out, "loss_memory", t0, vocab=args.vocab, hidden=args.hidden, points=results)
+    body = (head + " One forward and backward of "
             f"the LM head and its summed cross-entropy under bf16 autocast, vocabulary {args.vocab}, hidden "
             f"{args.hidden}, each point in a fresh process: its peak resident memory above what it held once the "
             f"inputs (hidden states, head, labels) existed, next to the size of one fp32 `[targets, vocab]` buffer. "

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from _common import (before_now_cells, in_fresh_process, measured_on_cpu, parser, proc_status_bytes, publish, run_record,
-                     save, table, worktree)
+from _common import (before_now_cells, in_fresh_process, parser, proc_status_bytes, publish, save_measured, table,
+                     worktree)
 
 SECTION = "## Qwen2.5-VL tower memory: window attention as contiguous segments (CPU)"
 GIB = 2 ** 30
@@ -89,9 +89,9 @@ def main() -> None:
 
     lim = args.limit_gib
     rows = [[n, (r["now"] or r["before"])["tokens"], *before_now_cells(r, lim)] for n, r in points.items()]
-    res = run_record(t0, layers=args.layers, side=SIDE, before_commit=args.before, points=points)
-    print(save(args.out, "qwen_tower_memory", res))
-    body = (measured_on_cpu("qwen_tower_memory.py", res) + " One "
+    head = save_measured(args.out, "qwen_tower_memory", t0, layers=args.layers, side=SIDE, before_commit=args.before,
+                         points=points)
+    body = (head + " One "
             f"training forward and backward of a Qwen2.5-VL tower at the 7B's width with {args.layers} blocks (the "
             f"last one full attention) under bf16 autocast, on images of {SIDE} px resized as Qwen's processor does "
             f"(74 x 74 patches each), each point in a fresh process limited to {args.limit_gib:.0f} GiB of address "

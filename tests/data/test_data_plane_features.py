@@ -221,6 +221,18 @@ def test_source_option_errors_name_line_and_key(texts, body, line, needle):
 
 
 # ---- workers -----------------------------------------------------------------------------
+def _one_tall_image(tmp_path, media_bytes, n, tall):
+    """A mixture of one source of ``n`` image samples, each 8 x 8 pixels but sample ``tall``'s,
+    40 x 8 (the size the processors below fail on)."""
+    png, _ = media_bytes
+    write_source(tmp_path / "img", [{"__key__": f"k{i}", "txt": "<image>", "png": png(40 if i == tall else 8, 8)}
+                                    for i in range(n)])
+    return write_mixture(tmp_path, """
+        sources:
+          - {name: img, path: img, weight: 1}
+        """)
+
+
 class DiesOn:
     """An image processor whose worker process dies (as on a decoder segfault) on one image size."""
 
@@ -239,13 +251,7 @@ class DiesOn:
 
 
 def test_a_dying_worker_is_reported_with_its_sample(tmp_path, processors, media_bytes):
-    png, _ = media_bytes
-    write_source(tmp_path / "img", [{"__key__": f"k{i}", "txt": "<image>", "png": png(40 if i == 5 else 8, 8)}
-                                    for i in range(8)])
-    mix = write_mixture(tmp_path, """
-        sources:
-          - {name: img, path: img, weight: 1}
-        """)
+    mix = _one_tall_image(tmp_path, media_bytes, 8, tall=5)
     ld = loader(mix, {"image": DiesOn(processors["image"])}, batch=8, workers=1)
     with pytest.raises(DataError) as info:
         next(ld)
@@ -262,13 +268,7 @@ class Hangs(DiesOn):
 
 
 def test_a_stuck_worker_stops_the_run_naming_its_sample(tmp_path, processors, media_bytes):
-    png, _ = media_bytes
-    write_source(tmp_path / "img", [{"__key__": f"k{i}", "txt": "<image>", "png": png(40 if i == 2 else 8, 8)}
-                                    for i in range(4)])
-    mix = write_mixture(tmp_path, """
-        sources:
-          - {name: img, path: img, weight: 1}
-        """)
+    mix = _one_tall_image(tmp_path, media_bytes, 4, tall=2)
     ld = loader(mix, {"image": Hangs(processors["image"])}, batch=4, workers=1, worker_timeout_s=2)
     with pytest.raises(DataError) as info:
         next(ld)

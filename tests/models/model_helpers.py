@@ -31,6 +31,16 @@ def packed_row(lengths, vocab: int, seed: int = 0, device="cpu"):
     return MicroBatch(ids.to(device), pos.to(device), labels.to(device), cu.to(device))
 
 
+def saved_hf_model(model_cls, config, tmp_path_factory, name: str):
+    """A random transformers ``model_cls`` of ``config`` (seed 0) saved to a new temporary folder
+    ``name``: (the folder, the model in eval mode). For a module-scoped checkpoint fixture."""
+    torch.manual_seed(0)
+    hf = model_cls(config).eval()
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return str(path), hf
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
@@ -107,3 +117,62 @@ def load_with_tower(path, encoder: str):
 
     return build_model(ModelConfig(pretrained=str(path)), {"vision": EncoderSlot(name=encoder, pretrained=str(path))},
                        vocab_needed=0, seed=0).eval()
+
+
+def plugin_and_hf_pixels(encoder_cls, path, pixel_processor, size):
+    """One random image of ``size`` (seed 1) through the processor an encoder plugin builds from
+    the directory ``path`` (``plugin_processor``) and through transformers' ``pixel_processor``
+    loaded from it: (our item, transformers' output)."""
+    import numpy as np
+
+    proc = plugin_processor(encoder_cls, path)
+    image = np.random.default_rng(1).integers(0, 256, size=(*size, 3), dtype=np.uint8)
+    return proc(image), pixel_processor.from_pretrained(path)(images=[image], return_tensors="pt")
+
+
+def assert_tile_pixels(item, want, size):
+    """An anyres item of an image of ``size`` pixels (the tiny families' tiles: 16 pixels a side
+    in 4 x 4 patches) against transformers' ``pixel_values`` ``want``: one tile each, the same
+    pixels."""
+    n = want.shape[0]
+    assert item.size == (n, *size, 0)
+    ours = item.features.view(n, 4, 4, 3, 4, 4).permute(0, 3, 1, 4, 2, 5).reshape(n, 3, 16, 16)
+    torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
+
+
+def assert_export_round_trips(tmp_path, hf, config_keys, pixel_processor):
+    """``omni export`` of the directory ``tmp_path/hf`` (``hf``: the model saved there) to
+    ``tmp_path/a``: transformers loads it with the same tensors and the same ``config_keys``, the
+    image processor's settings are the directory's, Omni loads it back with transformers'
+    logits on an image (``pixel_processor``: transformers' processor of the family), and
+    exporting the export (to ``tmp_path/b``) writes the same bytes."""
+    import json
+
+    import numpy as np
+    import transformers
+
+    from dataloading.construct.constructor import assemble
+    from omni.models import load_pretrained
+    from omni.models.build import media_processors
+    from recipes.cli import main
+
+    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
+    back = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "a").eval()
+    assert type(back) is type(hf)
+    want, got = hf.state_dict(), back.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    for key in config_keys:
+        assert getattr(back.config, key) == getattr(hf.config, key), key
+    pp = [json.loads((tmp_path / d / "preprocessor_config.json").read_text()) for d in ("hf", "a")]
+    assert {k: pp[1][k] for k in pp[0]} == pp[0]
+    image = np.random.default_rng(2).integers(0, 256, size=(30, 19, 3), dtype=np.uint8)
+    ours = load_pretrained(str(tmp_path / "a")).eval()
+    item = media_processors(ours)["image"](image)
+    s = media_sample("a", [5], [6, 7], item, hf.config.image_token_id)
+    with torch.no_grad():
+        pixels = pixel_processor.from_pretrained(tmp_path / "a")(images=[image], return_tensors="pt")
+        want = back(input_ids=torch.from_numpy(s.ids)[None], **pixels).logits[0]
+        assert rel_err(omni_logits(ours, assemble([s])), want) <= 1e-5
+    assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
+    first, second = ({p.name: p.read_bytes() for p in sorted((tmp_path / d).iterdir()) if p.is_file()} for d in "ab")
+    assert first.keys() == second.keys() and all(first[k] == second[k] for k in first)

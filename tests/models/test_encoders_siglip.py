@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dataloading.formats.media import MediaProcessor
+from model_helpers import saved_hf_model
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig, patch_grid
 
 transformers = pytest.importorskip("transformers")
@@ -31,11 +32,8 @@ def _pixels(features: torch.Tensor, grid, p: int = 8) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def vision_ckpt(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**TINY)).eval()
-    path = tmp_path_factory.mktemp("siglip_vision")
-    hf.save_pretrained(path)
-    return str(path), hf
+    return saved_hf_model(transformers.SiglipVisionModel, transformers.SiglipVisionConfig(**TINY), tmp_path_factory,
+                          "siglip_vision")
 
 
 def test_packed_images_match_hf_per_image(vision_ckpt):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dataloading.formats.media import MediaProcessor
-
+from model_helpers import saved_hf_model
 from omni.models.encoders import whisper as whisper_mod
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, resample
 
@@ -32,11 +32,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def whisper_ckpt(tmp_path_factory):
     """A WhisperForConditionalGeneration checkpoint (weights under model.encoder.*) and its encoder."""
-    torch.manual_seed(0)
-    hf = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**HF_CFG)).eval()
-    path = tmp_path_factory.mktemp("whisper")
-    hf.save_pretrained(path)
-    return str(path), hf.model.encoder
+    path, hf = saved_hf_model(transformers.WhisperForConditionalGeneration, transformers.WhisperConfig(**HF_CFG),
+                              tmp_path_factory, "whisper")
+    return path, hf.model.encoder
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import torch
 
 from dataloading.construct.constructor import assemble
 from hf_family_helpers import save_tiny_llava_onevision
-from model_helpers import load_with_tower, media_sample, omni_logits, plugin_processor, rel_err
+from model_helpers import (assert_export_round_trips, assert_tile_pixels, load_with_tower, media_sample, omni_logits,
+                           plugin_and_hf_pixels, rel_err)
 from omni.models.build import media_processors
 
 transformers = pytest.importorskip("transformers")
@@ -92,43 +93,17 @@ def test_the_processor_equals_transformers_image_processor(tmp_path, size):
     from omni.models.encoders.llava_ov import LlavaOvEncoder
 
     save_tiny_llava_onevision(tmp_path)
-    proc = plugin_processor(LlavaOvEncoder, tmp_path)
-    image = np.random.default_rng(1).integers(0, 256, size=(*size, 3), dtype=np.uint8)
-    want = PixelProcessor.from_pretrained(tmp_path)(images=[image], return_tensors="pt")["pixel_values"][0]
-    item = proc(image)
-    n = want.shape[0]
-    assert item.size == (n, *size, 0)
-    ours = item.features.view(n, 4, 4, 3, 4, 4).permute(0, 3, 1, 4, 2, 5).reshape(n, 3, 16, 16)
-    torch.testing.assert_close(ours, want, rtol=0, atol=1e-6)
+    item, got = plugin_and_hf_pixels(LlavaOvEncoder, tmp_path, PixelProcessor, size)
+    assert_tile_pixels(item, got["pixel_values"][0], size)
 
 
 def test_export_loads_in_transformers_with_equal_logits_and_round_trips(tmp_path):
     """``omni export`` of the directory: transformers loads it with the same tensors (so the same
     logits), the image processor's settings are the directory's, Omni loads it back with the
     same logits, and exporting the export writes the same bytes."""
-    from omni.models import load_pretrained
-    from recipes.cli import main
-
     hf, _ = save_tiny_llava_onevision(tmp_path / "hf", vision_feature_layer=-2, vision_aspect_ratio="anyres_max_1")
-    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
-    back = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "a").eval()
-    assert type(back) is type(hf)
-    want, got = hf.state_dict(), back.state_dict()
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    for key in ("image_grid_pinpoints", "vision_aspect_ratio", "vision_feature_layer", "image_token_id", "video_token_id"):
-        assert getattr(back.config, key) == getattr(hf.config, key), key
-    pp = [json.loads((tmp_path / d / "preprocessor_config.json").read_text()) for d in ("hf", "a")]
-    assert {k: pp[1][k] for k in pp[0]} == pp[0]
-    image = np.random.default_rng(2).integers(0, 256, size=(30, 19, 3), dtype=np.uint8)
-    ours = load_pretrained(str(tmp_path / "a")).eval()
-    item = media_processors(ours)["image"](image)
-    s = _sample("a", [5], [6, 7], item, hf.config.image_token_id)
-    with torch.no_grad():
-        pixels = PixelProcessor.from_pretrained(tmp_path / "a")(images=[image], return_tensors="pt")
-        assert rel_err(omni_logits(ours, assemble([s])), back(input_ids=torch.from_numpy(s.ids)[None], **pixels).logits[0]) <= 1e-5
-    assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
-    first, second = ({p.name: p.read_bytes() for p in sorted((tmp_path / d).iterdir()) if p.is_file()} for d in "ab")
-    assert first.keys() == second.keys() and all(first[k] == second[k] for k in first)
+    assert_export_round_trips(tmp_path, hf, ("image_grid_pinpoints", "vision_aspect_ratio", "vision_feature_layer",
+                                             "image_token_id", "video_token_id"), PixelProcessor)
 
 
 def test_greedy_generate_on_the_directory_equals_transformers(tmp_path, capsys):

@@ -65,3 +65,13 @@ def _entry(rank: int, world_size: int, store: str, timeout_s: float, env: dict, 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def rank_results(out_dir, world_size: int):
+    """(rank, what it pickled to ``out_dir/rank{rank}.pkl``), rank by rank: what the workers of a
+    ``run_ranks`` call wrote."""
+    import pickle
+
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+            yield rank, pickle.load(f)

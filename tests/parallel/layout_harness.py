@@ -114,12 +114,18 @@ def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), mer
         from omni.models.config import LoraConfig
 
         adapters.inject(model, LoraConfig(rank=lora, alpha=2.0 * lora), {m: m for m in model.encoders})
-        gen = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if ".lora_B" in name else p.shape[1] ** -0.5))
+        random_adapters(model, seed=5)
     return model
+
+
+def random_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Draw the LoRA adapters anew (seeded): A as peft draws it (scale 1/sqrt(in)), B small but not
+    zero, so that A's first gradient is not zero either."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if ".lora_B" in name else p.shape[1] ** -0.5))
 
 
 def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1, vision: str = "siglip"):
@@ -489,9 +495,7 @@ def check_named_layouts(world: int, layouts: list, tmp_path, worker, extra=None)
     single-process reference (fp32 1e-5, bf16 BF16_TOL), that every layout covered every
     gradient, that an SP layout split something, plus ``extra(name, rank, sizes, mux, result)``'s
     problems."""
-    import pickle
-
-    from dist_helpers import run_ranks
+    from dist_helpers import rank_results, run_ranks
 
     refs = {}
     for _, _, model, data, _ in layouts:
@@ -501,9 +505,7 @@ def check_named_layouts(world: int, layouts: list, tmp_path, worker, extra=None)
     run_ranks(worker, world, layouts, str(tmp_path), timeout_s=120 * len(layouts))
     problems = []
     by_layout: dict[str, list] = {name: [] for name, *_ in layouts}
-    for rank in range(world):
-        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            results = pickle.load(f)
+    for rank, results in rank_results(tmp_path, world):
         if len(results) != len(layouts):
             problems.append(f"rank {rank}: {len(results)} results for {len(layouts)} layouts")
         for (name, sizes, model, data, mux), (_, result, _) in zip(layouts, results):

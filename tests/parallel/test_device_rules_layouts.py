@@ -19,7 +19,7 @@ import pickle
 
 import pytest
 
-from dist_helpers import run_ranks
+from dist_helpers import rank_results, run_ranks
 from layout_harness import MICRO_PER_STEP, compare, compare_bf16, covered, reference, run_layout
 
 BF16 = {"precision": "bf16"}  # the reference runs under bf16 autocast too
@@ -95,9 +95,7 @@ def test_layouts_under_cuda_rules_equal_single_process(world, tmp_path):
     run_ranks(_worker, world, layouts, str(tmp_path), timeout_s=150 * len(layouts))
     problems = []
     by_layout: dict[str, list] = {name: [] for name, *_ in layouts}
-    for rank in range(world):
-        with open(tmp_path / f"rank{rank}.pkl", "rb") as f:
-            results = pickle.load(f)
+    for rank, results in rank_results(tmp_path, world):
         for (name, sizes, model, data, mux, backend), result in zip(layouts, results):
             key = (tuple(sorted(model.items())), tuple(sorted(data.items())), backend)
             lines = (compare(result, refs[key], 1e-5) if model["precision"] == "fp32" else

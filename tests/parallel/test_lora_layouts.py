@@ -10,10 +10,9 @@ One spawn of 2 ranks runs every layout.
 from __future__ import annotations
 
 import pytest
-import torch
 
 import layout_harness
-from layout_harness import check_named_layouts, run_named_layouts
+from layout_harness import check_named_layouts, random_adapters, run_named_layouts
 
 DENSE = {"moe": False, "num_layers": 2}
 WITH_IMAGES = {"moe": False, "num_layers": 2, "media": ("image",)}
@@ -30,11 +29,7 @@ def _with_adapters(build):
         # A as peft draws it (scale 1/sqrt(in)), B of the base weights' size: an adapted layer
         # computes about what its base does (a far larger B puts the attention in a saturated
         # regime where roundoff grows from step to step).
-        gen = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if ".lora_" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if ".lora_B" in name else p.shape[1] ** -0.5))
+        random_adapters(model, seed=7)
         return model
     return lora_build
 

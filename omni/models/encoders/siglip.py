@@ -23,22 +23,14 @@ from parallel.transfer import to_device
 from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation
-from omni.models.encoders.vit import PackedViT, PatchEmbeddings, square
+from omni.models.encoders.vit import PackedViT, PatchEmbeddings, SiglipTowerFields, square
 
 
 @dataclass
-class SiglipEncoderConfig:
+class SiglipEncoderConfig(SiglipTowerFields):
     """Defaults follow transformers' SiglipVisionConfig (google/siglip-base-patch16-224)."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    num_channels: int = 3
     image_size: int = 224
-    patch_size: int = 16
-    layer_norm_eps: float = 1e-6
-    hidden_act: str = "gelu_pytorch_tanh"
     # preprocessing
     max_patches: Optional[int] = None  # patch budget per image; None: (image_size // patch_size) ** 2
     min_patches: int = 1  # smaller images are scaled up to at least this many patches
@@ -51,11 +43,7 @@ class SiglipEncoderConfig:
 
     def __post_init__(self) -> None:
         self.image_size = square(self.image_size, "image_size", "SiglipEncoder")
-        self.patch_size = square(self.patch_size, "patch_size", "SiglipEncoder")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
-            )
+        super().__post_init__()
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.max_patches is None:
@@ -177,7 +165,8 @@ class SiglipEncoder(PackedViT):
     """
 
     Config: ClassVar[type] = SiglipEncoderConfig
-    hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip_vision_model", "siglip")
+    hf_full_model_type: ClassVar[str] = "siglip"
+    hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip_vision_model", hf_full_model_type)
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("vision_model.", "")
 
     def __init__(self, config: SiglipEncoderConfig):
@@ -188,12 +177,6 @@ class SiglipEncoder(PackedViT):
     @classmethod
     def processor(cls, config: SiglipEncoderConfig) -> SiglipProcessor:
         return SiglipProcessor(cls.build_config(config))
-
-    @classmethod
-    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
-        if hf_config.get("model_type") == "siglip":  # full SigLIP: the vision tower's config
-            hf_config = hf_config.get("vision_config") or {}
-        return super().params_from_hf_config(hf_config)
 
     @classmethod
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:

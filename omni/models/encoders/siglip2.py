@@ -33,7 +33,7 @@ from dataloading.formats.media import MediaItem
 from omni.models.encoders.base import check_sizes
 from omni.models.encoders.blocks import activation
 from omni.models.encoders.images import checked_mean_std, normalisation_params, resized_normalised, rgb_uint8
-from omni.models.encoders.vit import PackedViT, PatchEmbeddings, square
+from omni.models.encoders.vit import PackedViT, PatchEmbeddings, SiglipTowerFields
 
 # The resize rule's search: the scale of an image is looked for in [SCALE_TOL / 10, MAX_SCALE]
 # until the bracket is narrower than SCALE_TOL (see naflex_grid).
@@ -42,20 +42,12 @@ MAX_SCALE = 100.0
 
 
 @dataclass
-class Siglip2EncoderConfig:
+class Siglip2EncoderConfig(SiglipTowerFields):
     """Defaults are transformers' ``Siglip2VisionConfig`` (google/siglip2-base-patch16-naflex):
     a key a config.json leaves out means transformers' default, so ours must agree."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    num_channels: int = 3
-    patch_size: int = 16
     # entries of the learned position table, a square grid (256: 16 x 16)
     num_patches: int = 256
-    layer_norm_eps: float = 1e-6
-    hidden_act: str = "gelu_pytorch_tanh"
     # preprocessing (Siglip2ImageProcessor): the patch budget per image (None: num_patches,
     # which is what the released checkpoints' preprocessor_config.json says too)
     max_num_patches: Optional[int] = None
@@ -63,10 +55,7 @@ class Siglip2EncoderConfig:
     image_std: List[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
 
     def __post_init__(self) -> None:
-        self.patch_size = square(self.patch_size, "patch_size", "Siglip2Encoder")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
-                             f"{self.num_attention_heads}")
+        super().__post_init__()
         side = math.isqrt(self.num_patches) if self.num_patches > 0 else 0
         if side < 1 or side * side != self.num_patches:
             raise ValueError(f"num_patches {self.num_patches} is not a square (the position table is a square grid)")
@@ -162,7 +151,8 @@ class Siglip2Encoder(PackedViT):
     a checkpoint loads key by key."""
 
     Config: ClassVar[type] = Siglip2EncoderConfig
-    hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip2_vision_model", "siglip2")
+    hf_full_model_type: ClassVar[str] = "siglip2"
+    hf_model_types: ClassVar[Tuple[str, ...]] = ("siglip2_vision_model", hf_full_model_type)
     # Siglip2Model and transformers-4 Siglip2VisionModel files: vision_model.*; transformers 5
     # writes a Siglip2VisionModel without the prefix.
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("vision_model.", "")
@@ -175,12 +165,6 @@ class Siglip2Encoder(PackedViT):
     @classmethod
     def processor(cls, config: Siglip2EncoderConfig) -> Siglip2Processor:
         return Siglip2Processor(cls.build_config(config))
-
-    @classmethod
-    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
-        if hf_config.get("model_type") == "siglip2":  # full SigLIP2: the vision tower's config
-            hf_config = hf_config.get("vision_config") or {}
-        return super().params_from_hf_config(hf_config)
 
     @classmethod
     def params_from_preprocessor_config(cls, pp_config: Dict[str, Any]) -> Dict[str, Any]:

@@ -21,6 +21,7 @@ and SigLIP2's NaViT-packed images of their own grids, post-layernorm output) and
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Sequence, Tuple
 
 import torch
@@ -117,6 +118,29 @@ def square(value: Any, key: str, who: str) -> Any:
     return value
 
 
+@dataclass
+class SiglipTowerFields:
+    """The tower fields of the SigLIP and SigLIP2 configs, at transformers' defaults (its
+    ``SiglipVisionConfig`` and ``Siglip2VisionConfig`` agree: google/siglip-base-patch16-224's
+    sizes). A key a checkpoint's config.json leaves out means transformers' default, so ours
+    must agree; ``__post_init__`` checks what both towers need of them."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    patch_size: int = 16
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+
+    def __post_init__(self) -> None:
+        self.patch_size = square(self.patch_size, "patch_size", type(self).__name__.replace("Config", ""))
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}")
+
+
 class PatchEmbeddings(nn.Module):
     """A patch embedding (a Linear with bias over each flattened patch, a checkpoint's stride ==
     kernel Conv2d) and a learned position table of ``side`` x ``side`` entries, under
@@ -176,6 +200,9 @@ class PackedViT(ViTTower):
     per patch. Runs sequence-parallel."""
 
     supports_sequence_parallel: ClassVar[bool] = True
+    #: the model_type of the whole (contrastive) model, whose config.json nests the tower's
+    #: as its ``vision_config``
+    hf_full_model_type: ClassVar[str]
 
     def __init__(self, config: Any, embeddings: PatchEmbeddings):
         super().__init__(config)
@@ -183,6 +210,13 @@ class PackedViT(ViTTower):
         self.embeddings = embeddings
         self.encoder = ViTLayers(config)
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    @classmethod
+    def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
+        """The tower's config.json, or the whole model's (its ``vision_config``) -> params."""
+        if hf_config.get("model_type") == cls.hf_full_model_type:
+            hf_config = hf_config.get("vision_config") or {}
+        return super().params_from_hf_config(hf_config)
 
     def position_embeddings(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """[grid_h*grid_w, D]: the position table for an image of that grid."""

@@ -70,6 +70,15 @@ def write_processor_config(path: str, processor: str, image_processor: Any, **se
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def write_class_token_processor_config(path: str, processor: str, image_processor: Any,
+                                       processor_tokens: Mapping[str, str], config: Any) -> None:
+    """``write_processor_config`` for a CLIP tower's processor (``config``: the tower's): its
+    class token is one token more than its patches, which the processor counts."""
+    write_processor_config(path, processor, image_processor, **processor_tokens, patch_size=config.patch_size,
+                           num_additional_image_tokens=1,
+                           vision_feature_select_strategy=config.vision_feature_select_strategy)
+
+
 def llava_projector_act(proj: nn.Module, in_dim: int, width: int) -> str:
     """LLaVA's ``projector_hidden_act`` for an Omni projector that is LLaVA's MLP (linear_1 from
     the tower's width to the LLM's, the activation, linear_2 from the LLM's width to itself);

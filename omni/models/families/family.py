@@ -32,6 +32,22 @@ def image_encoder(model: OmniModel) -> Any:
     return model.encoders["image"] if "image" in model.encoders else None
 
 
+def image_family(vision: str, encoder: type, export: Callable[..., None]) -> Family:
+    """The entry of a family whose vocabulary has one placeholder, ``<image>``, and whose
+    ``vision`` tower is an ``encoder``: its ``export(model, path, image_token_id=, token_ids=,
+    processor_tokens=)`` writes the model and its processor's settings."""
+
+    def export_family(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
+        image = tokenizer.placeholder_ids["image"]
+        export(model, path, image_token_id=image, token_ids=config_ids(vocab, {}),
+               processor_tokens={"image_token": vocab.convert_ids_to_tokens(image)})
+
+    def matches(model: OmniModel) -> bool:
+        return isinstance(image_encoder(model), encoder)
+
+    return Family(vision=vision, export=export_family, matches=matches)
+
+
 def exported_tokenizer(path: str) -> Any:
     """The tokenizer ``omni export`` wrote to ``path``, as transformers loads it: the one whose ids
     the exported config names (a user of the export gets that one)."""

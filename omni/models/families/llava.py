@@ -13,13 +13,12 @@ import json
 import os
 from typing import Any, Mapping, Optional
 
-from dataloading.formats.tokenizer import Tokenizer
 from omni.models.encoders.clip import ClipEncoder
 from omni.models.encoders.llava_projector import llava_projector_names
 from omni.models.encoders.siglip import SiglipEncoder
 from omni.models.families._hf_export import (language_model, llava_projector_act, only_image_encoder, split_ids,
-                                             write_checkpoint, write_processor_config)
-from omni.models.families.family import Family, config_ids, image_encoder
+                                             write_checkpoint, write_class_token_processor_config)
+from omni.models.families.family import Family, image_family
 from omni.models.multimodal import OmniModel
 
 
@@ -71,24 +70,10 @@ def export_llava(model: OmniModel, path: str, image_token_id: int, max_shard_byt
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(pp, f, indent=2)
     if processor_tokens is not None:
-        # the same settings in their transformers class (its PIL variant: the default needs torchvision);
-        # a CLIP tower's class token is one token more than its patches, which the processor counts
+        # the same settings in their transformers class (its PIL variant: the default needs torchvision)
         image_processor = getattr(transformers, pp["image_processor_type"] + "Pil")(
             **{k: v for k, v in pp.items() if k != "image_processor_type"})
-        write_processor_config(path, "LlavaProcessor", image_processor, **processor_tokens, patch_size=c.patch_size,
-                                num_additional_image_tokens=1,
-                                vision_feature_select_strategy=c.vision_feature_select_strategy)
+        write_class_token_processor_config(path, "LlavaProcessor", image_processor, processor_tokens, c)
 
 
-def _export(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
-    """The model and its processor's settings (``export_llava`` writes both)."""
-    image = tokenizer.placeholder_ids["image"]
-    export_llava(model, path, image_token_id=image, token_ids=config_ids(vocab, {}),
-                 processor_tokens={"image_token": vocab.convert_ids_to_tokens(image)})
-
-
-def _matches(model: OmniModel) -> bool:
-    return isinstance(image_encoder(model), ClipEncoder)
-
-
-FAMILIES: dict[str, Family] = {"llava": Family(vision="clip", export=_export, matches=_matches)}
+FAMILIES: dict[str, Family] = {"llava": image_family("clip", ClipEncoder, export_llava)}

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from dataloading.formats.tokenizer import Tokenizer
 from omni.models.encoders.llava_next import LlavaNextEncoder
-from omni.models.families._hf_export import export_anyres, only_image_encoder, write_processor_config
-from omni.models.families.family import Family, config_ids, image_encoder
+from omni.models.families._hf_export import export_anyres, only_image_encoder, write_class_token_processor_config
+from omni.models.families.family import Family, image_family
 from omni.models.multimodal import OmniModel
 
 
@@ -36,22 +35,8 @@ def export_llava_next(model: OmniModel, path: str, image_token_id: int, max_shar
                    max_shard_bytes)
     image_processor = enc.hf_image_processor()
     image_processor.save_pretrained(path)
-    if processor_tokens is not None:
-        c = enc.config  # a CLIP tower: the processor counts its class token, as in export_llava
-        write_processor_config(path, "LlavaNextProcessor", image_processor, **processor_tokens,
-                                patch_size=c.patch_size, num_additional_image_tokens=1,
-                                vision_feature_select_strategy=c.vision_feature_select_strategy)
+    if processor_tokens is not None:  # a CLIP tower, as in export_llava
+        write_class_token_processor_config(path, "LlavaNextProcessor", image_processor, processor_tokens, enc.config)
 
 
-def _export(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
-    """The model and its processor's settings (``export_llava_next`` writes both)."""
-    image = tokenizer.placeholder_ids["image"]
-    export_llava_next(model, path, image_token_id=image, token_ids=config_ids(vocab, {}),
-                      processor_tokens={"image_token": vocab.convert_ids_to_tokens(image)})
-
-
-def _matches(model: OmniModel) -> bool:
-    return isinstance(image_encoder(model), LlavaNextEncoder)
-
-
-FAMILIES: dict[str, Family] = {"llava_next": Family(vision="llava_next", export=_export, matches=_matches)}
+FAMILIES: dict[str, Family] = {"llava_next": image_family("llava_next", LlavaNextEncoder, export_llava_next)}
