@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omni.models.config import EncoderSlot, ModelConfig
-from omni.step.config import MultiplexConfig
-from parallel.config import ParallelConfig
+from omni.run_config import ModelOnLayout
 
 # megatron: Megatron-LM as its users run it (encoders inside stage 0; its layout searched, packing
 # largest first, TP communication overlapped); megatron_naive: a default Megatron-LM held to the
@@ -178,12 +176,8 @@ class SimOptions:
 
 
 @dataclass
-class SimConfig:
+class SimConfig(ModelOnLayout):
     name: str = "simulate"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    encoders: Dict[str, EncoderSlot] = field(default_factory=dict)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    multiplex: MultiplexConfig = field(default_factory=MultiplexConfig)
     data: SimDataConfig = field(default_factory=SimDataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sim: SimOptions = field(default_factory=SimOptions)

@@ -45,6 +45,16 @@ def test_valid_mixture_resolves_paths(mixdir):
     ("source:\n  - {name: a, path: a, weight: 1}\n", 1, "unknown key 'source'"),
     ("sources: {name: a}\n", 1, "'sources' must be a non-empty list"),
     ("sources:\n  - {name: a, path: a, weight: 0}\n", 2, "all source weights are 0"),
+    # a source's weight schedule and options
+    *[(f"sources:\n  - name: a\n    path: a\n    {body}\n", line, needle) for body, line, needle in [
+        ("weight: {0: 1, 0: 2}", 4, "schedule steps must be increasing"),
+        ("weight: {-1: 1}", 4, "schedule steps must be integers >= 0"),
+        ("weight: 1\n    over_budget: chop", 5, "over_budget must be one of"),
+        ("weight: 1\n    image: {resize: stretch}", 5, "image.resize must be one of"),
+        ("weight: 1\n    audio: {chunk_seconds: -3}", 5, "audio.chunk_seconds must be a positive float"),
+        ("weight: 1\n    chat_template: no prompt here", 5, "chat_template must be a string with exactly one"),
+        ("weight: 1\n    max_media: many", 5, "max_media must be an integer"),
+    ]],
 ])
 def test_mixture_errors_name_line_and_key(mixdir, body, line, needle):
     path = write(mixdir, body)

@@ -203,23 +203,6 @@ def test_media_options_need_a_processor_that_takes_them(tmp_path, processors, me
         loader(mix, processors, batch=1)
 
 
-@pytest.mark.parametrize("body, line, needle", [
-    ("weight: {0: 1, 0: 2}", 4, "schedule steps must be increasing"),
-    ("weight: {-1: 1}", 4, "schedule steps must be integers >= 0"),
-    ("weight: 1\n    over_budget: chop", 5, "over_budget must be one of"),
-    ("weight: 1\n    image: {resize: stretch}", 5, "image.resize must be one of"),
-    ("weight: 1\n    audio: {chunk_seconds: -3}", 5, "audio.chunk_seconds must be a positive float"),
-    ("weight: 1\n    chat_template: no prompt here", 5, "chat_template must be a string with exactly one"),
-    ("weight: 1\n    max_media: many", 5, "max_media must be an integer"),
-])
-def test_source_option_errors_name_line_and_key(texts, body, line, needle):
-    path = texts / "bad.yaml"
-    path.write_text(f"sources:\n  - name: short\n    path: short\n    {body}\n")
-    with pytest.raises(DataError) as info:
-        load_mixture(path)
-    assert str(info.value).startswith(f"{path}:{line}: ") and needle in str(info.value)
-
-
 # ---- workers -----------------------------------------------------------------------------
 def _one_tall_image(tmp_path, media_bytes, n, tall):
     """A mixture of one source of ``n`` image samples, each 8 x 8 pixels but sample ``tall``'s,
