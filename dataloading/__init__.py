@@ -2,7 +2,7 @@
 
 Never imports ``omni``, ``parallel`` or ``torch.distributed``: it must run in plain worker
 processes. Its sub-packages run one way, each importing only those before it (checked by
-tests/test_import_graph.py): ``formats`` (sample schema, media, chat, tokenizer) -> ``index``
+tests/test_import_graph.py): ``formats`` (sample schema, media kinds, chat, tokenizer) -> ``index``
 (sources, shards, metadata index) -> ``convert`` (``omni data convert``) -> ``plan`` (mixture,
 cost, balance, planner) -> ``construct`` (constructors, batches, held-out sets) -> ``serve``
 (inline and Ray loaders); ``errors``, ``config`` and ``processes`` sit below them all, ``demo``
@@ -17,7 +17,7 @@ _EXPORTS = {
     "IGNORE_INDEX": "construct.batch", "MediaInputs": "construct.batch", "MicroBatch": "construct.batch",
     "StepBatch": "construct.batch",
     "MediaItem": "formats.media", "MediaProcessor": "formats.media", "MODALITY_EXTENSIONS": "formats.media",
-    "PLACEHOLDERS": "formats.media",
+    "PLACEHOLDERS": "formats.media", "MODALITIES": "formats.modality", "Modality": "formats.modality",
     "DataError": "errors", "ProblemCounter": "errors",
     "Tokenizer": "formats.tokenizer", "ByteTokenizer": "formats.tokenizer", "HFTokenizer": "formats.tokenizer",
     "load_tokenizer": "formats.tokenizer",

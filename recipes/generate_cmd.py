@@ -40,32 +40,25 @@ def _media_files(images: Sequence[str], videos: Sequence[str], audios: Sequence[
     return files
 
 
-# What each option takes, in the words of the error that refuses a file.
-_EXPECTED = {"image": "an image (PNG, JPEG, WebP)", "audio": "an audio file (WAV, FLAC)",
-             "video": "a video (MP4, WebM)"}
-
-
 def _decode(kind: str, path: Path):
     """The file of ``--{kind}`` decoded; one that is not such a file (an image given as
-    ``--audio``, a damaged video) is one line naming it, and the option its extension suggests."""
+    ``--audio``, a damaged video) is one line naming it, in its declaration's words
+    (``Modality.description``), and the option its extension suggests."""
     from dataloading.errors import DataError
-    from dataloading.formats.media import MODALITY_EXTENSIONS
-    from dataloading.formats.sample import decode_audio, decode_image
-    from dataloading.formats.video import decode_video
+    from dataloading.formats.modality import MODALITIES
 
-    decode = {"image": decode_image, "audio": decode_audio, "video": decode_video}[kind]
+    declared = MODALITIES[kind]
     try:
-        return decode(path.read_bytes())  # a video's frames are decoded when the processor samples them
+        return declared.decode(path.read_bytes())  # a video's frames are decoded when the processor samples them
     except DataError:
         raise  # the video decoder is not installed: its own line says how to install it
     except Exception as e:  # each decoder's library raises its own kinds (PIL, libsndfile, FFmpeg)
         cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
         cause = re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "the file", cause)  # libsndfile names its buffer
-        suffix = path.suffix.lower().lstrip(".")
-        other = next((k for k, exts in MODALITY_EXTENSIONS.items() if suffix in exts and k != kind), None)
-        hint = (f"; it looks like {_EXPECTED[other]}: pass it with --{other}" if other
-                else f"; check that it is {_EXPECTED[kind]} and not damaged")
-        raise ConfigError(f"--{kind} {path}: cannot be read as {_EXPECTED[kind]} ({type(e).__name__}: "
+        other = MODALITIES.of_extension(path.suffix.lower().lstrip("."))
+        hint = (f"; it looks like {MODALITIES[other].description}: pass it with --{other}" if other not in (None, kind)
+                else f"; check that it is {declared.description} and not damaged")
+        raise ConfigError(f"--{kind} {path}: cannot be read as {declared.description} ({type(e).__name__}: "
                           f"{cause[:200]}){hint}") from None
 
 

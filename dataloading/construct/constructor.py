@@ -25,6 +25,7 @@ from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.chat import last_answer
 from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
                                        encoder_modality, processor_for)
+from dataloading.formats.modality import MODALITIES
 from dataloading.formats.sample import DecodedSample, decode_sample, text_segments
 from dataloading.formats.tokenizer import Tokenizer
 from dataloading.index.shards import ShardPool, SourceReader
@@ -86,10 +87,10 @@ class SampleConstructor:
 
     def _media_items(self, sample_id: str, kind: str, raw) -> list[MediaItem]:
         """One placeholder's media: a single item, or consecutive chunks (e.g. long audio); a
-        video is one item made by the image processor's ``video`` method."""
+        video is one item made by the image processor's ``video`` method (``Modality.make_item``)."""
         proc = processor_for(self._processors(sample_id), kind, f"sample {sample_id}")
         try:
-            item = proc.video(raw) if kind == "video" else proc(raw)
+            item = MODALITIES[kind].make_item(proc, raw)
         except DataError:
             raise  # already one line with its kind (e.g. the video decoder is not installed)
         except Exception as e:  # a processor failing on one input is that sample's problem

@@ -27,6 +27,7 @@ from typing import Any
 
 from dataloading.formats.chat import prompt_text
 from dataloading.formats.media import MEDIA_PLACEHOLDERS
+from dataloading.formats.modality import MODALITIES
 from dataloading.formats.sample import placeholder_modalities
 
 #: ``--from`` values: the input container of each is read by ``dataloading.convert.inputs``.
@@ -38,10 +39,10 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 _TURN_KEYS = ("messages", "conversations")
 _ROLE_KEYS = ("role", "from")
 _CONTENT_KEYS = ("content", "value")
-_MEDIA_KEYS = {"image": ("images", "image"), "video": ("videos", "video"), "audio": ("audios", "audio")}
-# Content part types that stand for a media item (OpenAI's and transformers' chat formats).
-_PART_KINDS = {"image": "image", "image_url": "image", "video": "video", "video_url": "video",
-               "audio": "audio", "input_audio": "audio"}
+# The record keys that list each kind's items, and the content part types that stand for an item
+# (OpenAI's and transformers' chat formats): their declarations' ``record_keys``, ``part_types``.
+_MEDIA_KEYS = {m.name: m.record_keys for m in MODALITIES if m.record_keys}
+_PART_KINDS = {part: m.name for m in MODALITIES for part in m.part_types}
 _KNOWN_KEYS = {"id", "system", *_TURN_KEYS, *(k for keys in _MEDIA_KEYS.values() for k in keys)}
 
 

@@ -19,7 +19,6 @@ in ``OUT/convert_report.jsonl`` as ``{"id", "reason": "<kind>: <detail>"}``, in 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
@@ -35,8 +34,8 @@ from dataloading.convert.records import Conversation, MediaRef, RecordProblem, r
 from dataloading.errors import DataError
 from dataloading.formats.chat import MESSAGES_FIELD, parse_messages, prompt_text
 from dataloading.formats.media import MEDIA_PLACEHOLDERS
-from dataloading.formats.sample import (decode_audio, decode_image, media_fields, media_meta, parse_fields,
-                                        placeholder_modalities)
+from dataloading.formats.modality import MODALITIES
+from dataloading.formats.sample import media_fields, media_meta, parse_fields, placeholder_modalities
 from dataloading.processes import worker_pool
 
 REPORT_NAME = "convert_report.jsonl"
@@ -45,7 +44,6 @@ DEFAULT_SHARD_SIZE = 1000
 #: What the report calls the training reader's problem kinds (dataloading.formats.sample, dataloading.formats.chat);
 #: kinds not named here keep their name (no_assistant_turn, placeholder_mismatch).
 _READER_KINDS = {"bad_messages": "bad_record", "bad_fields": "bad_record"}
-_IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # PIL's format names -> field extensions
 
 
 @dataclass(frozen=True)
@@ -104,22 +102,11 @@ def resolve_media(path: str, media_root: Path) -> Path:
 
 
 def _sniff_ext(kind: str, data: bytes) -> str | None:
-    """The field extension of media bytes that come without a file name."""
+    """The field extension of media bytes that come without a file name (its declaration's ``sniff``)."""
     try:
-        if kind == "image":
-            from PIL import Image
-
-            with Image.open(io.BytesIO(data)) as im:
-                return _IMAGE_FORMATS.get(im.format or "", (im.format or "").lower() or None)
-        if kind == "audio":
-            import soundfile
-
-            return soundfile.info(io.BytesIO(data)).format.lower()
+        return MODALITIES[kind].sniff(data)
     except Exception:  # PIL and soundfile raise many types on bytes they cannot read
         return None
-    if data[:4] == b"\x1a\x45\xdf\xa3":  # EBML: Matroska / WebM
-        return "webm"
-    return "mp4" if data[4:8] == b"ftyp" else None
 
 
 def _label(ref: MediaRef) -> str:
@@ -148,7 +135,8 @@ def _reader_checks(fields: dict[str, bytes], sample_id: str, conv: Conversation)
     """The sample as the training reader checks it (``dataloading.formats.sample``): its turns, media types
     and placeholders, each item's header, and (images, audio) its decoding. Videos are checked by
     their header alone: decoding every frame would cost more than the whole conversion. The reader
-    decides; the report says it in the record's terms (its paths, not the fields written)."""
+    decides; the report says it in the record's terms (its paths, not the fields written). Which
+    kinds decode lazily is their declaration's (``Modality.decodes_lazily``)."""
     media = conv.media
     try:
         media_fields(sample_id, fields)  # first, to tell an unsupported file type from other field problems
@@ -167,10 +155,8 @@ def _reader_checks(fields: dict[str, bytes], sample_id: str, conv: Conversation)
     for (kind, _, data), ref in zip(raw.media, media):
         try:
             media_meta(kind, data)  # what the index reads
-            if kind == "image":  # what training decodes
-                decode_image(data)
-            elif kind == "audio":
-                decode_audio(data)
+            if not MODALITIES[kind].decodes_lazily:  # what training decodes
+                MODALITIES[kind].decode(data)
         except DataError:
             raise  # a decoder extra is missing (video): not this record's fault, the run stops
         except Exception as e:  # PIL, soundfile and PyAV raise many types on bad bytes

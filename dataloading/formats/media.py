@@ -12,29 +12,24 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-#: Media kinds the data format knows, with the file extensions that carry them.
-MODALITY_EXTENSIONS: dict[str, tuple[str, ...]] = {
-    "image": ("jpg", "jpeg", "png", "webp"),
-    "audio": ("wav", "flac"),
-    "video": ("mp4", "webm"),
-}
+from dataloading.formats.modality import MODALITIES
+
+#: The maps of the media kinds, derived from their declarations (``dataloading.formats.modality``).
+#: Field extensions per kind.
+MODALITY_EXTENSIONS: dict[str, tuple[str, ...]] = {m.name: m.extensions for m in MODALITIES}
 #: Placeholder text per encoder modality, as written in a sample's ``txt`` field; each is one
 #: token id of the tokenizer (``dataloading.formats.tokenizer``).
-PLACEHOLDERS: dict[str, str] = {"image": "<image>", "audio": "<audio>"}
-#: Media kinds that another modality's encoder takes. A video is a sequence of frames for the
-#: vision tower (Qwen2-VL encodes it as one item of t x h x w patches, attending within each
-#: temporal patch), so it has no encoder slot, projector, cost coefficients or placeholder id of
-#: its own: its items are made by the image processor's ``video`` method and packed, encoded and
-#: multiplexed as image items; only its placeholder text differs, and it becomes the image
-#: placeholder id (``as_encoder_placeholders``).
-ENCODED_AS: dict[str, str] = {"video": "image"}
+PLACEHOLDERS: dict[str, str] = {m.name: m.placeholder for m in MODALITIES if not m.encoded_as}
+#: Media kinds that another modality's encoder takes (video -> image): their items are made by
+#: that encoder's processor and packed, encoded and multiplexed as its items.
+ENCODED_AS: dict[str, str] = {m.name: m.encoded_as for m in MODALITIES if m.encoded_as}
 #: Placeholder text of every media kind (the encoder modalities' and the video's).
-MEDIA_PLACEHOLDERS: dict[str, str] = {**PLACEHOLDERS, "video": "<video>"}
+MEDIA_PLACEHOLDERS: dict[str, str] = {m.name: m.placeholder for m in MODALITIES}
 
 
 def encoder_modality(kind: str) -> str:
     """The encoder modality (slot, packed items, cost) of a media kind: ``video`` -> ``image``."""
-    return ENCODED_AS.get(kind, kind)
+    return MODALITIES.encoder_of(kind)
 
 
 def as_encoder_placeholders(text: str) -> str:
@@ -45,11 +40,6 @@ def as_encoder_placeholders(text: str) -> str:
     for kind, modality in ENCODED_AS.items():
         text = text.replace(MEDIA_PLACEHOLDERS[kind], PLACEHOLDERS[modality])
     return text
-
-
-def takes_video(processor: Any) -> bool:
-    """Whether an image processor can turn a video into an item (has a ``video`` method)."""
-    return callable(getattr(processor, "video", None))
 
 
 @dataclass
@@ -88,7 +78,7 @@ class MediaProcessor(Protocol):
 
 def processor_for(processors: Mapping[str, MediaProcessor], kind: str, where: str) -> MediaProcessor:
     """The processor of a media kind's encoder, or a one-line config DataError: no such encoder,
-    or (video) an image encoder whose processor takes no video."""
+    or (video) an image encoder whose processor takes no video (``Modality.made_by``)."""
     from dataloading.errors import DataError
 
     modality = encoder_modality(kind)
@@ -96,9 +86,10 @@ def processor_for(processors: Mapping[str, MediaProcessor], kind: str, where: st
     if proc is None:
         raise DataError(f"{where} has {kind} media but no {modality} processor was given; configure a {modality} "
                         f"encoder or drop the source", kind="config")
-    if kind == "video" and not takes_video(proc):
-        raise DataError(f"{where} has video media but the image encoder's processor ({type(proc).__name__}) cannot "
-                        f"encode video; use a video-capable vision encoder (qwen_vl) or drop the source", kind="config")
+    declared = MODALITIES.get(kind)
+    if declared is not None and not declared.made_by(proc):
+        raise DataError(f"{where} has {kind} media but the {modality} encoder's processor ({type(proc).__name__}) "
+                        f"cannot encode {kind}; use {declared.item_hint} or drop the source", kind="config")
     return proc
 
 
@@ -115,8 +106,11 @@ def configure_processors(processors: dict[str, MediaProcessor], options: dict[st
         if not opts or modality not in out:
             continue  # options for an encoder the model lacks: its samples fail with that message
         proc = out[modality]
-        if not hasattr(proc, "with_options") or (kind == "video" and not takes_video(proc)):
-            what = "video options" if kind == "video" else "options"
+        # A kind made by a method of its own (video) needs that method for its options to mean anything.
+        declared = MODALITIES.get(kind)
+        own_method = declared is not None and declared.item_method is not None
+        if not hasattr(proc, "with_options") or (own_method and not declared.made_by(proc)):
+            what = f"{kind} options" if own_method else "options"
             raise DataError(f"{where}: the {modality} encoder's processor ({type(proc).__name__}) takes no {what}, "
                             f"but {sorted(opts)} were given; remove them from the mixture", kind="config")
         try:

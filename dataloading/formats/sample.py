@@ -6,25 +6,21 @@ either ``txt`` with an optional ``response.txt`` or a conversation, ``messages.j
 or several as numbered fields (``0.png``, ``1.wav``, ...), the i-th placeholder of the text
 (of a conversation: over its turns in order) taking field i. A media item's *kind* (image, audio, video) is
 what its field and placeholder say; a video is encoded by the image encoder
-(``dataloading.formats.media.ENCODED_AS``) but keeps its kind here and in the index.
+(``dataloading.formats.media.ENCODED_AS``) but keeps its kind here and in the index. The kinds, their
+extensions and placeholders are their declarations' (``dataloading.formats.modality``); the
+parsing functions take the registry to read them from.
 """
 from __future__ import annotations
 
-import io
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from dataloading.errors import DataError
 from dataloading.formats.chat import MESSAGES_FIELD, last_answer, parse_messages, prompt_text, render_segments
-from dataloading.formats.media import MEDIA_PLACEHOLDERS, MODALITY_EXTENSIONS
+from dataloading.formats.modality import MODALITIES, Registry
 
-_MODALITY_OF_EXT = {ext: m for m, exts in MODALITY_EXTENSIONS.items() for ext in exts}
-_MODALITY_OF_PLACEHOLDER = {p: m for m, p in MEDIA_PLACEHOLDERS.items()}
-_PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in MEDIA_PLACEHOLDERS.values()))
 _NUMBERED = re.compile(r"^(\d+)\.([A-Za-z0-9]+)$")
 _FORMAT_HINT = "see docs/data.md (sample format)"
 
@@ -54,9 +50,9 @@ class DecodedSample:
     messages: list[dict[str, str]] | None = None
 
 
-def placeholder_modalities(text: str) -> list[str]:
+def placeholder_modalities(text: str, modalities: Registry = MODALITIES) -> list[str]:
     """The media kinds of the placeholders in ``text`` (``<image>``, ``<audio>``, ``<video>``), in order."""
-    return [_MODALITY_OF_PLACEHOLDER[p] for p in _PLACEHOLDER_RE.findall(text)]
+    return modalities.placeholder_kinds(text)
 
 
 def _text(sample_id: str, fields: dict[str, bytes], name: str) -> str:
@@ -67,24 +63,27 @@ def _text(sample_id: str, fields: dict[str, bytes], name: str) -> str:
                         "re-encode the text as UTF-8", kind="bad_text") from None
 
 
-def media_fields(sample_id: str, fields: dict[str, bytes]) -> list[tuple[str, str]]:
+def media_fields(sample_id: str, fields: dict[str, bytes],
+                 modalities: Registry = MODALITIES) -> list[tuple[str, str]]:
     """(modality, field name) of the media fields, in placeholder order."""
     plain, numbered = [], {}
     for name in fields:
-        if name.lower() in _MODALITY_OF_EXT:
-            plain.append((_MODALITY_OF_EXT[name.lower()], name))
+        kind = modalities.of_extension(name.lower())
+        if kind is not None:
+            plain.append((kind, name))
             continue
         m = _NUMBERED.match(name)
         if m is None:
             continue  # txt, response.txt, json and unknown extras (e.g. __url__) are not media
-        index, ext = int(m.group(1)), m.group(2).lower()
-        if ext not in _MODALITY_OF_EXT:
+        index, kind = int(m.group(1)), modalities.of_extension(m.group(2).lower())
+        if kind is None:
+            known = sorted(ext for d in modalities for ext in d.extensions)
             raise DataError(f"sample {sample_id}: field {name!r} has an unsupported media type; use one of "
-                            f"{sorted(_MODALITY_OF_EXT)}", kind="bad_fields")
+                            f"{known}", kind="bad_fields")
         if index in numbered:
             raise DataError(f"sample {sample_id}: fields {numbered[index][1]!r} and {name!r} share number {index}; "
                             "give every media item its own number", kind="bad_fields")
-        numbered[index] = (_MODALITY_OF_EXT[ext], name)
+        numbered[index] = (kind, name)
     if plain and numbered:
         raise DataError(f"sample {sample_id}: mixes a plain media field ({plain[0][1]!r}) with numbered ones "
                         f"({numbered[min(numbered)][1]!r}); with several items number them all (0.png, 1.wav, ...)",
@@ -98,7 +97,7 @@ def media_fields(sample_id: str, fields: dict[str, bytes]) -> list[tuple[str, st
     return plain or [numbered[i] for i in range(len(numbered))]
 
 
-def parse_fields(sample_id: str, fields: dict[str, bytes]) -> RawSample:
+def parse_fields(sample_id: str, fields: dict[str, bytes], modalities: Registry = MODALITIES) -> RawSample:
     """Check a sample's fields against the format; raises DataError naming the sample."""
     messages = None
     if MESSAGES_FIELD in fields:
@@ -114,11 +113,11 @@ def parse_fields(sample_id: str, fields: dict[str, bytes]) -> RawSample:
     else:
         text = _text(sample_id, fields, "txt")
         response = _text(sample_id, fields, "response.txt") if "response.txt" in fields else None
-    if response is not None and placeholder_modalities(response):
+    if response is not None and placeholder_modalities(response, modalities):
         raise DataError(f"sample {sample_id}: response.txt contains a media placeholder; media go in the "
                         "prompt (txt) only", kind="placeholder_mismatch")
-    media = media_fields(sample_id, fields)
-    wanted = placeholder_modalities(text)
+    media = media_fields(sample_id, fields, modalities)
+    wanted = placeholder_modalities(text, modalities)
     have = [m for m, _ in media]
     if wanted != have:
         raise DataError(
@@ -135,38 +134,12 @@ def parse_fields(sample_id: str, fields: dict[str, bytes]) -> RawSample:
     return RawSample(sample_id, text, response, [(m, n, bytes(fields[n])) for m, n in media], meta, messages)
 
 
-def decode_image(data: bytes) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im.convert("RGB"), dtype=np.uint8)
-
-
-def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-    import soundfile
-
-    wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    return np.ascontiguousarray(wave.mean(axis=1), dtype=np.float32), int(rate)
-
-
 def media_meta(modality: str, data: bytes) -> dict[str, Any]:
     """Header-only metadata for the index: the pixels / samples / frames are not decoded."""
-    if modality == "image":
-        from PIL import Image
-
-        with Image.open(io.BytesIO(data)) as im:
-            width, height = im.size
-        return {"height": int(height), "width": int(width)}
-    if modality == "audio":
-        import soundfile
-
-        info = soundfile.info(io.BytesIO(data))
-        return {"num_samples": int(info.frames), "sample_rate": int(info.samplerate)}
-    if modality == "video":
-        from dataloading.formats.video import video_meta
-
-        return video_meta(data)
-    raise ValueError(f"unknown modality {modality!r}")
+    declared = MODALITIES.get(modality)
+    if declared is None:
+        raise ValueError(f"unknown modality {modality!r}")
+    return declared.read_meta(data)
 
 
 def _media_error(sample_id: str, name: str, e: Exception) -> DataError:
@@ -186,22 +159,12 @@ def read_meta(raw: RawSample) -> list[tuple[str, dict]]:
     return out
 
 
-def _decode(modality: str, data: bytes) -> Any:
-    if modality == "image":
-        return decode_image(data)
-    if modality == "audio":
-        return decode_audio(data)
-    from dataloading.formats.video import decode_video
-
-    return decode_video(data)
-
-
 def decode_sample(sample_id: str, fields: dict[str, bytes]) -> DecodedSample:
     raw = parse_fields(sample_id, fields)
     media = []
     for modality, name, data in raw.media:
         try:
-            media.append((modality, _decode(modality, data)))
+            media.append((modality, MODALITIES[modality].decode(data)))
         except DataError:
             raise
         except Exception as e:

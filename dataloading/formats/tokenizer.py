@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Mapping, Protocol, Sequence, runtime_chec
 
 from dataloading.errors import DataError
 from dataloading.formats.media import MEDIA_PLACEHOLDERS, PLACEHOLDERS, encoder_modality
+from dataloading.formats.modality import MODALITIES
 
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")")
 _MODALITY_OF = {p: m for m, p in PLACEHOLDERS.items()}
@@ -130,13 +131,15 @@ class ByteTokenizer:
     The placeholder ids are reserved whether or not their modality is used, so the vocabulary
     (272) is the same for every model; ``modalities`` selects which placeholders are recognised."""
 
-    SPECIALS = ("<pad>", "<bos>", "<eos>", "<image>", "<audio>")
+    # The placeholders' ids are their declarations' ``byte_token_id`` (259, 260, ...): they follow
+    # the three specials without a gap, as ``save_hf`` adds the specials in order.
+    RESERVED = {m.name: m.byte_token_id for m in MODALITIES if m.byte_token_id is not None}
+    SPECIALS = ("<pad>", "<bos>", "<eos>", *(MODALITIES[m].placeholder for m in sorted(RESERVED, key=RESERVED.get)))
     bytes_per_token = 1.0
 
     def __init__(self, modalities: Iterable[str] | None = None, chat_template: str | None = None) -> None:
         self.pad_id, self.bos_id, self.eos_id = 256, 257, 258
-        reserved = {"image": 259, "audio": 260}
-        self.placeholder_ids = {m: reserved[m] for m in _modalities(modalities)}
+        self.placeholder_ids = {m: self.RESERVED[m] for m in _modalities(modalities)}
         # 256 bytes + 5 specials + reserved ids, padded to a multiple of 16 so embedding
         # tables shard evenly under tensor parallelism.
         self.vocab_size = 272

@@ -135,3 +135,11 @@ def decode_video(data: bytes) -> Video:
     """A sample's video field as a ``Video``: its header is read now (a corrupt file fails here,
     with the sample named), its frames when the processor samples them."""
     return Video(bytes(data), video_meta(data))
+
+
+def sniff_video(data: bytes) -> str | None:
+    """The field extension of video bytes that come without a file name, from their magic bytes
+    (no decoder needed): EBML is Matroska / WebM, an ``ftyp`` box MP4."""
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "webm"
+    return "mp4" if data[4:8] == b"ftyp" else None

@@ -23,18 +23,22 @@ import yaml
 
 from dataloading.errors import DataError
 from dataloading.formats.chat import ASSISTANT_LOSS
+from dataloading.formats.modality import MODALITIES, Registry
 
 REQUIRED_KEYS = ("name", "path", "weight")
-OPTION_KEYS = ("max_media", "image", "audio", "video", "chat_template", "assistant_loss", "bucket", "over_budget")
-SOURCE_KEYS = REQUIRED_KEYS + OPTION_KEYS
 TOP_KEYS = ("sources", "eval")
 OVER_BUDGET_POLICIES = ("error", "truncate", "split", "skip")
 BUCKETS = ("auto", "short", "long")
-# Per-kind preprocessing options a source may set; the encoder's processor applies them (a
-# video's: the image processor that encodes videos; see dataloading/formats/video.py and docs/data.md).
-MEDIA_OPTIONS = {"image": {"max_patches": int, "min_patches": int, "resize": ("fit", "square")},
-                 "audio": {"chunk_seconds": float},
-                 "video": {"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int}}
+
+
+def option_keys(modalities: Registry = MODALITIES) -> tuple[str, ...]:
+    """A source's optional keys: one per media kind (its preprocessing options, each kind's
+    ``Modality.options``: the encoder's processor applies them, a video's the image processor
+    that encodes videos; see docs/data.md) among the others."""
+    return ("max_media", *modalities.names, "chat_template", "assistant_loss", "bucket", "over_budget")
+
+
+OPTION_KEYS = option_keys()
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,8 @@ def _records_format(head: str) -> str | None:
     return None
 
 
-def load_mixture(path: str | Path) -> Mixture:
+def load_mixture(path: str | Path, modalities: Registry = MODALITIES) -> Mixture:
+    """The mixture file at ``path``; ``modalities``: the media kinds whose options a source may set."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"mixture file {path}: not found; pass the path of a mixture YAML (see docs/data.md)",
@@ -166,9 +171,10 @@ def load_mixture(path: str | Path) -> Mixture:
         if not isinstance(item, yaml.MappingNode):
             raise err(item, f"{where} must be a mapping with keys {list(REQUIRED_KEYS)}")
         fields = _mapping(item)
+        source_keys = REQUIRED_KEYS + option_keys(modalities)
         for key, (knode, _) in fields.items():
-            if key not in SOURCE_KEYS:
-                raise err(knode, f"{where}: unknown key {key!r}; expected {list(SOURCE_KEYS)}")
+            if key not in source_keys:
+                raise err(knode, f"{where}: unknown key {key!r}; expected {list(source_keys)}")
         for key in REQUIRED_KEYS:
             if key not in fields:
                 raise err(item, f"{where}: missing key {key!r}")
@@ -183,7 +189,7 @@ def load_mixture(path: str | Path) -> Mixture:
         if not isinstance(rel, str) or not rel:
             raise err(pnode, f"{where}.path must be a string, got {rel!r}")
         source_path = _source_path(rel, path.parent, lambda what: err(pnode, f"{where}.path: {what}"))
-        options = _options(fields, where, err)
+        options = _options(fields, where, err, modalities)
         sources.append(SourceSpec(name, source_path, weight, options))
     if sum(_peak(s.weight) for s in sources) <= 0:
         raise err(snode, "all source weights are 0; give at least one source a positive weight")
@@ -247,7 +253,7 @@ def _source_path(rel: str, base: Path, fail) -> Path | str:
     return folder
 
 
-def _options(fields: dict, where: str, err) -> SourceOptions:
+def _options(fields: dict, where: str, err, modalities: Registry) -> SourceOptions:
     opts: dict = {}
     if "max_media" in fields:
         knode, vnode = fields["max_media"]
@@ -256,7 +262,7 @@ def _options(fields: dict, where: str, err) -> SourceOptions:
             raise err(vnode, f"{where}.max_media must be an integer >= 0, got {v!r}")
         opts["max_media"] = v
     media = {}
-    for modality, allowed in MEDIA_OPTIONS.items():
+    for modality, allowed in ((m.name, m.options) for m in modalities):
         if modality not in fields:
             continue
         _, mnode = fields[modality]

@@ -8,15 +8,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dataloading.formats.modality import MODALITIES
 from omni.sim.config import SimDataConfig
 from omni.sim.spec import ModelSpec
 from omni.sim.work import MicroBatchWork
 
-IMAGE = "image"
-AUDIO = "audio"
-# media_mix kind -> the modality (encoder) of its items. Video frames are image items: the
-# model's vision encoder is a ViT that encodes each frame.
-KINDS = {"image": IMAGE, "multi_image": IMAGE, "video": IMAGE, "audio": AUDIO}
+IMAGE = "image"  # the media kind that multi_image draws several of
+
+
+def _kinds() -> dict[str, str]:
+    """media_mix kind -> the encoder modality whose cost coefficients its items are charged: a
+    media kind's declaration says it (``Modality.encoder``; video frames are image items, the
+    vision encoder being a ViT that encodes each frame), and ``multi_image``, the simulator's
+    own kind of several images per sample, follows ``image``."""
+    out = {}
+    for m in MODALITIES:
+        out[m.name] = m.encoder
+        if m.name == IMAGE:
+            out["multi_image"] = m.encoder
+    return out
+
+
+KINDS = _kinds()
 # Draws per media kind behind the expected token counts the mix is solved with (a fixed seed:
 # the solve is deterministic; the expectations' relative error is below 0.5%).
 EXPECTATION_DRAWS = 1 << 15

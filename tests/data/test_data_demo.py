@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dataloading import demo
-from dataloading.formats.sample import decode_audio, decode_image
+from dataloading.formats.media_codecs import decode_audio, decode_image
 from dataloading.index.shards import list_shards
 from dataloading.index.source_index import load_index
 from dataloading.plan.mixture import load_mixture
