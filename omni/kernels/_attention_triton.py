@@ -49,31 +49,78 @@ def _next(COUNTER, n_items, PERSISTENT: tl.constexpr):
 
 
 @triton.jit
+def _item(ORDER, TILE_DOC, item, heads):
+    """An item's tile, head (int64: see the module note) and document (< 0: a padding tile)."""
+    tile = tl.load(ORDER + item // heads)
+    return tile, (item % heads).to(tl.int64), tl.load(TILE_DOC + tile)
+
+
+@triton.jit
+def _tile_span(TILE_BLOCK, CU, tile, doc, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A tile of a document: its block index, the document's first token (int64) and length,
+    the block's positions in the document and which of them it has, and the head dims."""
+    block = tl.load(TILE_BLOCK + tile)
+    first = tl.load(CU + doc)
+    length = tl.load(CU + doc + 1) - first
+    at = block * BLOCK + tl.arange(0, BLOCK)
+    return block, first.to(tl.int64), length, at, at < length, tl.arange(0, BLOCK_D)
+
+
+@triton.jit
+def _key_end(block, length, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where the keys a block of query rows attends to end: the document's end, or (causal) the
+    block's last row."""
+    if CAUSAL:
+        return tl.minimum((block + 1) * BLOCK_M, length)
+    return length
+
+
+@triton.jit
+def _query_rows(Q, DO, LSE, DELTA, start, rows, row_ok, dims, head, s_qt, s_qh, s_dot, s_doh, s_lh, D):
+    """What the backward reads of a block of query rows: q, dO, the saved log-sum-exp and delta,
+    and the rows' element mask."""
+    rd = row_ok[:, None] & (dims[None, :] < D)
+    q = tl.load(Q + (start + rows)[:, None] * s_qt + head * s_qh + dims[None, :], mask=rd, other=0.0)
+    do = tl.load(DO + (start + rows)[:, None] * s_dot + head * s_doh + dims[None, :], mask=rd, other=0.0)
+    lse = tl.load(LSE + head * s_lh + start + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + head * s_lh + start + rows, mask=row_ok, other=0.0)
+    return q, do, lse, delta, rd
+
+
+@triton.jit
+def _key_cols(K, V, start, cols, col_ok, dims, kv_head, s_kt, s_kh, s_vt, s_vh, D):
+    """A block of key/value columns, [N, D] each, and their element mask."""
+    cd = col_ok[:, None] & (dims[None, :] < D)
+    k = tl.load(K + (start + cols)[:, None] * s_kt + kv_head * s_kh + dims[None, :], mask=cd, other=0.0)
+    v = tl.load(V + (start + cols)[:, None] * s_vt + kv_head * s_vh + dims[None, :], mask=cd, other=0.0)
+    return k, v, cd
+
+
+@triton.jit
+def _probs(q, k, lse, rows, cols, row_ok, col_ok, qk_scale, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """The forward's attention probabilities of a (rows, cols) block, recomputed from the saved
+    log-sum-exp; 0 where masked."""
+    ok = row_ok[:, None] & col_ok[None, :]
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None])
+    return tl.where(ok, tl.exp2(_dot(q, tl.trans(k), IEEE) * qk_scale - lse[:, None]), 0.0)
+
+
+@triton.jit
 def _fwd_tile(Q, K, V, O, LSE, CU, TILE_DOC, TILE_BLOCK, ORDER, item, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot,
               s_oh, s_lh, qk_scale, H, GROUP, D, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    tile = tl.load(ORDER + item // H)
-    head = (item % H).to(tl.int64)  # int64 offsets: see the module note
-    doc = tl.load(TILE_DOC + tile)
+    tile, head, doc = _item(ORDER, TILE_DOC, item, H)
     if doc >= 0:
-        block = tl.load(TILE_BLOCK + tile)
-        first = tl.load(CU + doc)
-        length = tl.load(CU + doc + 1) - first
-        start = first.to(tl.int64)
+        block, start, length, rows, row_ok, dims = _tile_span(TILE_BLOCK, CU, tile, doc, BLOCK_M, BLOCK_D)
         kv_head = head // GROUP
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols0 = tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, BLOCK_D)
-        row_ok = rows < length
         q = tl.load(Q + (start + rows)[:, None] * s_qt + head * s_qh + dims[None, :],
                     mask=row_ok[:, None] & (dims[None, :] < D), other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = length
-        if CAUSAL:
-            hi = tl.minimum((block + 1) * BLOCK_M, length)
-        for n0 in range(0, hi, BLOCK_N):
+        for n0 in range(0, _key_end(block, length, BLOCK_M, CAUSAL), BLOCK_N):
             cols = n0 + cols0
             col_ok = cols < length
             kt = tl.load(K + (start + cols)[None, :] * s_kt + kv_head * s_kh + dims[:, None],
@@ -115,38 +162,19 @@ def attention_fwd(Q, K, V, O, LSE, CU, TILE_DOC, TILE_BLOCK, ORDER, COUNTER, n_i
 def _dq_tile(Q, K, V, DO, DQ, LSE, DELTA, CU, TILE_DOC, TILE_BLOCK, ORDER, item, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
              s_dot, s_doh, s_dqt, s_dqh, s_lh, qk_scale, sm_scale, H, GROUP, D, CAUSAL: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    tile = tl.load(ORDER + item // H)
-    head = (item % H).to(tl.int64)  # int64 offsets: see the module note
-    doc = tl.load(TILE_DOC + tile)
+    tile, head, doc = _item(ORDER, TILE_DOC, item, H)
     if doc >= 0:
-        block = tl.load(TILE_BLOCK + tile)
-        first = tl.load(CU + doc)
-        length = tl.load(CU + doc + 1) - first
-        start = first.to(tl.int64)
+        block, start, length, rows, row_ok, dims = _tile_span(TILE_BLOCK, CU, tile, doc, BLOCK_M, BLOCK_D)
         kv_head = head // GROUP
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         cols0 = tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, BLOCK_D)
-        row_ok = rows < length
-        rd = row_ok[:, None] & (dims[None, :] < D)
-        q = tl.load(Q + (start + rows)[:, None] * s_qt + head * s_qh + dims[None, :], mask=rd, other=0.0)
-        do = tl.load(DO + (start + rows)[:, None] * s_dot + head * s_doh + dims[None, :], mask=rd, other=0.0)
-        lse = tl.load(LSE + head * s_lh + start + rows, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + head * s_lh + start + rows, mask=row_ok, other=0.0)
+        q, do, lse, delta, rd = _query_rows(Q, DO, LSE, DELTA, start, rows, row_ok, dims, head, s_qt, s_qh, s_dot,
+                                            s_doh, s_lh, D)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        hi = length
-        if CAUSAL:
-            hi = tl.minimum((block + 1) * BLOCK_M, length)
-        for n0 in range(0, hi, BLOCK_N):
+        for n0 in range(0, _key_end(block, length, BLOCK_M, CAUSAL), BLOCK_N):
             cols = n0 + cols0
             col_ok = cols < length
-            cd = col_ok[:, None] & (dims[None, :] < D)
-            k = tl.load(K + (start + cols)[:, None] * s_kt + kv_head * s_kh + dims[None, :], mask=cd, other=0.0)
-            v = tl.load(V + (start + cols)[:, None] * s_vt + kv_head * s_vh + dims[None, :], mask=cd, other=0.0)
-            ok = row_ok[:, None] & col_ok[None, :]
-            if CAUSAL:
-                ok = ok & (cols[None, :] <= rows[:, None])
-            p = tl.where(ok, tl.exp2(_dot(q, tl.trans(k), IEEE) * qk_scale - lse[:, None]), 0.0)
+            k, v, cd = _key_cols(K, V, start, cols, col_ok, dims, kv_head, s_kt, s_kh, s_vt, s_vh, D)
+            p = _probs(q, k, lse, rows, cols, row_ok, col_ok, qk_scale, CAUSAL, IEEE)
             dp = _dot(do, tl.trans(v), IEEE)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, IEEE)
@@ -172,21 +200,11 @@ def _dkv_tile(Q, K, V, DO, DK, DV, LSE, DELTA, CU, TILE_DOC, TILE_BLOCK, ORDER, 
               s_vh, s_dot, s_doh, s_dkt, s_dkh, s_dvt, s_dvh, s_lh, qk_scale, sm_scale, H_KV, GROUP, D,
               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               IEEE: tl.constexpr):
-    tile = tl.load(ORDER + item // H_KV)
-    kv_head = (item % H_KV).to(tl.int64)  # int64 offsets: see the module note
-    doc = tl.load(TILE_DOC + tile)
+    tile, kv_head, doc = _item(ORDER, TILE_DOC, item, H_KV)
     if doc >= 0:
-        block = tl.load(TILE_BLOCK + tile)
-        first = tl.load(CU + doc)
-        length = tl.load(CU + doc + 1) - first
-        start = first.to(tl.int64)
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        block, start, length, cols, col_ok, dims = _tile_span(TILE_BLOCK, CU, tile, doc, BLOCK_N, BLOCK_D)
         rows0 = tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, BLOCK_D)
-        col_ok = cols < length
-        cd = col_ok[:, None] & (dims[None, :] < D)
-        k = tl.load(K + (start + cols)[:, None] * s_kt + kv_head * s_kh + dims[None, :], mask=cd, other=0.0)
-        v = tl.load(V + (start + cols)[:, None] * s_vt + kv_head * s_vh + dims[None, :], mask=cd, other=0.0)
+        k, v, cd = _key_cols(K, V, start, cols, col_ok, dims, kv_head, s_kt, s_kh, s_vt, s_vh, D)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         lo = 0
@@ -197,16 +215,9 @@ def _dkv_tile(Q, K, V, DO, DK, DV, LSE, DELTA, CU, TILE_DOC, TILE_BLOCK, ORDER, 
             for m0 in range(lo, length, BLOCK_M):
                 rows = m0 + rows0
                 row_ok = rows < length
-                rd = row_ok[:, None] & (dims[None, :] < D)
-                q = tl.load(Q + (start + rows)[:, None] * s_qt + head * s_qh + dims[None, :], mask=rd, other=0.0)
-                do = tl.load(DO + (start + rows)[:, None] * s_dot + head * s_doh + dims[None, :], mask=rd,
-                             other=0.0)
-                lse = tl.load(LSE + head * s_lh + start + rows, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + head * s_lh + start + rows, mask=row_ok, other=0.0)
-                ok = row_ok[:, None] & col_ok[None, :]
-                if CAUSAL:
-                    ok = ok & (cols[None, :] <= rows[:, None])
-                p = tl.where(ok, tl.exp2(_dot(q, tl.trans(k), IEEE) * qk_scale - lse[:, None]), 0.0)  # [M, N]
+                q, do, lse, delta, _ = _query_rows(Q, DO, LSE, DELTA, start, rows, row_ok, dims, head, s_qt, s_qh,
+                                                   s_dot, s_doh, s_lh, D)
+                p = _probs(q, k, lse, rows, cols, row_ok, col_ok, qk_scale, CAUSAL, IEEE)  # [M, N]
                 dv += _dot(tl.trans(p).to(do.dtype), do, IEEE)
                 dp = _dot(do, tl.trans(v), IEEE)
                 ds = p * (dp - delta[:, None])

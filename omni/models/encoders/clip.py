@@ -34,7 +34,7 @@ from omni.models.encoders.images import (BICUBIC, center_cropped, checked_mean_s
                                          padded_to_square, refuse_unsupported_steps, resized, rgb_uint8,
                                          shortest_edge_size)
 from omni.models.encoders.llava_projector import llava_pretrained_projector
-from omni.models.encoders.vit import FeatureLayerTower, ViTLayers, feature_layers_run, sincos_2d, square
+from omni.models.encoders.vit import FeatureLayerFields, FeatureLayerTower, ViTLayers, feature_layers_run, sincos_2d
 from omni.models.projector import PretrainedProjector
 
 SELECT_STRATEGIES = ("default", "full")
@@ -50,7 +50,7 @@ TOWER_PREFIXES = ("vision_tower.vision_model.", "vision_tower.", "model.vision_t
 
 
 @dataclass
-class ClipEncoderConfig:
+class ClipEncoderConfig(FeatureLayerFields):
     """Defaults: LLaVA-1.5's tower (CLIP ViT-L/14 at 336 pixels) and its feature choice;
     ``from_pretrained`` reads a checkpoint's."""
 
@@ -79,8 +79,7 @@ class ClipEncoderConfig:
     image_std: List[float] = field(default_factory=lambda: list(CLIP_STD))
 
     def __post_init__(self) -> None:
-        for key in ("image_size", "patch_size"):
-            setattr(self, key, square(getattr(self, key), key, "ClipEncoder"))
+        self.check_squares("ClipEncoder")
         if isinstance(self.vision_feature_layer, (list, tuple)) or type(self.vision_feature_layer).__name__ == "ListConfig":
             raise ValueError(f"vision_feature_layer={list(self.vision_feature_layer)}: features concatenated from several "
                              f"layers (newer LLaVA configs) are not supported; the clip encoder takes one layer")
@@ -88,9 +87,6 @@ class ClipEncoderConfig:
         if self.vision_feature_select_strategy not in SELECT_STRATEGIES:
             raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r} is not one of "
                              f"{SELECT_STRATEGIES}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
-                             f"{self.num_attention_heads}")
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.crop_size is not None and self.crop_size != self.image_size:
@@ -100,16 +96,6 @@ class ClipEncoderConfig:
             raise ValueError(f"shortest_edge must be >= 1, got {self.shortest_edge}")
         self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.num_channels)
         activation(self.hidden_act)  # fail early on an unknown name
-
-    @property
-    def side(self) -> int:
-        """Patches per side of every image."""
-        return self.image_size // self.patch_size
-
-    @property
-    def layers_run(self) -> int:
-        """Layers before the hidden state LLaVA takes."""
-        return feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
 
     @property
     def keeps_class_token(self) -> bool:

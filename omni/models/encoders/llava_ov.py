@@ -37,7 +37,7 @@ from omni.models.encoders.clip import TOWER_PREFIXES
 from omni.models.encoders.llava_projector import llava_pretrained_projector
 from omni.models.encoders.images import (checked_mean_std, normalisation_params, refuse_unsupported_steps, resized,
                                          rgb_uint8)
-from omni.models.encoders.vit import FeatureLayerTower, PatchEmbeddings, ViTLayers, feature_layers_run, square
+from omni.models.encoders.vit import FeatureLayerFields, FeatureLayerTower, PatchEmbeddings, ViTLayers, feature_layers_run
 from omni.models.projector import PretrainedProjector
 
 _ASPECT = re.compile(r"^anyres_max_(\d+)$")
@@ -49,7 +49,7 @@ def default_pinpoints(image_size: int) -> List[List[int]]:
 
 
 @dataclass
-class LlavaOvEncoderConfig:
+class LlavaOvEncoderConfig(FeatureLayerFields):
     """Defaults: llava-onevision-qwen2's tower (SigLIP so400m at 384 pixels) and layout;
     ``from_pretrained`` reads a checkpoint's."""
 
@@ -78,8 +78,7 @@ class LlavaOvEncoderConfig:
     max_frames: int = 32
 
     def __post_init__(self) -> None:
-        for key in ("image_size", "patch_size"):
-            setattr(self, key, square(getattr(self, key), key, "LlavaOvEncoder"))
+        self.check_squares("LlavaOvEncoder")
         if not isinstance(self.vision_feature_layer, int):
             raise ValueError(f"vision_feature_layer={self.vision_feature_layer}: features concatenated from several "
                              f"layers are not supported; the llava_ov encoder takes one layer")
@@ -87,9 +86,6 @@ class LlavaOvEncoderConfig:
         if self.vision_feature_select_strategy != "full":
             raise ValueError(f"vision_feature_select_strategy={self.vision_feature_select_strategy!r}: a SigLIP tower has "
                              f"no class token to drop; LLaVA-OneVision takes 'full'")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
-                             f"{self.num_attention_heads}")
         if self.image_size < self.patch_size:
             raise ValueError(f"image_size {self.image_size} is smaller than patch_size {self.patch_size}")
         # An image_size that is no whole number of patches (the real 384-pixel tiles of 14-pixel
@@ -105,14 +101,6 @@ class LlavaOvEncoderConfig:
             raise ValueError(f"need video_fps > 0 and 1 <= min_frames ({self.min_frames}) <= max_frames "
                              f"({self.max_frames})")
         activation(self.hidden_act)  # fail early on an unknown name
-
-    @property
-    def side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def layers_run(self) -> int:
-        return feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
 
     @property
     def layout(self) -> AnyresLayout:

@@ -266,6 +266,32 @@ def feature_layers_run(layer: int, num_layers: int) -> int:
     return layer if layer >= 0 else num_layers + 1 + layer
 
 
+class FeatureLayerFields:
+    """What the config of a tower on fixed squares whose feature is one hidden state
+    (``vision_feature_layer``: LLaVA's CLIP, LLaVA-OneVision's SigLIP) derives alike from its
+    ``image_size``, ``patch_size``, ``hidden_size``, ``num_attention_heads`` and
+    ``num_hidden_layers``. A mixin of the dataclass configs (no fields of its own: each family
+    keeps its checkpoints' defaults)."""
+
+    def check_squares(self, who: str) -> None:
+        """Square image and patch sizes (one number each) and heads that divide the width."""
+        for key in ("image_size", "patch_size"):
+            setattr(self, key, square(getattr(self, key), key, who))
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}")
+
+    @property
+    def side(self) -> int:
+        """Patches per side of every image (or tile)."""
+        return self.image_size // self.patch_size
+
+    @property
+    def layers_run(self) -> int:
+        """Layers before the hidden state the projector takes."""
+        return feature_layers_run(self.vision_feature_layer, self.num_hidden_layers)
+
+
 class FeatureLayerTower(ViTTower):
     """A tower on fixed squares whose output is ``hidden_states[vision_feature_layer]`` (LLaVA's
     feature choice): the layers after it and the post-layernorm never run, and are kept, frozen,
