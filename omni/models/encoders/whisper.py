@@ -123,11 +123,7 @@ class WhisperProcessor:
     def __init__(self, config: WhisperEncoderConfig):
         from transformers.audio_utils import mel_filter_bank  # only here: workers get the array
 
-        self.sampling_rate = config.sampling_rate
-        self.n_fft = config.n_fft
-        self.hop_length = config.hop_length
-        self.num_mel_bins = config.num_mel_bins
-        self.max_frames = config.max_frames
+        self.config = config  # the STFT and mel settings: sampling_rate, n_fft, hop_length, num_mel_bins, max_frames
         self.chunk_samples: Optional[int] = None  # set per data source by with_options(chunk_seconds=...)
         self.mel_filters = mel_filter_bank(
             num_frequency_bins=1 + config.n_fft // 2,
@@ -143,11 +139,16 @@ class WhisperProcessor:
         """A copy with one data source's settings (mixture file ``audio:`` options)."""
         other = copy.copy(self)
         if chunk_seconds is not None:
-            longest = self.max_frames * self.hop_length / self.sampling_rate
-            if not 0 < chunk_seconds <= longest:
-                raise ValueError(f"audio chunk_seconds={chunk_seconds} must be in (0, {longest:g}] (max_frames)")
-            other.chunk_samples = int(chunk_seconds * self.sampling_rate)
+            if not 0 < chunk_seconds <= self.longest_s:
+                raise ValueError(f"audio chunk_seconds={chunk_seconds} must be in (0, {self.longest_s:g}] (max_frames)")
+            other.chunk_samples = int(chunk_seconds * self.config.sampling_rate)
         return other
+
+    @property
+    def longest_s(self) -> float:
+        """The longest clip in seconds (``max_frames`` mel frames)."""
+        c = self.config
+        return c.max_frames * c.hop_length / c.sampling_rate
 
     def chunk_bounds(self, n: int) -> List[Tuple[int, int]]:
         """Sample ranges of the chunks of a clip of ``n`` samples at ``sampling_rate``: equal
@@ -161,35 +162,35 @@ class WhisperProcessor:
     def num_frames(self, num_samples: int, sample_rate: int) -> int:
         """Mel frames of a clip, after resampling to ``sampling_rate``; raises for clips that
         are too short for the STFT or longer than ``max_frames``."""
-        n = int(num_samples)
-        if int(sample_rate) != self.sampling_rate:
-            n = -(-n * self.sampling_rate // int(sample_rate))
-        if n <= self.n_fft // 2:
+        c, n = self.config, int(num_samples)
+        if int(sample_rate) != c.sampling_rate:
+            n = -(-n * c.sampling_rate // int(sample_rate))
+        if n <= c.n_fft // 2:
             raise ValueError(
-                f"audio clip too short: {n} samples at {self.sampling_rate} Hz; "
-                f"need more than n_fft/2 = {self.n_fft // 2}"
+                f"audio clip too short: {n} samples at {c.sampling_rate} Hz; "
+                f"need more than n_fft/2 = {c.n_fft // 2}"
             )
-        frames = n // self.hop_length
-        if frames > self.max_frames:
+        frames = n // c.hop_length
+        if frames > c.max_frames:
             raise ValueError(
-                f"audio clip too long: {frames} mel frames ({n / self.sampling_rate:.2f} s) > max_frames "
-                f"{self.max_frames} ({self.max_frames * self.hop_length / self.sampling_rate:.2f} s); "
+                f"audio clip too long: {frames} mel frames ({n / c.sampling_rate:.2f} s) > max_frames "
+                f"{c.max_frames} ({self.longest_s:.2f} s); "
                 "split it into shorter clips upstream or raise max_frames (at most 2 * max_source_positions)"
             )
         return frames
 
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
         n, sr = int(meta["num_samples"]), int(meta["sample_rate"])
-        if self.chunk_samples is not None and sr != self.sampling_rate:
-            n = -(-n * self.sampling_rate // sr)  # chunking happens after resampling
-            sr = self.sampling_rate
+        if self.chunk_samples is not None and sr != self.config.sampling_rate:
+            n = -(-n * self.config.sampling_rate // sr)  # chunking happens after resampling
+            sr = self.config.sampling_rate
         return sum(output_frames(self.num_frames(b - a, sr)) for a, b in self.chunk_bounds(n))
 
     def log_mel(self, wave: np.ndarray) -> torch.Tensor:
         """[n] float32 samples at ``sampling_rate`` -> [num_mel_bins, n // hop_length]."""
         x = torch.from_numpy(np.ascontiguousarray(wave)).to(torch.float32)
-        window = torch.hann_window(self.n_fft)
-        stft = torch.stft(x, self.n_fft, self.hop_length, window=window, return_complex=True)
+        window = torch.hann_window(self.config.n_fft)
+        stft = torch.stft(x, self.config.n_fft, self.config.hop_length, window=window, return_complex=True)
         magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
         mel = torch.from_numpy(self.mel_filters).to(torch.float32).T @ magnitudes
         log_spec = torch.clamp(mel, min=1e-10).log10()
@@ -208,11 +209,11 @@ class WhisperProcessor:
             raise ValueError(f"waveform must be [n] or [n, channels], got shape {tuple(wave.shape)}")
         if self.chunk_samples is None:
             self.num_frames(wave.shape[0], sample_rate)  # too short or too long: fail before resampling
-        if int(sample_rate) != self.sampling_rate:
-            wave = resample(wave, int(sample_rate), self.sampling_rate)
+        if int(sample_rate) != self.config.sampling_rate:
+            wave = resample(wave, int(sample_rate), self.config.sampling_rate)
         items = []
         for a, b in self.chunk_bounds(wave.shape[0]):
-            frames = self.num_frames(b - a, self.sampling_rate)
+            frames = self.num_frames(b - a, self.config.sampling_rate)
             feats = self.log_mel(wave[a:b]).T.contiguous()  # [frames, mel]
             assert feats.shape[0] == frames
             items.append(MediaItem(features=feats, size=(frames,), num_tokens=output_frames(frames)))
