@@ -14,7 +14,8 @@ import pickle
 import pytest
 
 from omni.step.config import MultiplexConfig
-from layout_harness import MICRO_PER_STEP, check_named_layouts, run_named_layouts
+from layout_harness import check_named_layouts, run_named_layouts
+from layout_models import MICRO_PER_STEP
 
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}

@@ -20,7 +20,8 @@ import pickle
 import pytest
 
 from dist_helpers import rank_results, run_ranks
-from layout_harness import MICRO_PER_STEP, compare, compare_bf16, covered, reference, run_layout
+from layout_harness import compare, compare_bf16, covered, reference, run_layout
+from layout_models import MICRO_PER_STEP
 
 BF16 = {"precision": "bf16"}  # the reference runs under bf16 autocast too
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio"), **BF16}

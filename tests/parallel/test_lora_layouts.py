@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 import layout_harness
-from layout_harness import check_named_layouts, random_adapters, run_named_layouts
+from layout_harness import check_named_layouts, run_named_layouts
+from layout_models import random_adapters
 
 DENSE = {"moe": False, "num_layers": 2}
 WITH_IMAGES = {"moe": False, "num_layers": 2, "media": ("image",)}
