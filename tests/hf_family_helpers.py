@@ -220,6 +220,31 @@ def save_tiny_llava_next_chat(path: Path, seed: int = 0, std: float = 0.15, **co
     return model, tok
 
 
+# Tiny language models of the LLM-only families, with odd sizes: a head_dim apart from
+# hidden / heads, grouped KV heads, MoE layers among dense ones.
+LLM_CONFIGS = {
+    "qwen3": dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=12, attention_bias=True),
+    "qwen3_moe": dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=12, num_experts=5, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1]),
+}
+
+
+def save_tiny_llm(path: Path, model_type: str, seed: int = 0, std: float = 0.15):
+    """A tiny causal LM of ``model_type`` (``LLM_CONFIGS``) with Qwen's chat tokenizer (ChatML,
+    ``<|im_end|>`` its end of turn) in ``path``; returns (the transformers model, the tokenizer)."""
+    import transformers
+
+    tok = byte_level_tokenizer(QWEN_SPECIALS, eos="<|im_end|>", chat_template=CHATML)
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(model_type, vocab_size=272, bos_token_id=None,
+                                            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                                            pad_token_id=tok.pad_token_id, **LLM_CONFIGS[model_type])
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    return _drawn_and_saved(model, tok, path, std), tok
+
+
 SAVERS = {"qwen2_vl": lambda path, **kw: save_tiny_qwen_vl(path, "qwen2_vl", **kw), "qwen2_5_vl": save_tiny_qwen2_5_vl,
           "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision,
           "llava_next": save_tiny_llava_next_chat}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_family_helpers import SAVERS, hf_inputs, image_prompt, model_logits
+from hf_family_helpers import LLM_CONFIGS, SAVERS, hf_inputs, image_prompt, model_logits
 from recipe_helpers import tiny_overrides, torchrun_train, train
 from recipes.cli import main
 
@@ -317,6 +317,29 @@ def test_an_llm_alone_exports_with_its_tokenizers_ids(tmp_path):
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (258, 259, 257)
     _check_ids(tmp_path / "out", load_model(str(tmp_path / "hf")),
                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("family", sorted(LLM_CONFIGS))
+def test_an_llm_directory_exports_bit_exact_in_the_released_layout(tmp_path, family):
+    """``omni export`` of a Qwen3 / Qwen3-MoE directory writes every tensor transformers saved,
+    bit for bit, under the same names (the experts one per expert, as the released checkpoints
+    store them), a config transformers loads, and the tokenizer's ids."""
+    from safetensors.torch import load_file
+
+    from hf_family_helpers import save_tiny_llm
+    from recipes.model_source import load_model
+
+    hf, _ = save_tiny_llm(tmp_path / "hf", family)
+    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 0
+    theirs = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    ours = {k: v for f in sorted((tmp_path / "out").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    if family == "qwen3_moe":
+        assert any(".mlp.experts.0.gate_proj.weight" in k for k in ours)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert again.config.model_type == family
+    _check_ids(tmp_path / "out", load_model(str(tmp_path / "hf")), again)
 
 
 def test_export_refuses_in_one_line(tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_family_helpers import SAVERS, hf_inputs, save_tiny_qwen2_5_vl
+from hf_family_helpers import LLM_CONFIGS, SAVERS, hf_inputs, save_tiny_llm, save_tiny_qwen2_5_vl
 from recipe_helpers import tiny_overrides, train
 from recipes.cli import main
 
@@ -57,6 +57,25 @@ def test_greedy_on_a_family_directory_equals_transformers_generate(tmp_path, cap
         want = want[:-1]  # omni leaves the end of sequence out of its answer
     assert got["token_ids"] == want and len(want) >= 3
     assert got["text"] == tok.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("family", sorted(LLM_CONFIGS))
+def test_greedy_on_an_llm_directory_equals_transformers_generate(tmp_path, capsys, family):
+    """A language model alone (Qwen3: QK-norm, head_dim apart; Qwen3-MoE: routed experts beside a
+    dense layer): the prompt through its chat template, and transformers' greedy tokens."""
+    hf, tok = save_tiny_llm(tmp_path / "hf", family)
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "what is this?", "--max-new-tokens", "12",
+                 "--greedy", "--json"]) == 0
+    got = _json_out(capsys)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "what is this?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.int64),
+                           max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]
+    assert got["token_ids"] == want and len(want) >= 3
 
 
 def test_sampling_repeats_with_its_seed(tmp_path, capsys):

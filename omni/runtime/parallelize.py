@@ -315,6 +315,14 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         others = [p for p in moe.parameters() if all(p is not q for q in experts)]
         pm.replica_syncs.append((others, layout.group("stage")))
         pm.replica_syncs.append((experts, layout.group("expert_replicas")))
+    # Qwen3's QK-norm gains under TP: each rank's heads give a part of a gain's gradient, so, like
+    # the routers, they stay whole on every rank of the stage, outside FSDP, their gradients summed
+    # over the stage (Megatron all-reduces them over TP; transformers' TP plan calls them
+    # replicated_with_grad_allreduce).
+    qk_norms = [p for b in chunk.llm.layers if b.self_attn.q_norm is not None
+                for p in (b.self_attn.q_norm.weight, b.self_attn.k_norm.weight)] if sizes.tp > 1 else []
+    if qk_norms:
+        pm.replica_syncs.append((qk_norms, layout.group("stage")))
     if pcfg.cpu_offload and layout.device.type != "cuda":
         raise LayoutError("parallel.cpu_offload=true moves FSDP's sharded state from the GPU to host memory; "
                           "this run is on the CPU already: set parallel.cpu_offload=false")
@@ -323,7 +331,7 @@ def _apply_one(chunk: OmniModel, layout: Layout, pm: ParallelModel) -> None:
         per = pcfg.fsdp_blocks_per_unit
         units = [blocks[i:i + per] for i in range(0, len(blocks), per)]
         reshard = _reshard_after_forward(layout)
-        ignored = [p for moe in moe_layers for p in moe.parameters()]
+        ignored = [p for moe in moe_layers for p in moe.parameters()] + qk_norms
         sharded = shard_model(chunk, units, layout.fsdp_mesh(), precision=precision_policy(pcfg.mixed_precision, layout.rules),
                     cpu_offload=pcfg.cpu_offload, reshard_after_forward=reshard, prefetch=pcfg.fsdp_prefetch,
                     ignored=ignored)

@@ -69,7 +69,10 @@ def _attention_params(c: DecoderConfig) -> int:
 
 def _layer_params(spec: ModelSpec, i: int) -> _LayerParams:
     c = spec.llm
-    norms, attn, experts = 2 * c.hidden_size, _attention_params(c), spec.layer_expert_params[i]
+    # Qwen3's QK-norm gains (head_dim each) count with the norms: whole on every TP rank (under TP
+    # they also stay outside FSDP: 2 x head_dim numbers a layer, left out of that split)
+    qk = 2 * c.resolved_head_dim() if c.qk_norm() else 0
+    norms, attn, experts = 2 * c.hidden_size + qk, _attention_params(c), spec.layer_expert_params[i]
     rest = spec.layer_params[i] - norms - attn - experts  # the dense MLP, or router + shared expert
     if c.is_moe_layer(i):
         return _LayerParams(attn, norms, rest, experts)

@@ -25,6 +25,10 @@ NATIVE = {
     "qwen2_moe": dict(family="qwen2_moe", num_layers=3, attention_bias=True, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                       norm_topk_prob=False, mlp_only_layers=[0]),
+    # QK-norm; head_dim apart from hidden / heads; o_proj's bias too
+    "qwen3_bias_head_dim": dict(family="qwen3", attention_bias=True, head_dim=24),
+    "qwen3_moe": dict(family="qwen3_moe", num_layers=3, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0]),
 }
 
 
@@ -39,6 +43,8 @@ def _hf_moe(model_type: str):
               num_attention_heads=4, num_key_value_heads=2)
     if model_type == "mixtral":
         kw.update(num_local_experts=4)
+    elif model_type == "qwen3_moe":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     else:
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), attn_implementation="eager")
@@ -69,7 +75,7 @@ def test_export_loads_in_transformers_with_same_logits(name, tmp_path):
     assert DecoderConfig.from_hf(written).to_hf() == written
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_load_export_load_is_identity(model_type, tmp_path):
     hf = _hf_moe(model_type)
     hf.save_pretrained(tmp_path / "hf")  # per-expert legacy names (transformers 5.24 save format)
@@ -82,7 +88,7 @@ def test_load_export_load_is_identity(model_type, tmp_path):
     assert first.config == second.config
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_fused_expert_layout_loads(model_type, tmp_path):
     """transformers 5.x in-memory names (``mlp.experts.gate_up_proj`` 3D) load like the per-expert ones."""
     hf = _hf_moe(model_type)

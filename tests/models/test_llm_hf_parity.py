@@ -38,6 +38,15 @@ CASES = {
     "qwen2_moe_no_norm_sparse_step": ("qwen2_moe", dict(
         num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=2)),
+    # Qwen3: QK-norm, a head_dim apart from hidden / heads, biases on all four projections.
+    "qwen3_head_dim_bias_tied": ("qwen3", dict(head_dim=24, attention_bias=True, tie_word_embeddings=True,
+                                               num_hidden_layers=3)),
+    "qwen3_moe_norm_topk_dense_layer": ("qwen3_moe", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1], head_dim=8)),
+    "qwen3_moe_no_norm_sparse_step": ("qwen3_moe", dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        decoder_sparse_step=2)),
 }
 
 
@@ -69,6 +78,17 @@ def test_layer_kinds_follow_qwen2_moe_rules(tmp_path):
     _, overrides = CASES["qwen2_moe_no_norm_sparse_step"]
     cfg = DecoderConfig.from_hf({**BASE, **overrides, "model_type": "qwen2_moe"})
     assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, False]
+
+
+def test_qwen3_takes_its_config_class_defaults_where_the_file_is_silent():
+    """Qwen3's config class defaults head_dim to 128 (not hidden / heads); Qwen3-MoE's writes
+    its expert count as num_local_experts (the released files: num_experts)."""
+    cfg = DecoderConfig.from_hf({**BASE, "model_type": "qwen3"})
+    assert cfg.resolved_head_dim() == 128 and cfg.qk_norm() and not cfg.attention_bias
+    moe = DecoderConfig.from_hf({**BASE, "model_type": "qwen3_moe", "num_local_experts": 10, "moe_intermediate_size": 32})
+    assert (moe.num_experts, moe.shared_expert_intermediate_size, moe.num_experts_per_tok) == (10, 0, 8)
+    with pytest.raises(ValueError, match="layer_types has 1 'sliding_attention' layers"):
+        DecoderConfig.from_hf({**BASE, "model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]})
 
 
 ROPES = {

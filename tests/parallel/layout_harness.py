@@ -38,7 +38,7 @@ def autocast(precision: str):
     return contextlib.nullcontext()
 
 
-def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None = None, frozen: tuple = (),
+def reference(moe: bool | str, num_layers: int, media: tuple = (), data: dict | None = None, frozen: tuple = (),
               precision: str = "fp32", lora: int = 0, attn_backend: str = "auto") -> dict:
     """The single-process run: same math as the Trainer with one rank (global-token-normalised
     CE, router losses averaged over the global batch's micro-batches, clipping, AdamW), with
@@ -73,7 +73,7 @@ def reference(moe: bool, num_layers: int, media: tuple = (), data: dict | None =
     return {"losses": losses, "grads": grads, "norms": norms}
 
 
-def run_layout(rank: int, sizes: dict, moe: bool, num_layers: int, media: tuple = (), data: dict | None = None,
+def run_layout(rank: int, sizes: dict, moe: bool | str, num_layers: int, media: tuple = (), data: dict | None = None,
                multiplex: dict | None = None, probe=None, frozen: tuple = (), precision: str = "fp32",
                instrument=None, device_rules: str = "auto", lora: int = 0, attn_backend: str = "auto") -> dict:
     """Train STEPS steps under ``sizes`` on this rank; returns losses, grad norms and the full

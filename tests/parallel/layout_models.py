@@ -20,16 +20,20 @@ STEPS = 5
 MICRO_PER_STEP = 4
 
 
-def model_config(moe: bool, num_layers: int = 4, mrope: bool = False) -> DecoderConfig:
-    """``mrope``: a Qwen2-VL-style backbone (qwen2, M-RoPE sections of the 4 frequencies)."""
+def model_config(moe: bool | str, num_layers: int = 4, mrope: bool = False) -> DecoderConfig:
+    """``moe``: False a Llama, True a Qwen2-MoE (with its shared expert); "qwen3" / "qwen3_moe":
+    Qwen3's backbone (QK-norm, head_dim 12 apart from hidden / heads; the MoE without a shared
+    expert). ``mrope``: a Qwen2-VL-style backbone (qwen2, M-RoPE sections of the 4 frequencies)."""
     kw = dict(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=num_layers,
               num_heads=4, num_kv_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
     if mrope:
         kw.update(family="qwen2", attention_bias=True, mrope_section=[1, 1, 2])
-    if moe:
-        kw.update(family="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                  shared_expert_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.05,
-                  router_z_loss_coef=0.01)
+    if moe in ("qwen3", "qwen3_moe"):
+        kw.update(family=moe, head_dim=12)
+    if moe is True or moe == "qwen3_moe":
+        kw.update(family="qwen2_moe" if moe is True else moe, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32 if moe is True else 0,
+                  norm_topk_prob=True, router_aux_loss_coef=0.05, router_z_loss_coef=0.01)
     return DecoderConfig(**kw)
 
 
@@ -73,7 +77,7 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
     return enc, proj
 
 
-def build(moe: bool, num_layers: int, media: tuple = (), frozen: tuple = (), merge: int = 1,
+def build(moe: bool | str, num_layers: int, media: tuple = (), frozen: tuple = (), merge: int = 1,
           vision: str = "siglip", lora: int = 0) -> OmniModel:
     """``frozen``: modalities whose encoder does not train (its projector still does);
     ``merge``, ``vision``: the vision tower's spatial merge and kind (``encoders``); ``lora``:

@@ -21,6 +21,10 @@ DENSE = {"moe": False, "num_layers": 4}
 DENSE8 = {"moe": False, "num_layers": 8}  # pp=4 x 2 virtual stages needs 8 layers
 MOE = {"moe": True, "num_layers": 4}
 AUTOCAST = {"precision": "bf16"}  # merged into the model kwargs: the reference runs under autocast too
+# Qwen3: QK-norm gains shared by every head (whole on each TP rank, their gradients summed over
+# the stage), a head_dim apart from hidden / heads; its MoE has no shared expert.
+QWEN3 = {"moe": "qwen3", "num_layers": 4}
+QWEN3_MOE = {"moe": "qwen3_moe", "num_layers": 4}
 
 LAYOUTS = {
     2: [
@@ -52,6 +56,13 @@ LAYOUTS = {
          {**DENSE, **AUTOCAST}),
         ("dp_shard=2 bf16 autocast, bf16 parameters", dict(dp_shard=2, mixed_precision="bf16"),
          {**DENSE, **AUTOCAST}),
+        ("Qwen3 dp_shard=2", dict(dp_shard=2), QWEN3),
+        ("Qwen3 tp=2", dict(dp_shard=1, tp=2), QWEN3),
+        ("Qwen3 pp=2 1f1b", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), QWEN3),
+        ("Qwen3 cp=2 ring", dict(dp_shard=1, cp=2, cp_impl="ring"), QWEN3),
+        ("Qwen3 tp=2 bf16 autocast", dict(dp_shard=1, tp=2), {**QWEN3, **AUTOCAST}),
+        ("Qwen3-MoE dp_shard=2 x ep=2", dict(dp_shard=2, ep=2), QWEN3_MOE),
+        ("Qwen3-MoE tp=2", dict(dp_shard=1, tp=2), QWEN3_MOE),
     ],
     4: [
         ("dp_replicate=2 x dp_shard=2", dict(dp_replicate=2, dp_shard=2), DENSE),
@@ -61,6 +72,10 @@ LAYOUTS = {
         # Not in the acceptance list: the re-layout target of the checkpoint test, without FSDP.
         ("tp=2 x pp=2", dict(dp_shard=1, tp=2, pp=2), DENSE),
         ("tp=2 x pp=2 bf16 autocast", dict(dp_shard=1, tp=2, pp=2, mixed_precision="bf16"), {**DENSE, **AUTOCAST}),
+        # FSDP and TP together: the QK-norm gains stay outside FSDP's units
+        ("Qwen3 dp_shard=2 x tp=2", dict(dp_shard=2, tp=2), QWEN3),
+        ("Qwen3 dp_shard=2 x tp=2 bf16 parameters", dict(dp_shard=2, tp=2, mixed_precision="bf16"),
+         {**QWEN3, **AUTOCAST}),
     ],
     # dp_shard=2 x tp=2 x pp=2 is proven with encoders on top, under every multiplexing
     # placement, in test_multiplex_equal_single.py (same decoder, 8 ranks).

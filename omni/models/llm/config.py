@@ -1,6 +1,7 @@
 """Configuration of the native decoder backbone, and its translation to / from HF ``config.json``.
 
-One dataclass describes every supported family (Llama, Qwen2, Mixtral, Qwen2-MoE); the family
+One dataclass describes every supported family (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE,
+Qwen3-MoE); the family
 only matters when talking to transformers (which config class, which weight names). The
 dataclass is a Hydra structured config, so it uses ``Optional`` / ``Dict`` / ``List`` typing only.
 """
@@ -10,8 +11,11 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Families whose attention normalises each query and key head (an RMSNorm over head_dim, before
+# the rotary embedding): Qwen3's QK-norm.
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Vision-language checkpoints whose language model is a supported family: model_type -> that of
 # their text model (a Qwen2 with M-RoPE). Their weights sit under model.language_model. (older
@@ -23,14 +27,17 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # transformers falls back to the config class's ``default_theta`` when a config.json has none.
-_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "mixtral": 1000000.0, "qwen2_moe": 10000.0}
+_DEFAULT_THETA = {"llama": 10000.0, "qwen2": 10000.0, "qwen3": 10000.0, "mixtral": 1000000.0, "qwen2_moe": 10000.0,
+                  "qwen3_moe": 10000.0}
 
 
 @dataclass
 class DecoderConfig:
-    family: str = "llama"  # "llama" | "qwen2" | "mixtral" | "qwen2_moe" (selects the HF export format)
+    family: str = "llama"  # one of FAMILIES (selects the HF export format, and Qwen3's QK-norm)
     vocab_size: int = 272
     hidden_size: int = 128
     intermediate_size: int = 352
@@ -75,8 +82,12 @@ class DecoderConfig:
         )
 
     def o_proj_bias(self) -> bool:
-        # Llama's ``attention_bias`` covers all four projections; Qwen2's bias is q/k/v only.
-        return self.family == "llama" and self.attention_bias
+        # Llama's and Qwen3's ``attention_bias`` covers all four projections; Qwen2's bias is q/k/v only.
+        return self.family in ("llama", "qwen3", "qwen3_moe") and self.attention_bias
+
+    def qk_norm(self) -> bool:
+        """Whether each query and key head is RMS-normalised before the rotary embedding (Qwen3)."""
+        return self.family in QK_NORM_FAMILIES
 
     def rope_type(self) -> str:
         if not self.rope_scaling:
@@ -145,9 +156,14 @@ class DecoderConfig:
                 f"config.json sliding-window attention (sliding_window={hf.get('sliding_window')}) is not "
                 "supported; set use_sliding_window=false / sliding_window=null if the model does not need it."
             )
+        windowed = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+        if windowed:
+            raise ValueError(f"config.json layer_types has {len(windowed)} {windowed[0]!r} layers; only full attention "
+                             "is supported (use_sliding_window=false)")
         theta, scaling, mrope = _rope_from_hf(hf, family)
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
-        head_dim = hf.get("head_dim")
+        # Qwen3's config class defaults head_dim to 128 (not hidden / heads) where the file has none.
+        head_dim = hf.get("head_dim", 128 if family == "qwen3" else None)
         c = cls(
             family=family,
             vocab_size=hf["vocab_size"],
@@ -169,18 +185,22 @@ class DecoderConfig:
             c.attention_bias = bool(hf.get("attention_bias", False))
         elif family == "qwen2":
             c.attention_bias = True  # Qwen2 always has q/k/v biases
+        elif family == "qwen3":
+            c.attention_bias = bool(hf.get("attention_bias", False))
         elif family == "mixtral":
             c.num_experts = hf.get("num_local_experts", 8)
             c.num_experts_per_tok = hf.get("num_experts_per_tok", 2)
             c.moe_intermediate_size = hf["intermediate_size"]
             c.norm_topk_prob = True  # Mixtral always renormalises the top-k weights
             c.router_aux_loss_coef = hf.get("router_aux_loss_coef", 0.001)
-        else:  # qwen2_moe
-            c.attention_bias = bool(hf.get("qkv_bias", True))
-            c.num_experts = hf.get("num_experts", 60)
-            c.num_experts_per_tok = hf.get("num_experts_per_tok", 4)
-            c.moe_intermediate_size = hf.get("moe_intermediate_size", 1408)
-            c.shared_expert_intermediate_size = hf.get("shared_expert_intermediate_size", 5632)
+        else:  # qwen2_moe, qwen3_moe (no shared expert; o_proj's bias too)
+            qwen3 = family == "qwen3_moe"
+            c.attention_bias = bool(hf.get("attention_bias", False) if qwen3 else hf.get("qkv_bias", True))
+            # transformers 5 writes Qwen3-MoE's count as num_local_experts; the released files num_experts
+            c.num_experts = hf.get("num_experts") or hf.get("num_local_experts") or (128 if qwen3 else 60)
+            c.num_experts_per_tok = hf.get("num_experts_per_tok", 8 if qwen3 else 4)
+            c.moe_intermediate_size = hf.get("moe_intermediate_size", 768 if qwen3 else 1408)
+            c.shared_expert_intermediate_size = 0 if qwen3 else hf.get("shared_expert_intermediate_size", 5632)
             c.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
             c.router_aux_loss_coef = hf.get("router_aux_loss_coef", 0.001)
             c.decoder_sparse_step = hf.get("decoder_sparse_step", 1)
@@ -197,10 +217,14 @@ class DecoderConfig:
         if self.mrope_section is not None and not text_of_vlm:
             raise ValueError("a backbone with M-RoPE (model.mrope_section) is a Qwen2-VL text model: it exports "
                              "with its vision tower as a Qwen2-VL checkpoint (omni.models.families.qwen_vl.export_qwen_vl)")
-        if f in ("llama", "qwen2") and self.num_experts > 0:
-            raise ValueError(f"family={f!r} has no MoE layers; set family='mixtral' or 'qwen2_moe' for num_experts>0.")
+        if f not in MOE_FAMILIES and self.num_experts > 0:
+            raise ValueError(f"family={f!r} has no MoE layers; set family='mixtral', 'qwen2_moe' or 'qwen3_moe' for "
+                             "num_experts>0.")
         if f in MOE_FAMILIES and self.num_experts == 0:
-            raise ValueError(f"family={f!r} needs num_experts>0; use family='llama' or 'qwen2' for a dense model.")
+            raise ValueError(f"family={f!r} needs num_experts>0; use family='llama', 'qwen2' or 'qwen3' for a dense "
+                             "model.")
+        if f == "qwen3_moe" and self.shared_expert_intermediate_size:
+            raise ValueError("family='qwen3_moe' has no shared expert; use family='qwen2_moe' for one.")
         if f == "mixtral" and (
             self.attention_bias or self.shared_expert_intermediate_size or not self.norm_topk_prob
             or self.decoder_sparse_step != 1 or self.mlp_only_layers
@@ -241,6 +265,21 @@ class DecoderConfig:
             hf.update(attention_bias=self.attention_bias, mlp_bias=False)
         elif f == "qwen2":
             hf.update(use_sliding_window=False, sliding_window=None)
+        elif f == "qwen3":
+            hf.update(attention_bias=self.attention_bias, use_sliding_window=False, sliding_window=None)
+        elif f == "qwen3_moe":
+            hf.update(
+                attention_bias=self.attention_bias,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.expert_intermediate_size(),
+                norm_topk_prob=self.norm_topk_prob,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                use_sliding_window=False,
+                sliding_window=None,
+            )
         elif f == "mixtral":
             hf.update(
                 num_local_experts=self.num_experts,

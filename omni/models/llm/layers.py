@@ -58,6 +58,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=config.o_proj_bias())
+        # Qwen3's QK-norm: one gain over head_dim shared by every head (so a tensor-parallel shard
+        # of the heads holds all of it, and its gradient is summed over the TP ranks).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm() else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm() else None
 
     def forward(
         self,
@@ -67,9 +71,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, t, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard (fewer local heads) works too.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            # In the projections' dtype: an fp32 gain on a bf16 (autocast) head would make q and k
+            # fp32 beside a bf16 v.
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         q, k = apply_rotary(q, k, *cos_sin)
         if isinstance(segment_ids, (ContextParallelSegments, PackedSegments, LayerCache)):  # CP / varlen / KV cache
             out = segment_ids.attend(q, k, v, scale=self.head_dim**-0.5)
