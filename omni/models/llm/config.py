@@ -267,19 +267,6 @@ class DecoderConfig:
             hf.update(use_sliding_window=False, sliding_window=None)
         elif f == "qwen3":
             hf.update(attention_bias=self.attention_bias, use_sliding_window=False, sliding_window=None)
-        elif f == "qwen3_moe":
-            hf.update(
-                attention_bias=self.attention_bias,
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.expert_intermediate_size(),
-                norm_topk_prob=self.norm_topk_prob,
-                router_aux_loss_coef=self.router_aux_loss_coef,
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                use_sliding_window=False,
-                sliding_window=None,
-            )
         elif f == "mixtral":
             hf.update(
                 num_local_experts=self.num_experts,
@@ -288,19 +275,22 @@ class DecoderConfig:
                 router_jitter_noise=0.0,
                 sliding_window=None,
             )
-        else:
+        else:  # qwen2_moe, qwen3_moe: the same routing keys; Qwen2-MoE's q/k/v bias and shared expert
             hf.update(
-                qkv_bias=self.attention_bias,
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
                 moe_intermediate_size=self.expert_intermediate_size(),
-                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,
                 router_aux_loss_coef=self.router_aux_loss_coef,
                 decoder_sparse_step=self.decoder_sparse_step,
                 mlp_only_layers=list(self.mlp_only_layers),
                 use_sliding_window=False,
             )
+            if f == "qwen2_moe":
+                hf.update(qkv_bias=self.attention_bias,
+                          shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+            else:
+                hf.update(attention_bias=self.attention_bias, sliding_window=None)
         if text_of_vlm:
             hf.pop("architectures")
             if self.mrope_section is not None:
