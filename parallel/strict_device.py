@@ -41,7 +41,6 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 _MARK = "_omni_on_device"
 aten = torch.ops.aten
@@ -114,8 +113,21 @@ def _call_site() -> str:
     return "outside this repository"
 
 
+def _leaves(tree, out: list | None = None) -> list:
+    """The leaves of an op's arguments or results: tensors, nested in tuples, lists and dicts
+    (all a dispatched op takes or returns). Hand-rolled because it runs on every op of a strict
+    step, where ``torch.utils._pytree.tree_leaves`` was a fifth of the step's time."""
+    out = [] if out is None else out
+    for x in tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else (tree,):
+        if isinstance(x, (tuple, list, dict)):
+            _leaves(x, out)
+        else:
+            out.append(x)
+    return out
+
+
 def _mark(tree, device: bool = True) -> None:
-    for t in tree_leaves(tree):
+    for t in _leaves(tree):
         if isinstance(t, torch.Tensor) and t.device.type == "cpu":
             try:
                 setattr(t, _MARK, device)
@@ -124,7 +136,7 @@ def _mark(tree, device: bool = True) -> None:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return [t for t in _leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class StrictDevice:

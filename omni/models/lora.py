@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -136,6 +137,10 @@ def _on_meta(module: nn.Module) -> bool:
 
 
 def _is_lora(module: nn.Module) -> bool:
+    # A process that never imported peft holds no peft layer: answering without importing it
+    # spares every rank of a TP run without LoRA peft's (and transformers') ~3 s import.
+    if "peft" not in sys.modules:
+        return False
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # no peft: nothing can be adapted
