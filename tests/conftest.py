@@ -1,5 +1,4 @@
 """Test-wide settings. Triton must see TRITON_INTERPRET before any kernel is decorated."""
-import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -8,6 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import triton_interpreter  # noqa: E402,F401  (installs itself: a faster interpreter, same results)
 
 
 def _intra_op_threads() -> int:
@@ -44,58 +45,11 @@ LONGEST_FIRST = [
 ]
 
 
-# What a test file calls to start ranks (processes of a torch.distributed job: spawned ranks,
-# torchrun, a measured multi-rank run). Read from the file's text, so that a new file that calls
-# one is grouped without being listed.
-_RANK_STARTERS = ("run_ranks", "run_named_layouts", "torchrun_train", "fault_helpers", "_runs import",
-                  "import _runs", "torch.distributed.run")
-
-
-# Files with a few multi-rank tests among many single-process ones stay in the common pool: they
-# balance the two workers (a development run with them in the group: the group's files took
-# 859 s summed, the rest 661 s; the suite's wall time is the longer of the two).
-_IN_THE_POOL = ("tests/test_export_cmd.py", "tests/test_recipes_train.py")
-
-
-@functools.cache
-def starts_ranks(path: str) -> bool:
-    """Whether the test file at ``path`` starts ranks (``_RANK_STARTERS``) and runs with the
-    others that do (not ``_IN_THE_POOL``)."""
-    if path.replace(os.sep, "/").endswith(_IN_THE_POOL):
-        return False
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError:
-        return False
-    return any(s in text for s in _RANK_STARTERS)
-
-
 def pytest_xdist_make_scheduler(config, log):
-    """Under ``--dist loadfile``, the files that start ranks are one scope: one worker runs them
-    one after another while the other runs the single-process files. Two multi-rank jobs at
-    once (4 + 4 processes on the CI machine's 2 cores) ran each 2-3x slower than alone
-    (``tests/parallel/test_device_rules_layouts.py``'s 4-rank case: 36 s alone, 108 s in the
-    suite); ranks waiting in a collective for a peer that is not scheduled waste the cores.
-    (pytest-xdist's ``--dist loadgroup`` would say the same with marks, but 3.8 writes its group
-    into ``Item._nodeid``, which pytest 9 no longer reads.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
+    """The files that start ranks run as one scope (``suite_schedule``)."""
+    from suite_schedule import make_scheduler
 
-    root = str(config.rootpath)
-
-    class _RanksTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return scope_of(nodeid, root)
-
-    return _RanksTogether(config, log)
-
-
-def scope_of(nodeid: str, root: str) -> str:
-    """The scope a test runs in under ``pytest_xdist_make_scheduler``: its file, or one scope
-    for all the files that start ranks."""
-    path = nodeid.split("::", 1)[0]
-    return "the files that start ranks" if starts_ranks(os.path.join(root, path)) else path
+    return make_scheduler(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

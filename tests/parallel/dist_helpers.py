@@ -13,7 +13,9 @@ import torch.multiprocessing as mp
 # Ranks are forked from a fork server that has imported these once (what a spawned rank spends
 # most of its start-up on: about 6 s of CPU per rank on the 2-core CI machine, some 100 ranks per
 # suite). The server has run no torch op, so no OpenMP pool or process group is forked with it.
-_PRELOAD = ["torch", "torch.distributed", "omni.runtime.trainer", "omni.runtime.parallelize", "parallel.layout"]
+# triton_interpreter: the ranks interpret kernels as the test process does (tests/triton_interpreter.py)
+_PRELOAD = ["torch", "torch.distributed", "omni.runtime.trainer", "omni.runtime.parallelize", "parallel.layout",
+            "triton_interpreter"]
 
 
 def rendezvous_file() -> str:
