@@ -27,13 +27,12 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 # The longest files, longest first (seconds each took under `-n 2 --dist loadfile` on the
 # 2-core CI machine, 2026-12-05: 177, 160, 129, 99, 68, 61, 43, 36, 35, 34, 31, 28, 27, 27, 23,
-# 22, 22). pytest-xdist hands whole files to its two workers in this order: started late, one of
-# them ran on alone for the last ~100 s while the other worker had nothing left (longest first
-# is how a fixed set of jobs is best shared out). A file missing here only runs later. The README's
-# command passes --no-loadscope-reorder: without it pytest-xdist (3.8) queues the files by their
-# number of tests, most first, and this order is lost (the demo, one test, then starts near the
-# end): a development run took 934 s of pytest with it, the fresh-install check of the same 1413 tests
-# 1000 s without (2026-12-05 evening).
+# 22, 22). pytest-xdist hands the scopes to its two workers in the order their first test
+# comes: the files that start ranks are one scope (``suite_schedule``), whose first test is the
+# first here, then the demo, then the rest of the single-process files, longest first (how a
+# fixed set of jobs is best shared out; a file missing here only runs later). The README's
+# command passes --no-loadscope-reorder: without it pytest-xdist (3.8) queues the scopes by their
+# number of tests, most first, and this order is lost.
 LONGEST_FIRST = [
     "runtime/test_faults.py", "test_demo_learns.py", "parallel/test_device_rules_layouts.py",
     "runtime/test_faults_hangs.py",

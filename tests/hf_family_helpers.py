@@ -87,6 +87,34 @@ def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, std: float = 0.15):
     return save_tiny_qwen_vl(path, "qwen2_5_vl", seed, std)
 
 
+def save_tiny_qwen3_vl(path: Path, seed: int = 0, std: float = 0.15):
+    """A tiny Qwen3-VL: a Qwen3 backbone (QK-norm, head_dim 12 apart from hidden / heads) with
+    interleaved M-RoPE, a vision tower of 16-pixel patches whose learned positions (a 3 x 3
+    table) are interpolated to every grid, and DeepStack features of two tower layers added
+    after the first two LLM layers; its chat tokenizer and image processor in ``path``. Returns
+    (the transformers model, the tokenizer)."""
+    import transformers
+
+    tok = byte_level_tokenizer(QWEN_SPECIALS, eos="<|im_end|>", chat_template=CHATML)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    torch.manual_seed(seed)
+    text = dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=12, vocab_size=272, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, out_hidden_size=40,
+                  num_position_embeddings=9, deepstack_visual_indexes=[0, 2])
+    cfg = transformers.Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"])
+    model = transformers.Qwen3VLForConditionalGeneration(cfg)
+    model = _drawn_and_saved(model, tok, path, std)
+    transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16}, patch_size=16,
+                                          image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]).save_pretrained(path)
+    return model, tok
+
+
 # LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:"), each image as <image>.
 LLAVA_CHAT = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
@@ -246,6 +274,7 @@ def save_tiny_llm(path: Path, model_type: str, seed: int = 0, std: float = 0.15)
 
 
 SAVERS = {"qwen2_vl": lambda path, **kw: save_tiny_qwen_vl(path, "qwen2_vl", **kw), "qwen2_5_vl": save_tiny_qwen2_5_vl,
+          "qwen3_vl": save_tiny_qwen3_vl,
           "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision,
           "llava_next": save_tiny_llava_next_chat}
 

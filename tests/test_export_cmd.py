@@ -72,7 +72,7 @@ ID_TOKENS = {"video_token_id": "<|video_pad|>", "video_token_index": "<video>",
 TOP_IDS = {"qwen2_vl": {"image_token_id", *(k for k in ID_TOKENS if not k.endswith("index"))},
            "llava": {"image_token_index"}, "llava_next": {"image_token_index"},
            "llava_onevision": {"image_token_index", "video_token_index"}}
-TOP_IDS["qwen2_5_vl"] = TOP_IDS["qwen2_vl"]
+TOP_IDS["qwen2_5_vl"] = TOP_IDS["qwen3_vl"] = TOP_IDS["qwen2_vl"]
 TEXT_IDS = {"bos_token_id", "eos_token_id", "pad_token_id"}
 
 
@@ -141,7 +141,8 @@ def _check_processor(out: Path, loaded, mb, pixels: torch.Tensor) -> None:
             return  # Omni's byte tokenizer: Qwen2-VL's processor writes images as <|image_pad|>
         # Qwen2-VL's processor has no settings of its own (no processor_config.json)
         settings = json.loads((out / "processor_config.json").read_text()) if model_type == "llava_onevision" else {
-            "processor_class": {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}[model_type]}
+            "processor_class": {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                                "qwen3_vl": "Qwen3VLProcessor"}[model_type]}
         cls = getattr(transformers, settings.pop("processor_class"))
         settings.pop("image_processor", None)  # AutoImageProcessor reads it (nested) from the same file
         with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *a: None):
@@ -234,7 +235,7 @@ def test_transformers_generate_on_an_export_stops_where_omni_generate_stops(tmp_
     assert theirs == new[:k] + [end] and omni == new[:k], (theirs, omni, new, k)
 
 
-TOWERS = {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "llava": "clip", "llava_onevision": "llava_ov",
+TOWERS = {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen3_vl", "llava": "clip", "llava_onevision": "llava_ov",
           "llava_next": "llava_next"}
 
 
@@ -271,7 +272,7 @@ def test_a_trained_run_exports_and_transformers_gives_omnis_logits(demo_root, tm
     assert all(first[k] == second[k] for k in ("config.json", "model.safetensors"))
 
 
-@pytest.mark.parametrize("experiment", ["qwen2_vl_tiny", "llava_ov_tiny"])
+@pytest.mark.parametrize("experiment", ["qwen2_vl_tiny", "qwen3_vl_tiny", "llava_ov_tiny"])
 def test_a_tiny_family_experiment_trains_exports_and_loads_in_transformers(demo_root, tmp_path, experiment):
     """The CPU presets of the families, trained from scratch (their projectors are the family's:
     Qwen's patch merger, LLaVA-OneVision's MLP with the image newline), are checkpoints of

@@ -24,9 +24,39 @@ def read_hf_config(path: str) -> Dict[str, Any]:
         raise FileNotFoundError(f"{cfg_file!r} not found; a transformers checkpoint directory must contain config.json.")
     with open(cfg_file) as f:
         try:
-            return json.load(f)
+            config = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    check_transformers_knows(config, cfg_file)
+    return config
+
+
+def check_transformers_knows(config: Dict[str, Any], where: str) -> None:
+    """Refuse, in one line naming both versions, a config.json saved by a newer transformers
+    than the installed one for a model type (or its text model's) the installed one does not know:
+    its classes, and so Omni's parity with them, do not exist here yet. A newer file of a known
+    type goes on (transformers itself reads those)."""
+    saved = config.get("transformers_version")
+    if not isinstance(saved, str):
+        return
+    try:
+        import transformers
+        from packaging.version import InvalidVersion, Version
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return
+    try:
+        newer = Version(saved) > Version(transformers.__version__)
+    except InvalidVersion:
+        return
+    # the model's type and its language model's (a vision tower's sub-config names no class of its own)
+    types = [config.get("model_type"), (config.get("text_config") or {}).get("model_type")]
+    unknown = [t for t in types if isinstance(t, str) and t not in CONFIG_MAPPING_NAMES]
+    if newer and unknown:
+        raise ValueError(f"{where} was saved by transformers {saved}, whose model type {unknown[0]!r} the installed "
+                         f"transformers {transformers.__version__} does not know; Omni is tested with the "
+                         f"transformers pyproject.toml allows: use a checkpoint of a supported family "
+                         f"(omni.models.families) or wait for an Omni release that supports it")
 
 
 class CheckpointReader:

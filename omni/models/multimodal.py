@@ -111,6 +111,9 @@ class OmniModel(nn.Module):
         self.projectors = nn.ModuleDict(projectors)
         for modality in frozen or ():
             self.encoders[modality].requires_grad_(False)
+        # Qwen3-VL's DeepStack: its projector's rows carry, beside the embedding, residuals for
+        # the first LLM layers (``Decoder.split_deepstack``); the model's input rows are that wide.
+        self.deepstack_layers = max((int(getattr(p, "deepstack_layers", 0)) for p in projectors.values()), default=0)
         self.runtime = ParallelRuntime()
         # Set by omni.runtime.parallelize on the first stage's chunk: the media embeddings then
         # come from the multiplexing runtime (which holds the encoders) instead of inline ones.
@@ -120,6 +123,18 @@ class OmniModel(nn.Module):
     @property
     def modalities(self) -> list[str]:
         return list(self.encoders.keys())
+
+    @property
+    def input_width(self) -> int:
+        """The width of the rows the first layer takes (and the media rows written into them):
+        the LLM's, times 1 + the DeepStack layers."""
+        return self.llm.config.hidden_size * (1 + self.deepstack_layers)
+
+    def _widen(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Text embeddings [..., H] as ``input_width`` rows (zero DeepStack residuals)."""
+        if not self.deepstack_layers:
+            return embeds
+        return torch.cat([embeds, embeds.new_zeros(*embeds.shape[:-1], self.input_width - embeds.shape[-1])], dim=-1)
 
     def set_attn_backend(self, backend: str) -> None:
         """``model.attn_backend`` for the backbone and every encoder."""
@@ -133,6 +148,11 @@ class OmniModel(nn.Module):
         a tied model keeps the embedding as its LM head (a copy whose gradient is summed with the
         first stage's). Encoders, if still here, stay with the first stage (under multiplexing
         they have left the model for the runtime's ``MediaTower`` already)."""
+        k = self.deepstack_layers
+        if k and (first and not set(range(k)) <= set(layer_ids) or not first and min(layer_ids) < k):
+            raise ValueError(f"the first pipeline stage must hold the LLM's first {k} layers, which add the vision "
+                             f"tower's DeepStack features; this split gives it layers {sorted(layer_ids)}: "
+                             f"use fewer stages or parallel.pp_layers that give stage 0 at least {k}")
         for i in [int(k) for k in self.llm.layers.keys()]:
             if i not in layer_ids:
                 del self.llm.layers[str(i)]
@@ -202,8 +222,9 @@ class OmniModel(nn.Module):
         return self.projectors[modality](feats, media.sizes)
 
     def embed(self, input_ids: torch.Tensor, media: dict[str, MediaInputs]) -> torch.Tensor:
-        """Text embeddings of a flat row [T] with media embeddings written at their positions -> [T, H]."""
-        embeds = self.llm.embed(input_ids)
+        """Text embeddings of a flat row [T] with media embeddings written at their positions -> [T, H]
+        ([T, ``input_width``] with DeepStack residuals, zero at the text's positions)."""
+        embeds = self._widen(self.llm.embed(input_ids))
         for modality, inputs in media.items():
             if modality not in self.encoders:
                 raise KeyError(f"the batch has {modality} inputs but the model has no {modality} encoder")
@@ -214,6 +235,8 @@ class OmniModel(nn.Module):
                 raise RuntimeError(
                     f"{modality} encoder produced {out.shape[0]} tokens for {inputs.positions.numel()} placeholders"
                 )
+            if out.shape[1] < embeds.shape[1]:  # a projector without DeepStack beside one with it
+                out = torch.nn.functional.pad(out, (0, embeds.shape[1] - out.shape[1]))
             # Out-of-place so gradients flow to both the text embeddings and the encoder.
             embeds = embeds.index_copy(0, inputs.positions, out)
         return embeds
@@ -301,7 +324,7 @@ class OmniModel(nn.Module):
     def _multiplexed_hidden(self, p: Prepared) -> torch.Tensor:
         """Text embeddings with the media rows the multiplexing runtime delivered to this rank:
         under sequence parallelism only this TP shard's rows, written after the split."""
-        h = self.llm.embed(p.mb.input_ids)[None]
+        h = self._widen(self.llm.embed(p.mb.input_ids))[None]
         if self.runtime.tp_mesh is not None:
             h = scatter_to_sequence_shards(h, self.runtime.tp_mesh)
         return self.multiplexer.write_embeddings(p.index, h[0])[None]

@@ -240,7 +240,8 @@ def parallelize(model: OmniModel, layout: Layout, multiplex: MultiplexConfig | N
         pm.norm_skip = [ch.llm.embed_tokens.weight for ch in chunks
                         if ch.runtime.last_stage and ch.llm.embed_tokens is not None]
     if has_media:
-        _multiplex(pm, tower, layout, multiplex, cost, timeline, c.hidden_size, place)
+        # media rows as wide as the first layer's input (DeepStack residuals included)
+        _multiplex(pm, tower, layout, multiplex, cost, timeline, model.input_width, place)
     return pm
 
 

@@ -138,3 +138,22 @@ def test_transformers_4x_config_layout():
     for key in ("rope_parameters", "rope_theta", "rope_scaling"):
         mixtral.pop(key)
     assert DecoderConfig.from_hf(mixtral).rope_theta == 1e6  # Mixtral's default theta, as in transformers
+
+
+def test_a_checkpoint_of_a_newer_transformers_type_is_refused_in_one_line(tmp_path):
+    """A config.json saved by a newer transformers for a model type the installed one lacks
+    names both versions (pyproject.toml pins the range the parity tests pass on); a newer file of
+    a known type, or an older one of an unknown type, reads as before."""
+    import transformers
+
+    from omni.models.hf_checkpoint import read_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen9_vl", "transformers_version": "99.1.0"}))
+    with pytest.raises(ValueError) as err:
+        read_hf_config(str(tmp_path))
+    line = str(err.value)
+    assert "\n" not in line and "99.1.0" in line and transformers.__version__ in line and "'qwen9_vl'" in line
+    for config in ({"model_type": "qwen3", "transformers_version": "99.1.0"},
+                   {"model_type": "qwen9_vl", "transformers_version": "4.0.0"}):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert read_hf_config(str(tmp_path)) == config

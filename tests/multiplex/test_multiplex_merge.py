@@ -6,8 +6,9 @@ pp=2, and tp=2. The plan counts an item by its output rows; the encoder runs fou
 many tokens. Also with the encoders' layers recomputed in the backward
 (parallel.encoder_activation_checkpoint full, with SP-split items and sharded weights; selective
 under pp=2). And the Qwen2.5-VL tower (``qwen_vl``), whose items are (t, h, w) grids, under
-sharded weights and bubble calls; and LLaVA-OneVision's (``llava_ov``), whose projector lays
-out whole items from their sizes."""
+sharded weights and bubble calls; Qwen3-VL's (``qwen3_vl``), whose DeepStack rows the first LLM
+layers add, under dp_shard=2, pp=2, tp=2 and cp=2; and LLaVA-OneVision's (``llava_ov``), whose
+projector lays out whole items from their sizes."""
 from __future__ import annotations
 
 from layout_harness import check_named_layouts, run_named_layouts
@@ -33,6 +34,14 @@ LAYOUTS = [
     ("qwen_vl tower, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), IMAGE,
      {**MERGED, "vision": "qwen"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
     ("qwen_vl tower, M-RoPE under cp=2", dict(dp_shard=1, cp=2), IMAGE, {**MERGED, "vision": "qwen"}, {}),
+    # the Qwen3-VL tower: learned positions interpolated to each grid, and DeepStack rows (the
+    # media rows are 3 x the LLM's width) that the first two LLM layers add, on stage 0 under pp=2
+    ("qwen3_vl tower, dp_shard=2, sharded weights", dict(dp_shard=2), IMAGE, {**MERGED, "vision": "qwen3"},
+     {"encoder_weights": "sharded"}),
+    ("qwen3_vl tower, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), IMAGE,
+     {**MERGED, "vision": "qwen3"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
+    ("qwen3_vl tower, tp=2", dict(tp=2), IMAGE, {**MERGED, "vision": "qwen3"}, {}),
+    ("qwen3_vl tower, interleaved M-RoPE under cp=2", dict(dp_shard=1, cp=2), IMAGE, {**MERGED, "vision": "qwen3"}, {}),
     # LLaVA-OneVision's tower: its projector lays out whole items (tiles, unpadding, newlines,
     # pooled video frames) from the sizes the runtime passes with the encoder's rows
     ("llava_ov tower, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {"steps": 3, "vision": "llava_ov"},

@@ -8,6 +8,7 @@ import torch
 from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from dataloading.construct.positions import mrope_position_ids
 from omni.models.encoders.llava_ov import LlavaOvEncoder, LlavaOvEncoderConfig
+from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, output_frames
@@ -20,13 +21,16 @@ STEPS = 5
 MICRO_PER_STEP = 4
 
 
-def model_config(moe: bool | str, num_layers: int = 4, mrope: bool = False) -> DecoderConfig:
+def model_config(moe: bool | str, num_layers: int = 4, mrope: bool | str = False) -> DecoderConfig:
     """``moe``: False a Llama, True a Qwen2-MoE (with its shared expert); "qwen3" / "qwen3_moe":
     Qwen3's backbone (QK-norm, head_dim 12 apart from hidden / heads; the MoE without a shared
-    expert). ``mrope``: a Qwen2-VL-style backbone (qwen2, M-RoPE sections of the 4 frequencies)."""
+    expert). ``mrope``: a Qwen2-VL-style backbone (qwen2, M-RoPE sections of the 4 frequencies);
+    "qwen3": Qwen3-VL's (qwen3, head_dim 12, interleaved M-RoPE over its 6 frequencies)."""
     kw = dict(family="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=num_layers,
               num_heads=4, num_kv_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
-    if mrope:
+    if mrope == "qwen3":
+        kw.update(family="qwen3", head_dim=12, mrope_section=[2, 2, 2], mrope_interleaved=True)
+    elif mrope:
         kw.update(family="qwen2", attention_bias=True, mrope_section=[1, 1, 2])
     if moe in ("qwen3", "qwen3_moe"):
         kw.update(family=moe, head_dim=12)
@@ -54,13 +58,20 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
     """Tiny SigLIP ("image") and Whisper ("audio") towers (4 heads: Ulysses over 2 or 4 ranks).
     ``merge``: the vision tower's spatial merge (its projector joins merge x merge patches).
     ``vision="qwen"``: a Qwen2.5-VL tower instead (2 x 2 merge, windows of 2 x 2 merge groups,
-    the second layer full), its projector Qwen's merger (RMSNorm)."""
+    the second layer full), its projector Qwen's merger (RMSNorm); ``vision="qwen3"``: a Qwen3-VL
+    tower (learned positions from a 3 x 3 table, DeepStack features of its two layers, which the
+    LLM's first two layers add), its projector Qwen3-VL's mergers."""
     enc, proj = {}, {}
     if "image" in media and vision == "qwen":
         enc["image"] = QwenVisionEncoder(QwenVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                                           num_attention_heads=4, patch_size=2, window_size=8,
                                                           fullatt_block_indexes=[1], min_pixels=16))
         proj["image"] = Projector(16, 32, merge=4, norm="rms")
+    elif "image" in media and vision == "qwen3":
+        enc["image"] = Qwen3VisionEncoder(Qwen3VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                            num_attention_heads=4, patch_size=2, min_pixels=16,
+                                                            num_position_embeddings=9, deepstack_visual_indexes=[0, 1]))
+        proj["image"] = enc["image"].new_projector(32)
     elif "image" in media and vision == "llava_ov":  # a projector that lays out whole items from their sizes
         enc["image"] = LlavaOvEncoder(LLAVA_OV)
         proj["image"] = enc["image"].new_projector(32)
@@ -84,7 +95,7 @@ def build(moe: bool | str, num_layers: int, media: tuple = (), frozen: tuple = (
     LoRA adapters of that rank on the LLM's linear layers (its base weights frozen), their B
     initialised non-zero so that the first step's gradients reach every adapter."""
     torch.manual_seed(1234)
-    llm = Decoder(model_config(moe, num_layers, mrope=vision == "qwen"))
+    llm = Decoder(model_config(moe, num_layers, mrope={"qwen": True, "qwen3": "qwen3"}.get(vision, False)))
     model = OmniModel(llm, *encoders(media, merge, vision), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
@@ -128,7 +139,7 @@ def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1, 
         a = int(torch.randint(1, 4, (1,), generator=gen)) if size == 0 else size
         b = int(torch.randint(1, 5, (1,), generator=gen))
         a, b = a * merge, b * merge
-        if vision == "qwen":
+        if vision in ("qwen", "qwen3"):
             return torch.randn(a * b, QWEN_PATCH_FEATURES, generator=gen), [1, a, b], a * b // (merge * merge)
         return torch.randn(a * b, PATCH_FEATURES, generator=gen), [a, b], a * b // (merge * merge)
     frames = int(torch.randint(1, 9, (1,), generator=gen)) if size == 0 else size
@@ -153,7 +164,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
                 feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge, vision)
                 start = offset + sum(t.numel() for t in d_ids)
                 items[m].append((feats, size, tok, torch.arange(start, start + tok)))
-                if vision == "qwen" and m == "image":  # M-RoPE grid of its placeholders
+                if vision in ("qwen", "qwen3") and m == "image":  # M-RoPE grid of its placeholders
                     grids.append((start - offset, 1, size[1] // merge, size[2] // merge, 1.0))
                 d_ids.append(torch.full((tok,), PLACEHOLDER))
                 d_lab.append(torch.full((tok,), IGNORE_INDEX))
@@ -175,7 +186,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
                                  torch.tensor([t for _, _, t, _ in its]), torch.cat([p for _, _, _, p in its]))
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, media=out, sample_ids=[f"mb{index}"],
-                      rope_position_ids=torch.cat(rope, dim=1) if vision == "qwen" else None)
+                      rope_position_ids=torch.cat(rope, dim=1) if vision in ("qwen", "qwen3") else None)
 
 
 def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:

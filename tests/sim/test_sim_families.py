@@ -20,6 +20,7 @@ from recipes.simulate_cmd import load_sim_config, simulate_main
 ONE = ["data.steps=1", "sim.placements=[colocated]"]  # one step, one placement: the towers, not the placements
 FAMILIES = {  # the family presets: the LLM of the family and its tower, as shipped (no param set)
     "qwen2_5_vl": ["model=qwen2_5_vl_7b", "encoders=vision_only", "encoders/vision=qwen_vl"],
+    "qwen3_vl": ["model=qwen3_vl_8b", "encoders=vision_only", "encoders/vision=qwen3_vl"],
     "llava_clip": ["model=llama3_8b", "encoders=vision_only", "encoders/vision=clip"],
     "llava_next": ["model=llama3_8b", "encoders=vision_only", "encoders/vision=llava_next"],
     "llava_ov": ["model=qwen2_7b", "encoders=vision_only", "encoders/vision=llava_ov"],

@@ -2,7 +2,7 @@
 
 Three ways, tried in order:
 
-1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``clip``, ``siglip2``, ``llava_ov``, ``llava_next``): always available, also when omni is not pip-installed;
+1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``qwen3_vl``, ``clip``, ``siglip2``, ``llava_ov``, ``llava_next``): always available, also when omni is not pip-installed;
 2. installed packages that declare an entry point in the ``omni.encoders`` group, e.g. in their
    pyproject.toml::
 
@@ -39,6 +39,7 @@ _BUILTINS: Dict[str, str] = {
     "siglip": "omni.models.encoders.siglip:SiglipEncoder",
     "whisper": "omni.models.encoders.whisper:WhisperEncoder",
     "qwen_vl": "omni.models.encoders.qwen_vl:QwenVisionEncoder",
+    "qwen3_vl": "omni.models.encoders.qwen3_vl:Qwen3VisionEncoder",
     "clip": "omni.models.encoders.clip:ClipEncoder",
     "siglip2": "omni.models.encoders.siglip2:Siglip2Encoder",
     "llava_ov": "omni.models.encoders.llava_ov:LlavaOvEncoder",

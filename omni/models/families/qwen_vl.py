@@ -72,11 +72,16 @@ def _export(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> No
     import transformers
 
     export_qwen_vl(model, path, image_token_id=tokenizer.placeholder_ids["image"], token_ids=config_ids(vocab, _IDS))
-    proc = type(model.encoders["image"]).processor(model.encoders["image"].config)
-    transformers.Qwen2VLImageProcessorPil(
-        size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels}, patch_size=proc.patch,
-        temporal_patch_size=proc.frames, merge_size=proc.merge, image_mean=[float(v) for v in proc.mean],
-        image_std=[float(v) for v in proc.std]).save_pretrained(path)
+    transformers.Qwen2VLImageProcessorPil(**image_processor_settings(model.encoders["image"])).save_pretrained(path)
+
+
+def image_processor_settings(enc: Any) -> dict:
+    """A Qwen tower's preprocessing as transformers' Qwen2-VL image processor takes it (the
+    Qwen-VL families' processors share that class)."""
+    proc = type(enc).processor(enc.config)
+    return dict(size={"shortest_edge": proc.min_pixels, "longest_edge": proc.max_pixels}, patch_size=proc.patch,
+                temporal_patch_size=proc.frames, merge_size=proc.merge, image_mean=[float(v) for v in proc.mean],
+                image_std=[float(v) for v in proc.std])
 
 
 def _is_variant(variant: str) -> Callable[[OmniModel], bool]:

@@ -18,9 +18,12 @@ MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Vision-language checkpoints whose language model is a supported family: model_type -> that of
-# their text model (a Qwen2 with M-RoPE). Their weights sit under model.language_model. (older
-# checkpoints: model.) beside the vision tower's, which the encoder slot loads (``qwen_vl``).
-VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
+# their text model (a Qwen2 or Qwen3 with M-RoPE). Their weights sit under model.language_model.
+# (older checkpoints: model.) beside the vision tower's, which the encoder slot loads (``qwen_vl``,
+# ``qwen3_vl``).
+VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text"}
+# The family of each of those text models.
+_VLM_TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -51,6 +54,9 @@ class DecoderConfig:
     # Multimodal RoPE (Qwen2-VL's M-RoPE): the rotary frequencies in three sections taking the
     # temporal, height and width position of each token (``rope.mrope_components``); None: 1-D RoPE.
     mrope_section: Optional[List[int]] = None
+    # Qwen3-VL's interleaved M-RoPE: the height and width frequencies every third one from the
+    # second and third, the temporal ones the rest (``rope.mrope_components``).
+    mrope_interleaved: bool = False
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -103,6 +109,8 @@ class DecoderConfig:
             if len(self.mrope_section) != 3 or sum(self.mrope_section) != half or min(self.mrope_section) < 0:
                 raise ValueError(f"model.mrope_section={list(self.mrope_section)} must be three sections (temporal, "
                                  f"height, width) that add up to head_dim / 2 = {half}")
+        if self.mrope_interleaved and self.mrope_section is None:
+            raise ValueError("model.mrope_interleaved=true needs model.mrope_section (the three sections it interleaves)")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                     "max_position_embeddings"):
             if getattr(self, key) < 1:
@@ -139,8 +147,9 @@ class DecoderConfig:
     def from_hf(cls, hf: Dict[str, Any]) -> "DecoderConfig":
         """Build from the contents of an HF ``config.json`` (transformers 4.x or 5.x layout)."""
         hf = dict(hf)
-        # The text model of Qwen2-VL / Qwen2.5-VL (their config.json's text_config) is Qwen2 with M-RoPE.
-        family = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}.get(hf.get("model_type"), hf.get("model_type"))
+        # The text model of Qwen2-VL / Qwen2.5-VL / Qwen3-VL (their config.json's text_config) is a
+        # Qwen2 / Qwen3 with M-RoPE.
+        family = _VLM_TEXT_FAMILIES.get(hf.get("model_type"), hf.get("model_type"))
         if family not in FAMILIES:
             raise ValueError(
                 f"config.json model_type={family!r} is not supported; supported: {FAMILIES}, and the language "
@@ -161,6 +170,7 @@ class DecoderConfig:
             raise ValueError(f"config.json layer_types has {len(windowed)} {windowed[0]!r} layers; only full attention "
                              "is supported (use_sliding_window=false)")
         theta, scaling, mrope = _rope_from_hf(hf, family)
+        interleaved = bool((hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("mrope_interleaved"))
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         # Qwen3's config class defaults head_dim to 128 (not hidden / heads) where the file has none.
         head_dim = hf.get("head_dim", 128 if family == "qwen3" else None)
@@ -176,6 +186,7 @@ class DecoderConfig:
             rope_theta=float(theta),
             rope_scaling=scaling,
             mrope_section=mrope,
+            mrope_interleaved=interleaved and mrope is not None,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -295,6 +306,8 @@ class DecoderConfig:
             hf.pop("architectures")
             if self.mrope_section is not None:
                 hf["rope_parameters"]["mrope_section"] = list(self.mrope_section)
+                if self.mrope_interleaved:
+                    hf["rope_parameters"]["mrope_interleaved"] = True
         return hf
 
 
@@ -307,6 +320,7 @@ def _rope_from_hf(hf: Dict[str, Any], family: str):
         raise ValueError("config.json rope_parameters nested per layer type is not supported; use one global dict.")
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_THETA[family]
     mrope = params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
     mrope = [int(x) for x in mrope] if mrope else None
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

@@ -125,7 +125,8 @@ class Decoder(nn.Module):
         rope_position_ids: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
     ) -> DecoderOutput:
-        """input_ids [B, T] (or [T], treated as B=1) or inputs_embeds [B, T, H]; position_ids [B, T]
+        """input_ids [B, T] (or [T], treated as B=1) or inputs_embeds [B, T, H] (or [B, T, H x (1 + k)]:
+        the embeddings, then k DeepStack residuals, ``run_layers``); position_ids [B, T]
         or [T] (default: 0..T-1, one document per row): where documents start (at 0) and, without
         ``rope_position_ids``, the rotary positions. ``rope_position_ids`` [3, B, T] or [3, T]:
         M-RoPE positions (temporal, height, width; ``model.mrope_section``).
@@ -173,11 +174,13 @@ class Decoder(nn.Module):
         if rope_position_ids is not None:
             rope_position_ids = rope_position_ids[:, None] if rope_position_ids.dim() == 2 else rope_position_ids
             rope_position_ids = rope_position_ids.expand(3, b, t)
+        h, deepstack = self.split_deepstack(h)
         cos_sin = self.rotary(rope_position_ids if rope_position_ids is not None else position_ids, h.dtype)
         step = cache.step(t)
         aux_loss = None
         for layer in self.layers:
             h, aux = layer(h, cos_sin, step.layer(layer.layer_idx))
+            h = self._add_deepstack(h, deepstack, layer.layer_idx)
             if aux is not None:
                 aux_loss = aux if aux_loss is None else aux_loss + aux
         cache.advance(t)
@@ -197,7 +200,9 @@ class Decoder(nn.Module):
         state, so it flows whatever pipeline stage the layer sits on; the returned aux value is
         then detached, for logging. ``checkpoint``: none | selective | full activation recompute.
         ``offload``: a ``parallel.activation_offload.ActivationOffload`` for the blocks it names.
+        ``h`` may carry DeepStack residuals (``split_deepstack``): layer i < k adds the i-th.
         Returns (hidden, summed aux loss or None)."""
+        h, deepstack = self.split_deepstack(h)
         aux_loss = None
         for layer in self.layers:
             if offload is not None and offload.applies(layer.layer_idx):
@@ -205,6 +210,7 @@ class Decoder(nn.Module):
                     h, aux = run_block(layer, h, cos_sin, segments, token_mask, checkpoint)
             else:
                 h, aux = run_block(layer, h, cos_sin, segments, token_mask, checkpoint)
+            h = self._add_deepstack(h, deepstack, layer.layer_idx)
             if aux is None:
                 continue
             if aux_weight is not None:
@@ -212,6 +218,26 @@ class Decoder(nn.Module):
                 aux = aux.detach() * aux_weight
             aux_loss = aux if aux_loss is None else aux_loss + aux
         return h, aux_loss
+
+    def split_deepstack(self, h: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``h`` [..., H] as it is, or [..., H x (1 + k)] split into the hidden state and k
+        DeepStack residuals (Qwen3-VL: the vision tower's intermediate features at the media
+        positions, zero elsewhere), which layers 0..k-1 add to their outputs. The layers that
+        add them must all run here: a pipeline stage boundary among them is refused when the
+        stages are cut (``OmniModel.keep_stage``)."""
+        width = self.config.hidden_size
+        if h.shape[-1] == width:
+            return h, None
+        if h.shape[-1] % width:
+            raise ValueError(f"hidden states of width {h.shape[-1]} are neither the model's {width} nor a multiple "
+                             f"of it (the embeddings and DeepStack residuals)")
+        return h[..., :width], h[..., width:]
+
+    def _add_deepstack(self, h: torch.Tensor, deepstack: Optional[torch.Tensor], layer_idx: int) -> torch.Tensor:
+        width = self.config.hidden_size
+        if deepstack is None or layer_idx * width >= deepstack.shape[-1]:
+            return h
+        return h + deepstack[..., layer_idx * width:(layer_idx + 1) * width].to(h.dtype)
 
     def num_active_params(self) -> int:
         """Parameters one token multiplies through (the embedding lookup is free, the LM head is

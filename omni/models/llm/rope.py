@@ -140,13 +140,20 @@ def _length_threshold(config: DecoderConfig) -> Optional[int]:
     return None
 
 
-def mrope_components(section: Sequence[int], device=None) -> torch.Tensor:
+def mrope_components(section: Sequence[int], device=None, interleaved: bool = False) -> torch.Tensor:
     """M-RoPE (Qwen2-VL, arXiv:2409.12191 §2.1): which position row (0 temporal, 1 height,
     2 width) each of the head_dim / 2 frequencies rotates with: the first ``section[0]``
     frequencies the temporal row, the next ``section[1]`` the height row, the rest the width
-    row; both halves of the head (``rotate_half`` pairs) use the same assignment. Made on
-    ``device`` from the section's numbers alone (no host data to copy)."""
+    row; both halves of the head (``rotate_half`` pairs) use the same assignment.
+    ``interleaved`` (Qwen3-VL): frequency j takes the height row when j % 3 == 1 and
+    j < 3 x section[1], the width row when j % 3 == 2 and j < 3 x section[2], else the temporal
+    row, so each axis spans low and high frequencies. Made on ``device`` from the section's
+    numbers alone (no host data to copy)."""
     index = torch.arange(sum(int(x) for x in section), device=device)
+    if interleaved:
+        height = (index % 3 == 1) & (index < 3 * int(section[1]))
+        width = (index % 3 == 2) & (index < 3 * int(section[2]))
+        return height.long() + 2 * width.long()
     rows = torch.zeros_like(index)
     bound = 0
     for size in section[:-1]:
@@ -187,7 +194,7 @@ class RotaryEmbedding(nn.Module):
             if self.config.mrope_section is None or position_ids.shape[0] != 3:
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} need model.mrope_section and "
                                  f"three rows (temporal, height, width)")
-            rows = mrope_components(self.config.mrope_section, position_ids.device)
+            rows = mrope_components(self.config.mrope_section, position_ids.device, self.config.mrope_interleaved)
             freqs = freqs.gather(0, rows.view(1, 1, 1, -1).expand(1, *freqs.shape[1:]))[0]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
