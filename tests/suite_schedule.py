@@ -22,14 +22,10 @@ _RANK_STARTERS = ("run_ranks", "run_named_layouts", "torchrun_train", "fault_hel
                   "import _runs", "torch.distributed.run")
 
 
-# Files with a few multi-rank tests among many single-process ones stay in the common pool, their
-# multi-rank tests joining the group (``_RANK_TESTS``); and the hang tests, whose ranks mostly
-# wait for a timeout (the other worker's ranks use the cores meanwhile). Both balance the two
-# workers: a development run with the first two files in the group took 859 s summed there, 661 s
-# for the rest; the suite's wall time is the longer of the two.
-_IN_THE_POOL = ("tests/test_export_cmd.py", "tests/test_recipes_train.py", "tests/runtime/test_faults_hangs.py")
-_RANK_TESTS = ("tests/test_export_cmd.py::test_a_run_of_another_layout_exports",
-               "tests/test_recipes_train.py::test_a_pipeline_run_under_the_gpus_rules")
+# Files with a few multi-rank tests among many single-process ones stay in the common pool: they
+# balance the two workers (a development run with them in the group: the group's files took
+# 859 s summed, the rest 661 s; the suite's wall time is the longer of the two).
+_IN_THE_POOL = ("tests/test_export_cmd.py", "tests/test_recipes_train.py")
 
 
 @functools.cache
@@ -63,8 +59,6 @@ def make_scheduler(config, log):
 
 def scope_of(nodeid: str, root: str) -> str:
     """The scope a test runs in under ``pytest_xdist_make_scheduler``: its file, or one scope
-    for all the files (and the ``_RANK_TESTS``) that start ranks."""
+    for all the files that start ranks."""
     path = nodeid.split("::", 1)[0]
-    if nodeid.startswith(_RANK_TESTS) or starts_ranks(os.path.join(root, path)):
-        return "the files that start ranks"
-    return path
+    return "the files that start ranks" if starts_ranks(os.path.join(root, path)) else path

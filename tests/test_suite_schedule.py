@@ -24,5 +24,3 @@ def test_the_rank_files_share_one_scope_and_the_others_run_by_file():
     assert len(ranks) == 1
     assert suite_schedule.scope_of("tests/test_cli.py::t", root) == "tests/test_cli.py"
     assert suite_schedule.scope_of("tests/test_export_cmd.py::t", root) == "tests/test_export_cmd.py"
-    assert suite_schedule.scope_of("tests/test_export_cmd.py::test_a_run_of_another_layout_exports[llava pp=2]",
-                                   root) in ranks
