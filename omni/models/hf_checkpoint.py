@@ -39,22 +39,26 @@ def check_transformers_knows(config: Dict[str, Any], where: str) -> None:
     saved = config.get("transformers_version")
     if not isinstance(saved, str):
         return
+    # The installed version from its metadata: transformers itself (~1 s) is imported only for
+    # a newer file, to look its types up.
+    from importlib import metadata
+
+    from packaging.version import InvalidVersion, Version
+
     try:
-        import transformers
-        from packaging.version import InvalidVersion, Version
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    except ImportError:
+        installed = metadata.version("transformers")
+        if Version(saved) <= Version(installed):
+            return
+    except (metadata.PackageNotFoundError, InvalidVersion):
         return
-    try:
-        newer = Version(saved) > Version(transformers.__version__)
-    except InvalidVersion:
-        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     # the model's type and its language model's (a vision tower's sub-config names no class of its own)
     types = [config.get("model_type"), (config.get("text_config") or {}).get("model_type")]
     unknown = [t for t in types if isinstance(t, str) and t not in CONFIG_MAPPING_NAMES]
-    if newer and unknown:
+    if unknown:
         raise ValueError(f"{where} was saved by transformers {saved}, whose model type {unknown[0]!r} the installed "
-                         f"transformers {transformers.__version__} does not know; Omni is tested with the "
+                         f"transformers {installed} does not know; Omni is tested with the "
                          f"transformers pyproject.toml allows: use a checkpoint of a supported family "
                          f"(omni.models.families) or wait for an Omni release that supports it")
 

@@ -33,8 +33,7 @@ from torch import nn
 from parallel.transfer import to_device
 from omni.models.encoders.base import EncoderAnchor, check_sizes
 from omni.models.encoders.blocks import activation
-from omni.models.encoders.images import checked_mean_std
-from omni.models.encoders.qwen_vl import QwenVisionEncoder, _Attention
+from omni.models.encoders.qwen_vl import QwenTowerGeometry, QwenVisionEncoder, _Attention
 from omni.models.encoders.qwen_vl_processor import QwenVisionProcessor
 from omni.models.encoders.qwen_vl_windows import merge_order_positions
 from omni.models.projector import Projector, PretrainedProjector
@@ -44,7 +43,7 @@ VARIANT = "qwen3_vl"
 
 
 @dataclass
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(QwenTowerGeometry):
     """Defaults follow Qwen3-VL-8B's vision tower; ``from_pretrained`` reads a checkpoint's."""
 
     variant: str = VARIANT  # what the shared Qwen processor reads; Qwen3-VL's only
@@ -71,10 +70,7 @@ class Qwen3VisionConfig:
     def __post_init__(self) -> None:
         if self.variant != VARIANT:
             raise ValueError(f"Qwen3VisionEncoder variant {self.variant!r} is unknown; it is {VARIANT!r}")
-        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
-            raise ValueError(f"hidden_size {self.hidden_size} / num_attention_heads {self.num_attention_heads} must be "
-                             f"a whole head dimension that is a multiple of 4 (a quarter rotates with the row, a "
-                             f"quarter with the column)")
+        self.check_geometry()
         side = math.isqrt(self.num_position_embeddings)
         if side * side != self.num_position_embeddings:
             raise ValueError(f"num_position_embeddings {self.num_position_embeddings} is not a square table")
@@ -83,20 +79,6 @@ class Qwen3VisionConfig:
         if bad or len(set(self.deepstack_visual_indexes)) != len(self.deepstack_visual_indexes):
             raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} must be distinct layers of "
                              f"0..{self.num_hidden_layers - 1}")
-        activation(self.hidden_act)
-        merged = self.patch_size * self.spatial_merge
-        if not merged * merged <= self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need {merged}x{merged} = {merged * merged} <= min_pixels ({self.min_pixels}) <= "
-                             f"max_pixels ({self.max_pixels}): an image is at least one merge group")
-        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.in_channels, "in_channels")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     def windowed(self, layer: int) -> bool:
         """No window attention in Qwen3-VL (what ``QwenVisionEncoder``'s cost model asks)."""
@@ -198,12 +180,12 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos(), angles.sin()
         frames = self._segments_spec([h * w for t, h, w in grids for _ in range(t)], device)
-        stacked = []
+        stacked = {}  # layer -> its hidden state, for DeepStack
         for i, block in enumerate(self.blocks):  # under parallel.encoder_activation_checkpoint
             x = recompute(block, x, cos, sin, frames, mode=self.activation_checkpoint)
             if i in c.deepstack_visual_indexes:
-                stacked.append((c.deepstack_visual_indexes.index(i), x))
-        return torch.cat([x] + [h for _, h in sorted(stacked, key=lambda s: s[0])], dim=1)
+                stacked[i] = x
+        return torch.cat([x] + [stacked[i] for i in c.deepstack_visual_indexes], dim=1)
 
     def feature_width(self) -> int:
         return self.config.patch_dim
@@ -248,9 +230,6 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         """Qwen3-VL's mergers (``DeepStackProjector``); ``kwargs`` (a slot's MLP shape) do not
         apply: every merger is as wide as its input, as the family's."""
         return DeepStackProjector(self.width, llm_width, self.tokens_per_row, self.deepstack_layers)
-
-    def fresh_projector(self) -> Dict[str, Any]:
-        return {}
 
     def hf_vision_config(self, out_dim: int) -> Dict[str, Any]:
         """The checkpoint's ``vision_config`` of this tower, whose mergers map into ``out_dim``."""

@@ -49,8 +49,40 @@ from omni.models.recompute import recompute
 VARIANTS = ("qwen2_vl", "qwen2_5_vl")
 
 
+class QwenTowerGeometry:
+    """What the Qwen towers' configs share (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the head and patch
+    sizes and the checks on them. A mixin of the config dataclasses."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    def check_geometry(self) -> None:
+        """Heads that split the width into a multiple of 4 (a quarter rotates with the row, a
+        quarter with the column), an image of at least one merge group within the pixel budget,
+        and the normalisation's shape."""
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.head_dim % 4:
+            raise ValueError(f"the head dimension {self.head_dim} must be a multiple of 4 (a quarter rotates with "
+                             f"the row, a quarter with the column)")
+        if self.spatial_merge < 1:
+            raise ValueError(f"spatial_merge must be >= 1, got {self.spatial_merge}")
+        activation(self.hidden_act)
+        side = self.patch_size * self.spatial_merge
+        if not side * side <= self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need {side}x{side} = {side * side} <= min_pixels ({self.min_pixels}) <= max_pixels "
+                             f"({self.max_pixels}): an image is at least one merge group")
+        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.in_channels, "in_channels")
+
+
 @dataclass
-class QwenVisionConfig:
+class QwenVisionConfig(QwenTowerGeometry):
     """Defaults follow Qwen2.5-VL-7B's vision tower; ``from_pretrained`` reads a checkpoint's."""
 
     variant: str = "qwen2_5_vl"  # qwen2_vl | qwen2_5_vl: norms, MLP and window attention
@@ -79,35 +111,14 @@ class QwenVisionConfig:
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"QwenVisionEncoder variant {self.variant!r} is unknown; use one of {VARIANTS}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
-                             f"{self.num_attention_heads}")
-        if (self.hidden_size // self.num_attention_heads) % 4:
-            raise ValueError(f"the head dimension {self.hidden_size // self.num_attention_heads} must be a multiple "
-                             f"of 4 (a quarter rotates with the row, a quarter with the column)")
-        if self.spatial_merge < 1:
-            raise ValueError(f"spatial_merge must be >= 1, got {self.spatial_merge}")
+        self.check_geometry()
         if self.window_size and self.window_size % (self.spatial_merge * self.patch_size):
             raise ValueError(f"window_size {self.window_size} must be a multiple of spatial_merge x patch_size "
                              f"({self.spatial_merge * self.patch_size}) pixels")
         self.fullatt_block_indexes = [int(i) for i in self.fullatt_block_indexes]
-        activation(self.hidden_act)
-        side = self.patch_size * self.spatial_merge
-        if not side * side <= self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need {side}x{side} = {side * side} <= min_pixels ({self.min_pixels}) <= max_pixels "
-                             f"({self.max_pixels}): an image is at least one merge group")
         self.tokens_per_second = int(self.tokens_per_second)
         if not self.tokens_per_second > 0:
             raise ValueError(f"tokens_per_second must be > 0, got {self.tokens_per_second}")
-        self.image_mean, self.image_std = checked_mean_std(self.image_mean, self.image_std, self.in_channels, "in_channels")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     def windowed(self, layer: int) -> bool:
         """Whether ``layer`` attends inside windows (Qwen2.5-VL's layers but the full ones)."""
