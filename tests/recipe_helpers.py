@@ -46,6 +46,24 @@ def step_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
+def ranks_train(nproc: int, overrides: list[str], timeout_s: float = 300.0) -> None:
+    """`omni train` on ``nproc`` CPU ranks (gloo) forked from the suite's preloaded fork server
+    (``dist_helpers.run_ranks``): what torchrun launches, the run joining the group the ranks
+    already share, without each rank importing torch and Omni anew (some 6 s of CPU a rank on
+    the 2-core machine). tests/parallel/test_cli_layouts.py keeps the user's launch
+    (``torchrun_train``)."""
+    parallel = str(REPO / "tests" / "parallel")
+    if parallel not in sys.path:
+        sys.path.insert(0, parallel)
+    from dist_helpers import run_ranks
+
+    run_ranks(_train_rank, nproc, [str(o) for o in overrides], timeout_s=timeout_s)
+
+
+def _train_rank(rank: int, world_size: int, overrides: list[str]) -> None:
+    train(overrides)
+
+
 def torchrun_train(nproc: int, overrides: list[str], cwd: Path) -> None:
     """`omni train` on ``nproc`` CPU ranks (gloo) through torchrun, as a user launches it."""
     omni = shutil.which("omni", path=str(Path(sys.executable).parent))

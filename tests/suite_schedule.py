@@ -18,7 +18,7 @@ import os
 # What a test file calls to start ranks (processes of a torch.distributed job: spawned ranks,
 # torchrun, a measured multi-rank run). Read from the file's text, so that a new file that calls
 # one is grouped without being listed.
-_RANK_STARTERS = ("run_ranks", "run_named_layouts", "torchrun_train", "fault_helpers", "_runs import",
+_RANK_STARTERS = ("run_ranks", "run_named_layouts", "torchrun_train", "ranks_train", "fault_helpers", "_runs import",
                   "import _runs", "torch.distributed.run")
 
 

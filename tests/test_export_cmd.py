@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_family_helpers import LLM_CONFIGS, SAVERS, hf_inputs, image_prompt, model_logits
-from recipe_helpers import tiny_overrides, torchrun_train, train
+from recipe_helpers import ranks_train, tiny_overrides, train
 from recipes.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -295,7 +295,7 @@ def test_a_run_of_another_layout_exports(demo_root, tmp_path, family, nproc, lay
     from recipes.model_source import load_model
 
     run, overrides = _family_run(demo_root, tmp_path, "run", family, **layout)
-    torchrun_train(nproc, overrides, cwd=tmp_path)
+    ranks_train(nproc, overrides)
     assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
     _check_export(tmp_path / "out", load_model(str(run)))
 

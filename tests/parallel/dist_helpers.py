@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 import time
@@ -55,6 +56,8 @@ def _now() -> float:
 
 
 def _entry(rank: int, world_size: int, store: str, timeout_s: float, env: dict, fn, args) -> None:
+    # A rank that dies of a signal (a native crash, glibc's heap checks) prints its Python stack.
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(env, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # N ranks share two cores
@@ -62,11 +65,14 @@ def _entry(rank: int, world_size: int, store: str, timeout_s: float, env: dict, 
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         fn(rank, world_size, *args)
-        # Rank 0 hosts the rendezvous store: leaving before the others have built their last
-        # group (a subgroup without rank 0 still meets there) resets their connection.
-        dist.barrier()
+        # Every rank waits for the others before leaving: a rank that destroys its group while
+        # a peer still builds its last subgroup resets that peer's connection. A whole
+        # `omni train` (recipe_helpers.ranks_train) has already closed its group.
+        if dist.is_initialized():
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def rank_results(out_dir, world_size: int):

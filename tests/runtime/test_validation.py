@@ -16,7 +16,7 @@ import tarfile
 import pytest
 import torch
 
-from recipe_helpers import read_metrics, step_losses, tiny_overrides, torchrun_train, train
+from recipe_helpers import ranks_train, read_metrics, step_losses, tiny_overrides, train
 
 # A small packing budget: the held-out set packs into three micro-batches (shapes twice), so
 # dp_shard=2 splits a group over ranks and pads one rank with a micro-batch without targets.
@@ -123,8 +123,7 @@ def test_a_validation_pass_leaves_training_as_it_was(single, demo_root, held_out
                          ids=["dp_shard=2", "pp=2"])
 def test_layouts_validate_as_the_single_process(single, demo_root, held_out, tmp_path, layout):
     run_dir = tmp_path / "run"
-    torchrun_train(2, tiny_overrides(demo_root, run_dir, **COMMON, **layout, **{"data.eval_dir": held_out}),
-                   cwd=tmp_path)
+    ranks_train(2, tiny_overrides(demo_root, run_dir, **COMMON, **layout, **{"data.eval_dir": held_out}))
     got, ref = _validation_lines(run_dir), _validation_lines(single)
     assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2]
     for g, r in zip(got, ref):

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +13,6 @@ from omni.sim.timing import StageWork
 from recipes.cli import main
 from recipes.simulate_cmd import load_sim_config, plan_main, simulate_main
 
-REPO = Path(__file__).resolve().parents[2]
 SMALL = ["workload=none", "cluster=h100", "cluster.num_gpus=8", "parallel.pp=2", "parallel.tp=2",
          "data.global_batch_size=32", "data.micro_batch_tokens=1024", "data.sample_tokens=256",
          "data.image_tokens_min=16", "data.image_tokens_max=64", "data.steps=2"]
@@ -156,17 +150,10 @@ def test_plan_ranks_layouts_says_why_others_lost_and_its_best_trains(demo_root, 
     text = _run(plan_main, over, top=3)
     assert "best, as omni train overrides:" in text and "why the others lost:" in text
     # The winner is a configuration `omni train` runs as it is, on as many ranks.
-    from recipe_helpers import tiny_overrides
+    from recipe_helpers import ranks_train, tiny_overrides
 
     best = ranked[0]["overrides"]
-    cmd_over = tiny_overrides(demo_root, tmp_path / "run", **{"trainer.max_steps": 1}) + best
-    omni = shutil.which("omni", path=str(Path(sys.executable).parent))
-    launcher = ["--no-python", omni, "train"] if omni else ["-m", "recipes.cli", "train"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          *launcher, *cmd_over], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ranks_train(2, tiny_overrides(demo_root, tmp_path / "run", **{"trainer.max_steps": 1}) + best)
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
