@@ -87,12 +87,13 @@ def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, std: float = 0.15):
     return save_tiny_qwen_vl(path, "qwen2_5_vl", seed, std)
 
 
-def save_tiny_qwen3_vl(path: Path, seed: int = 0, std: float = 0.15):
+def save_tiny_qwen3_vl(path: Path, seed: int = 0, std: float = 0.15, moe: bool = False):
     """A tiny Qwen3-VL: a Qwen3 backbone (QK-norm, head_dim 12 apart from hidden / heads) with
     interleaved M-RoPE, a vision tower of 16-pixel patches whose learned positions (a 3 x 3
     table) are interpolated to every grid, and DeepStack features of two tower layers added
-    after the first two LLM layers; its chat tokenizer and image processor in ``path``. Returns
-    (the transformers model, the tokenizer)."""
+    after the first two LLM layers; its chat tokenizer and image processor in ``path``.
+    ``moe``: Qwen3-VL-MoE (``save_tiny_qwen3_vl_moe``). Returns (the transformers model, the
+    tokenizer)."""
     import transformers
 
     tok = byte_level_tokenizer(QWEN_SPECIALS, eos="<|im_end|>", chat_template=CHATML)
@@ -102,17 +103,40 @@ def save_tiny_qwen3_vl(path: Path, seed: int = 0, std: float = 0.15):
                 num_key_value_heads=2, head_dim=12, vocab_size=272, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2],
                                  "mrope_interleaved": True})
+    if moe:  # 5 experts of 24 (top 2) in layers 0 and 2, layer 1 dense (mlp_only_layers)
+        text.update(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1])
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, out_hidden_size=40,
                   num_position_embeddings=9, deepstack_visual_indexes=[0, 2])
-    cfg = transformers.Qwen3VLConfig(
+    config_cls, model_cls = ((transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration) if moe
+                             else (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration))
+    cfg = config_cls(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"])
-    model = transformers.Qwen3VLForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     model = _drawn_and_saved(model, tok, path, std)
+    if moe:
+        _experts_hidden_first(Path(path) / "model.safetensors")
     transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16}, patch_size=16,
                                           image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]).save_pretrained(path)
     return model, tok
+
+
+def save_tiny_qwen3_vl_moe(path: Path, seed: int = 0, std: float = 0.15):
+    """A tiny Qwen3-VL-MoE: ``save_tiny_qwen3_vl``'s model with a Qwen3-MoE backbone (5 experts of
+    intermediate size 24, top 2, renormalised; its middle layer dense), the experts stored as
+    the released checkpoints store them (one fused tensor per layer and projection, hidden first;
+    transformers' save_pretrained writes its in-memory layout, and loads either)."""
+    return save_tiny_qwen3_vl(path, seed, std, moe=True)
+
+
+def _experts_hidden_first(file: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(file)
+    for name in [n for n in sd if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+        sd[name] = sd[name].transpose(1, 2).contiguous()
+    save_file(sd, file, metadata={"format": "pt"})
 
 
 # LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT:"), each image as <image>.
@@ -274,7 +298,7 @@ def save_tiny_llm(path: Path, model_type: str, seed: int = 0, std: float = 0.15)
 
 
 SAVERS = {"qwen2_vl": lambda path, **kw: save_tiny_qwen_vl(path, "qwen2_vl", **kw), "qwen2_5_vl": save_tiny_qwen2_5_vl,
-          "qwen3_vl": save_tiny_qwen3_vl,
+          "qwen3_vl": save_tiny_qwen3_vl, "qwen3_vl_moe": save_tiny_qwen3_vl_moe,
           "llava": save_tiny_llava_chat, "llava_onevision": save_tiny_llava_onevision,
           "llava_next": save_tiny_llava_next_chat}
 

@@ -72,7 +72,7 @@ ID_TOKENS = {"video_token_id": "<|video_pad|>", "video_token_index": "<video>",
 TOP_IDS = {"qwen2_vl": {"image_token_id", *(k for k in ID_TOKENS if not k.endswith("index"))},
            "llava": {"image_token_index"}, "llava_next": {"image_token_index"},
            "llava_onevision": {"image_token_index", "video_token_index"}}
-TOP_IDS["qwen2_5_vl"] = TOP_IDS["qwen3_vl"] = TOP_IDS["qwen2_vl"]
+TOP_IDS["qwen2_5_vl"] = TOP_IDS["qwen3_vl"] = TOP_IDS["qwen3_vl_moe"] = TOP_IDS["qwen2_vl"]
 TEXT_IDS = {"bos_token_id", "eos_token_id", "pad_token_id"}
 
 
@@ -142,7 +142,7 @@ def _check_processor(out: Path, loaded, mb, pixels: torch.Tensor) -> None:
         # Qwen2-VL's processor has no settings of its own (no processor_config.json)
         settings = json.loads((out / "processor_config.json").read_text()) if model_type == "llava_onevision" else {
             "processor_class": {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                                "qwen3_vl": "Qwen3VLProcessor"}[model_type]}
+                                "qwen3_vl": "Qwen3VLProcessor", "qwen3_vl_moe": "Qwen3VLProcessor"}[model_type]}
         cls = getattr(transformers, settings.pop("processor_class"))
         settings.pop("image_processor", None)  # AutoImageProcessor reads it (nested) from the same file
         with mock.patch.object(transformers.ProcessorMixin, "check_argument_for_proper_class", lambda *a: None):
@@ -159,6 +159,13 @@ def _check_processor(out: Path, loaded, mb, pixels: torch.Tensor) -> None:
         assert proc.to_json_string() == (out / "processor_config.json").read_text()
 
 
+# Families whose export writes the files a transformers save of the directory holds, name for name
+# (Qwen3-VL-MoE's experts as the released checkpoints store them: fused, hidden first). For the
+# others transformers 5 saves its pre-5 names (Qwen2-VL's ``model.layers.``, LLaVA's
+# ``language_model.model.``) where Omni writes the 5.x names, which transformers also loads.
+SAME_FILES = {"qwen3_vl", "qwen3_vl_moe", "llava_onevision"}
+
+
 @pytest.mark.parametrize("family", sorted(SAVERS))
 def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path, family):
     from recipes.model_source import load_model
@@ -170,11 +177,27 @@ def test_a_hugging_face_directory_exports_to_itself_and_round_trips(tmp_path, fa
     want = hf.state_dict()
     got = back.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    if family in SAME_FILES:  # the directory's own files, tensor for tensor (names, layouts, values)
+        stored, written = _tensors(tmp_path / "hf"), _tensors(tmp_path / "a")
+        assert stored.keys() == written.keys(), (sorted(stored.keys() - written.keys())[:3],
+                                                 sorted(written.keys() - stored.keys())[:3])
+        assert all(torch.equal(stored[k], written[k]) for k in stored), \
+            [(k, tuple(stored[k].shape), tuple(written[k].shape)) for k in stored
+             if not torch.equal(stored[k], written[k])][:3]
     _check_export(tmp_path / "a", load_model(str(tmp_path / "hf")))
     assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
     first, second = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert first.keys() == second.keys() and all(first[k] == second[k] for k in first), \
         [k for k in first if first[k] != second.get(k)]
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
 
 
 def _ending_row(scores: torch.Tensor, head: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -235,8 +258,8 @@ def test_transformers_generate_on_an_export_stops_where_omni_generate_stops(tmp_
     assert theirs == new[:k] + [end] and omni == new[:k], (theirs, omni, new, k)
 
 
-TOWERS = {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen3_vl", "llava": "clip", "llava_onevision": "llava_ov",
-          "llava_next": "llava_next"}
+TOWERS = {"qwen2_vl": "qwen_vl", "qwen2_5_vl": "qwen_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "llava": "clip",
+          "llava_onevision": "llava_ov", "llava_next": "llava_next"}
 
 
 def _family_run(demo_root: Path, tmp_path: Path, run: str, family: str = "qwen2_5_vl",

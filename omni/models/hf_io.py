@@ -13,9 +13,12 @@ Native names are HF names without the ``model.`` prefix, except for the MoE part
     mlp.experts.{e}.gate_proj / up_proj   (mixtral: w1 / w3)  mlp.experts.w_gate_up[e] = cat(gate, up)
     mlp.experts.{e}.down_proj             (mixtral: w2)       mlp.experts.w_down[e]
     HF (fused, transformers 5.x in-memory layout)
-    mlp.experts.gate_up_proj / mlp.experts.down_proj          mlp.experts.w_gate_up / w_down
+    mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I] mlp.experts.w_gate_up / w_down
+    HF (fused, hidden first: Qwen3-VL-MoE's released files, ``EXPERTS_HIDDEN_FIRST``)
+    mlp.experts.gate_up_proj [E, H, 2I] / down_proj [E, I, H] the same, each expert transposed
 
-Both HF layouts load; export writes the per-expert layout, which transformers 4.x and 5.x read.
+Every layout loads; export writes the per-expert layout (which transformers 4.x and 5.x read),
+or for a model type whose released files fuse the experts, theirs.
 """
 from __future__ import annotations
 
@@ -45,6 +48,13 @@ _VLM_NOT_LLM = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower
 # ``language_model.lm_head.`` (or ``model.language_model.`` and ``lm_head.``).
 LLAVA_MODEL_TYPES = ("llava", "llava_onevision", "llava_next")
 
+# Checkpoint model types whose fused expert tensors may be stored hidden first: the released
+# Qwen3-VL-MoE checkpoints are ([E, H, 2I], [E, I, H]); transformers 5.x's save_pretrained writes
+# its in-memory layout ([E, 2I, H], [E, H, I]). transformers' loader tells them apart by shape
+# (``Transpose(check_dims=True)`` in its conversion mapping: transposed unless the stored shape
+# is the in-memory one), and so does ``CheckpointSource``.
+EXPERTS_HIDDEN_FIRST = ("qwen3_vl_moe",)
+EXPERT_LAYOUTS = ("per_expert", "fused", "hidden_first")
 # Per-expert projection names in HF checkpoints: (gate, up, down).
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
 _PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
@@ -93,9 +103,11 @@ class CheckpointSource(WeightSource):
     An embedding (or untied head) with more rows than the checkpoint (the tokenizer appended
     the media placeholders, ``build.grow_vocab``) gets the mean of the checkpoint's rows there."""
 
-    def __init__(self, path: str, config: DecoderConfig):
+    def __init__(self, path: str, config: DecoderConfig, experts_hidden_first: bool = False):
         self.path, self.config = os.fspath(path), config
         self.reader = CheckpointReader(path)
+        # Fused expert tensors that may be stored hidden first (``EXPERTS_HIDDEN_FIRST``).
+        self.experts_hidden_first = experts_hidden_first
         self.plain: Dict[str, str] = {}  # native name -> HF key
         self.experts: Dict[int, Dict[int, Dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
         for key in self.reader.keys():
@@ -122,9 +134,20 @@ class CheckpointSource(WeightSource):
         m = re.match(r"^layers\.(\d+)\.mlp\.experts\.(w_gate_up|w_down)$", name)
         return int(m.group(1)) if m and name not in self.plain and int(m.group(1)) in self.experts else None
 
+    def _transposed(self, name: str) -> bool:
+        """Whether the fused expert tensor ``name`` is stored hidden first: its hidden dimension
+        where the in-memory layout has the other (where both fit, the in-memory layout, as
+        transformers' loader takes it)."""
+        if not (self.experts_hidden_first and name.endswith((".mlp.experts.w_gate_up", ".mlp.experts.w_down"))):
+            return False
+        shape, hidden = self.reader.shape(self.plain[name]), self.config.hidden_size
+        hidden_at = 2 if name.endswith("w_gate_up") else 1  # w_gate_up [E, 2I, H], w_down [E, H, I]
+        return len(shape) == 3 and shape[hidden_at] != hidden and shape[3 - hidden_at] == hidden
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self.plain:
-            return self.reader.shape(self.plain[name])
+            shape = self.reader.shape(self.plain[name])
+            return (shape[0], shape[2], shape[1]) if self._transposed(name) and len(shape) == 3 else shape
         layer = self._expert_layer(name)
         gate_n, up_n, down_n = _expert_names(self.config)
         per = self.experts[layer]
@@ -165,6 +188,8 @@ class CheckpointSource(WeightSource):
 
     def _plain(self, name: str, index: tuple) -> torch.Tensor:
         key = self.plain[name]
+        if self._transposed(name):  # only the experts, rows and columns asked for, from the stored [E, in, out]
+            return self.reader.region(key, (index[0], index[2], index[1])).transpose(1, 2).contiguous()
         rows = self.reader.shape(key)[0]
         lo, hi = index[0].start, index[0].stop
         if hi <= rows:
@@ -198,9 +223,13 @@ class CheckpointSource(WeightSource):
         return torch.stack(out)
 
 
-def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, fused_experts: bool = False) -> Tensors:
-    """``Decoder.state_dict()`` names -> HF names. Experts are written per expert (the layout
-    ``save_pretrained`` writes) unless ``fused_experts`` (transformers 5.x in-memory layout)."""
+def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, experts: str = "per_expert") -> Tensors:
+    """``Decoder.state_dict()`` names -> HF names. ``experts`` (``EXPERT_LAYOUTS``): one tensor per
+    expert and projection (what ``save_pretrained`` writes for the text MoE families), ``fused``
+    (transformers 5.x's in-memory layout) or ``hidden_first`` (``EXPERTS_HIDDEN_FIRST``'s files)."""
+    if experts not in EXPERT_LAYOUTS:
+        raise ValueError(f"experts={experts!r}; one of {EXPERT_LAYOUTS}")
+    fused_experts = experts != "per_expert"
     family = config.family
     moe_prefix = ".block_sparse_moe." if family == "mixtral" else ".mlp."
     gate_n, up_n, down_n = _EXPERT_NAMES.get(family, _EXPERT_NAMES["qwen2_moe"])
@@ -215,7 +244,11 @@ def native_state_dict_to_hf(sd: Tensors, config: DecoderConfig, fused_experts: b
         elif ".mlp.experts.w_" in hf:
             layer = hf.split(".mlp.")[0]
             if fused_experts:
-                out[hf.replace(".w_gate_up", ".gate_up_proj").replace(".w_down", ".down_proj")] = t
+                # hidden first unless both dimensions are the hidden size's (then a loader, Omni's
+                # or transformers', takes the in-memory layout: see EXPERTS_HIDDEN_FIRST)
+                square = t.shape[1] == t.shape[2]
+                out[hf.replace(".w_gate_up", ".gate_up_proj").replace(".w_down", ".down_proj")] = \
+                    t.transpose(1, 2) if experts == "hidden_first" and not square else t
             elif hf.endswith("w_gate_up"):
                 inter = t.shape[1] // 2
                 for e in range(t.shape[0]):
@@ -250,9 +283,12 @@ def read_decoder_config(path: str) -> DecoderConfig:
     if kind in VLM_TEXT_MODELS:
         # transformers 5 nests the text model's config; 4.x wrote it at the top level
         text = dict(hf.get("text_config") or hf)
-        for key in ("vocab_size", "tie_word_embeddings"):  # some versions keep these at the top
-            if key not in text and key in hf:
-                text[key] = hf[key]
+        if "vocab_size" not in text and "vocab_size" in hf:  # some versions keep it at the top
+            text["vocab_size"] = hf["vocab_size"]
+        if "tie_word_embeddings" in hf:
+            # transformers ties the head by the top-level flag (PreTrainedModel.tie_weights reads
+            # self.config's); Qwen3-VL-MoE's text_config defaults its own to true beside a false one
+            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
         text["model_type"] = VLM_TEXT_MODELS[kind]
         hf = text
     return DecoderConfig.from_hf(hf)
@@ -283,7 +319,7 @@ def pretrained_on_meta(path: str) -> tuple[Decoder, CheckpointSource]:
     config = read_decoder_config(path)
     with torch.device("meta"):
         model = Decoder(config)
-    source = CheckpointSource(path, config)
+    source = CheckpointSource(path, config, read_hf_config(path).get("model_type") in EXPERTS_HIDDEN_FIRST)
     source.check({k: v.shape for k, v in model.state_dict().items()})
     return model, source
 

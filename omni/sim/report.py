@@ -33,9 +33,10 @@ def placement_table(result: dict[str, Any]) -> str:
             f"{'busy min/max s':>16}{'mem GiB':>9}{'fits':>6}")
     lines += [head, "-" * len(head)]
     for name, p in places.items():
-        ratio = base / p["step_time_s"] if p["step_time_s"] > 0 and base else float("nan")
+        # "-" where the baseline was not simulated (sim.placements without it)
+        ratio = f"{base / p['step_time_s']:.2f}x" if p["step_time_s"] > 0 and base else "-"
         busy = p["busy_s"]
-        lines.append(f"{name:<18}{p['step_time_s']:>9.3f}{ratio:>11.2f}x{p['tokens_per_s']:>11.0f}{100 * p['mfu']:>6.1f}%"
+        lines.append(f"{name:<18}{p['step_time_s']:>9.3f}{ratio:>12}{p['tokens_per_s']:>11.0f}{100 * p['mfu']:>6.1f}%"
                      f"{100 * p['bubble_fraction']:>7.1f}%{100 * p['comm_share']:>6.1f}%{busy['min']:>8.2f}/{busy['max']:<7.2f}"
                      f"{p['memory_gib']['total']:>9.1f}{'yes' if p['fits'] else 'NO':>6}")
     worst = [(n, p) for n, p in places.items() if not p["fits"]]

@@ -7,7 +7,8 @@ many tokens. Also with the encoders' layers recomputed in the backward
 (parallel.encoder_activation_checkpoint full, with SP-split items and sharded weights; selective
 under pp=2). And the Qwen2.5-VL tower (``qwen_vl``), whose items are (t, h, w) grids, under
 sharded weights and bubble calls; Qwen3-VL's (``qwen3_vl``), whose DeepStack rows the first LLM
-layers add, under dp_shard=2, pp=2, tp=2 and cp=2; and LLaVA-OneVision's (``llava_ov``), whose
+layers add, under dp_shard=2, pp=2, tp=2 and cp=2, and on a Qwen3-MoE backbone (Qwen3-VL-MoE)
+under ep=2; and LLaVA-OneVision's (``llava_ov``), whose
 projector lays out whole items from their sizes."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from layout_harness import check_named_layouts, run_named_layouts
 
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
+QWEN3_MOE = {"moe": "qwen3_moe", "num_layers": 4, "media": ("image",)}
 MERGED = {"steps": 3, "merge": 2}
 LAYOUTS = [
     ("dp_shard=2, long items split over sp=2", dict(dp_shard=2), BOTH, {**MERGED, "long_items": True},
@@ -42,6 +44,9 @@ LAYOUTS = [
      {**MERGED, "vision": "qwen3"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
     ("qwen3_vl tower, tp=2", dict(tp=2), IMAGE, {**MERGED, "vision": "qwen3"}, {}),
     ("qwen3_vl tower, interleaved M-RoPE under cp=2", dict(dp_shard=1, cp=2), IMAGE, {**MERGED, "vision": "qwen3"}, {}),
+    # Qwen3-VL-MoE: the same tower and DeepStack rows into a Qwen3-MoE backbone, experts over ep=2
+    ("qwen3_vl tower, Qwen3-MoE backbone, dp_shard=2 x ep=2", dict(dp_shard=2, ep=2), QWEN3_MOE,
+     {**MERGED, "vision": "qwen3"}, {}),
     # LLaVA-OneVision's tower: its projector lays out whole items (tiles, unpadding, newlines,
     # pooled video frames) from the sizes the runtime passes with the encoder's rows
     ("llava_ov tower, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {"steps": 3, "vision": "llava_ov"},

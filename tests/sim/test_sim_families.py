@@ -21,6 +21,7 @@ ONE = ["data.steps=1", "sim.placements=[colocated]"]  # one step, one placement:
 FAMILIES = {  # the family presets: the LLM of the family and its tower, as shipped (no param set)
     "qwen2_5_vl": ["model=qwen2_5_vl_7b", "encoders=vision_only", "encoders/vision=qwen_vl"],
     "qwen3_vl": ["model=qwen3_vl_8b", "encoders=vision_only", "encoders/vision=qwen3_vl"],
+    "qwen3_vl_moe": ["model=qwen3_vl_30b_a3b", "encoders=vision_only", "encoders/vision=qwen3_vl", "parallel.ep=8"],
     "llava_clip": ["model=llama3_8b", "encoders=vision_only", "encoders/vision=clip"],
     "llava_next": ["model=llama3_8b", "encoders=vision_only", "encoders/vision=llava_next"],
     "llava_ov": ["model=qwen2_7b", "encoders=vision_only", "encoders/vision=llava_ov"],

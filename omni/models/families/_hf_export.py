@@ -110,11 +110,12 @@ def only_image_encoder(model: OmniModel, cls: type, fn: str, plugin: str, what: 
     return enc
 
 
-def language_model(model: OmniModel, prefix: str, head: str) -> dict[str, torch.Tensor]:
+def language_model(model: OmniModel, prefix: str, head: str, experts: str = "per_expert") -> dict[str, torch.Tensor]:
     """The backbone's tensors under the checkpoint's names: ``prefix`` for the decoder (in place
-    of a causal LM's ``model.``), ``head`` for an untied LM head."""
+    of a causal LM's ``model.``), ``head`` for an untied LM head, MoE experts in the ``experts``
+    layout (``hf_io.EXPERT_LAYOUTS``)."""
     out = {}
-    for name, t in native_state_dict_to_hf(model.llm.state_dict(), model.llm.config).items():
+    for name, t in native_state_dict_to_hf(model.llm.state_dict(), model.llm.config, experts=experts).items():
         out[head if name == "lm_head.weight" else prefix + name[len("model."):]] = t
     return out
 

@@ -21,9 +21,11 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # their text model (a Qwen2 or Qwen3 with M-RoPE). Their weights sit under model.language_model.
 # (older checkpoints: model.) beside the vision tower's, which the encoder slot loads (``qwen_vl``,
 # ``qwen3_vl``).
-VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text"}
+VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text",
+                   "qwen3_vl_moe": "qwen3_vl_moe_text"}
 # The family of each of those text models.
-_VLM_TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+_VLM_TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+                      "qwen3_vl_moe_text": "qwen3_moe"}
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -147,8 +149,8 @@ class DecoderConfig:
     def from_hf(cls, hf: Dict[str, Any]) -> "DecoderConfig":
         """Build from the contents of an HF ``config.json`` (transformers 4.x or 5.x layout)."""
         hf = dict(hf)
-        # The text model of Qwen2-VL / Qwen2.5-VL / Qwen3-VL (their config.json's text_config) is a
-        # Qwen2 / Qwen3 with M-RoPE.
+        # The text model of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE (their config.json's
+        # text_config) is a Qwen2 / Qwen3 / Qwen3-MoE with M-RoPE.
         family = _VLM_TEXT_FAMILIES.get(hf.get("model_type"), hf.get("model_type"))
         if family not in FAMILIES:
             raise ValueError(
@@ -212,7 +214,8 @@ class DecoderConfig:
             c.num_experts_per_tok = hf.get("num_experts_per_tok", 8 if qwen3 else 4)
             c.moe_intermediate_size = hf.get("moe_intermediate_size", 768 if qwen3 else 1408)
             c.shared_expert_intermediate_size = 0 if qwen3 else hf.get("shared_expert_intermediate_size", 5632)
-            c.norm_topk_prob = bool(hf.get("norm_topk_prob", False))
+            # Qwen3-VL-MoE's router always renormalises its top-k weights (its config has no flag)
+            c.norm_topk_prob = hf.get("model_type") == "qwen3_vl_moe_text" or bool(hf.get("norm_topk_prob", False))
             c.router_aux_loss_coef = hf.get("router_aux_loss_coef", 0.001)
             c.decoder_sparse_step = hf.get("decoder_sparse_step", 1)
             c.mlp_only_layers = list(hf.get("mlp_only_layers") or [])
