@@ -37,35 +37,40 @@ def export_main(model: str, out: str, step: Optional[int] = None, dtype: Optiona
         _check_adapter_export(model, where)
     stages = ["read the weights", "check the family", "write the tokenizer", "write the model and its configs"]
     bar = tqdm(total=len(stages), desc="omni export", unit="stage", disable=not progress, file=sys.stderr)
-    bar.set_postfix_str(stages[0])
-    loaded = load_model(where, merge_adapters=not adapter)
-    bar.update()
-    bar.set_postfix_str(stages[1])
-    name, family = family_of_model(loaded.model)
-    if dtype is not None:
-        loaded.model.to(getattr(torch, _DTYPES[dtype]))
-    bar.update()
-    bar.set_postfix_str(stages[2])
-    target.mkdir(parents=True, exist_ok=True)
-    # The tokenizer first: the config names its ids, the processor config is built with it.
-    loaded.tokenizer.save(target)
-    if hasattr(loaded.tokenizer, "save_hf"):  # Omni's byte tokenizer: also as transformers files
-        loaded.tokenizer.save_hf(target)
-    vocab = exported_tokenizer(str(target))
-    bar.update()
-    bar.set_postfix_str(stages[3])
-    adapters = {}
-    if adapter:
-        from omni.models import lora
+    try:  # a refusal on the way prints on its own line, after the bar
+        bar.set_postfix_str(stages[0])
+        loaded = load_model(where, merge_adapters=not adapter)
+        bar.update()
+        bar.set_postfix_str(stages[1])
+        name, family = family_of_model(loaded.model)
+        if family.export is None:
+            raise ConfigError(f"the {name} family loads, trains and generates, but Omni cannot write it back yet; "
+                              f"omni export has no exporter for it")
+        if dtype is not None:
+            loaded.model.to(getattr(torch, _DTYPES[dtype]))
+        bar.update()
+        bar.set_postfix_str(stages[2])
+        target.mkdir(parents=True, exist_ok=True)
+        # The tokenizer first: the config names its ids, the processor config is built with it.
+        loaded.tokenizer.save(target)
+        if hasattr(loaded.tokenizer, "save_hf"):  # Omni's byte tokenizer: also as transformers files
+            loaded.tokenizer.save_hf(target)
+        vocab = exported_tokenizer(str(target))
+        bar.update()
+        bar.set_postfix_str(stages[3])
+        adapters = {}
+        if adapter:
+            from omni.models import lora
 
-        adapters = lora.adapter_tensors(loaded.model)
-        lora.unload(loaded.model)  # the base model, written as the family's class
-    family.export(loaded.model, str(target), loaded.tokenizer, vocab)
-    write_generation_config(str(target), vocab, eos_ids(loaded))
-    if adapter:
-        lora.write_peft_adapter(adapters, loaded.cfg.model.lora, target, target / "adapter")
-    bar.update()
-    bar.close()
+            adapters = lora.adapter_tensors(loaded.model)
+            lora.unload(loaded.model)  # the base model, written as the family's class
+        family.export(loaded.model, str(target), loaded.tokenizer, vocab)
+        write_generation_config(str(target), vocab, eos_ids(loaded))
+        if adapter:
+            lora.write_peft_adapter(adapters, loaded.cfg.model.lora, target, target / "adapter")
+        bar.update()
+    finally:
+        bar.close()
     also = f", its LoRA adapter to {target / 'adapter'}" if adapter else ""
     print(f"omni: exported {loaded.weights} as {name} to {target}{also}", flush=True)
     return 0

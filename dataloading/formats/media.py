@@ -49,10 +49,11 @@ class MediaItem:
     features: torch.Tensor  # [n_units, feat_dim]: image patches or audio frames
     size: tuple[int, ...]  # image: (grid_h, grid_w) in patches; audio: (n_frames,)
     num_tokens: int  # LLM placeholder tokens this item turns into
-    # For an LLM with M-RoPE (Qwen2-VL): (frames, rows, cols, time interval) of the item's
-    # placeholders (``dataloading.construct.positions.mrope_position_ids``); set by processors of towers
-    # made for it (qwen_vl). None: the item's placeholders count like text.
-    rope_grid: tuple[int, int, int, float] | None = None
+    # For an LLM with M-RoPE (Qwen2-VL): (frames, rows, cols, time interval[, text resumes past
+    # the item's largest position]) of the item's placeholders
+    # (``dataloading.construct.positions.mrope_position_ids``); set by processors of towers made
+    # for it (qwen_vl, qwen_omni_vision). None: the item's placeholders count like text.
+    rope_grid: tuple | None = None
 
 
 @runtime_checkable

@@ -42,7 +42,11 @@ Tensors = Dict[str, torch.Tensor]
 # projector (under ``model.`` as transformers 5 holds them, without it as LLaVA-1.5 files and
 # transformers' own save_pretrained write them).
 _VLM_NOT_LLM = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                "multi_modal_projector.", "model.image_newline", "image_newline")  # the last: LLaVA-NeXT's and OneVision's
+                "multi_modal_projector.", "model.image_newline", "image_newline",  # LLaVA-NeXT's and OneVision's
+                # Qwen2.5-Omni: the thinker's towers (``thinker.`` in the released files, none in a
+                # thinker-only save), the talker and the vocoder (speech output: not loaded)
+                "thinker.visual.", "thinker.audio_tower.", "audio_tower.", "model.audio_tower.", "talker.",
+                "token2wav.")
 # Vision-language checkpoints in LLaVA's layout: the language model is ``text_config``, a model
 # of a supported family, its weights under ``language_model.model.`` and
 # ``language_model.lm_head.`` (or ``model.language_model.`` and ``lm_head.``).
@@ -64,14 +68,14 @@ def hf_name_to_native(name: str, config: DecoderConfig):
     """One HF tensor name -> ``(native name, None)``, ``(None, (layer, expert, projection))``
     for a per-expert weight (stacked into ``w_gate_up`` / ``w_down``), or None for a tensor
     that is not loaded (a tied model's head copy, the derived RoPE buffer)."""
-    if name in ("lm_head.weight", "language_model.lm_head.weight"):  # the latter: LLaVA's layout
+    if name in ("lm_head.weight", "language_model.lm_head.weight", "thinker.lm_head.weight"):  # LLaVA's, Omni's
         # Tied: the head is the embedding (some checkpoints still store a copy).
         return None if config.tie_word_embeddings else ("lm_head.weight", None)
     if name.endswith("rotary_emb.inv_freq"):
         return None  # older checkpoints store the derived RoPE buffer; we recompute it
     if name.startswith(_VLM_NOT_LLM):
         return None  # a vision-language checkpoint's tower or projector: the encoder slot loads it
-    for prefix in ("model.language_model.", "language_model.model.", "model."):
+    for prefix in ("model.language_model.", "language_model.model.", "thinker.model.", "model."):
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
@@ -280,6 +284,8 @@ def read_decoder_config(path: str) -> DecoderConfig:
     kind = hf.get("model_type")
     if kind in LLAVA_MODEL_TYPES:
         return DecoderConfig.from_hf(llava_text_config(hf))
+    if kind == "qwen2_5_omni":  # a whole Qwen2.5-Omni: the thinker's config holds the language model's
+        hf = dict(hf.get("thinker_config") or {}, model_type=kind)
     if kind in VLM_TEXT_MODELS:
         # transformers 5 nests the text model's config; 4.x wrote it at the top level
         text = dict(hf.get("text_config") or hf)

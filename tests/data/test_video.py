@@ -113,7 +113,7 @@ def test_qwen_video_patches_equal_the_reference_and_the_metadata_count(mp4, vari
     # 2 temporal patches of 4 x 6 patches merged 2 x 2; Qwen2.5-VL's temporal step is
     # tokens_per_second (2) x 2 frames per temporal patch / 2 frames sampled per second
     assert item.size == (2, 4, 6) and item.num_tokens == 12
-    assert item.rope_grid == (2, 2, 3, interval)
+    assert item.rope_grid == (2, 2, 3, interval, False)  # text resumes past the grid (Qwen2-VL)
     assert proc.num_tokens_from_meta(clip.meta) == item.num_tokens
 
 

@@ -8,7 +8,8 @@ many tokens. Also with the encoders' layers recomputed in the backward
 under pp=2). And the Qwen2.5-VL tower (``qwen_vl``), whose items are (t, h, w) grids, under
 sharded weights and bubble calls; Qwen3-VL's (``qwen3_vl``), whose DeepStack rows the first LLM
 layers add, under dp_shard=2, pp=2, tp=2 and cp=2, and on a Qwen3-MoE backbone (Qwen3-VL-MoE)
-under ep=2; and LLaVA-OneVision's (``llava_ov``), whose
+under ep=2; Qwen2.5-Omni's two towers (``qwen_omni_vision``, ``qwen_omni_audio``) under dp_shard=2, pp=2
+and tp=2; and LLaVA-OneVision's (``llava_ov``), whose
 projector lays out whole items from their sizes."""
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ LAYOUTS = [
     # Qwen3-VL-MoE: the same tower and DeepStack rows into a Qwen3-MoE backbone, experts over ep=2
     ("qwen3_vl tower, Qwen3-MoE backbone, dp_shard=2 x ep=2", dict(dp_shard=2, ep=2), QWEN3_MOE,
      {**MERGED, "vision": "qwen3"}, {}),
+    # Qwen2.5-Omni's thinker: its vision and audio towers, both multiplexed (the audio one over
+    # chunks with pooled pairs and a linear projector), into a Qwen2 with M-RoPE
+    ("qwen2.5-omni towers, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {**MERGED, "vision": "omni"},
+     {"encoder_weights": "sharded"}),
+    ("qwen2.5-omni towers, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), BOTH,
+     {**MERGED, "vision": "omni"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
+    ("qwen2.5-omni towers, tp=2", dict(tp=2), BOTH, {**MERGED, "vision": "omni"}, {}),
     # LLaVA-OneVision's tower: its projector lays out whole items (tiles, unpadding, newlines,
     # pooled video frames) from the sizes the runtime passes with the encoder's rows
     ("llava_ov tower, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {"steps": 3, "vision": "llava_ov"},

@@ -9,6 +9,8 @@ from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from dataloading.construct.positions import mrope_position_ids
 from omni.models.encoders.llava_ov import LlavaOvEncoder, LlavaOvEncoderConfig
 from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder
+from omni.models.encoders.qwen_omni_audio import QwenOmniAudioConfig, QwenOmniAudioEncoder, llm_tokens
+from omni.models.encoders.qwen_omni_vision import QwenOmniVisionEncoder
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
 from omni.models.encoders.siglip import SiglipEncoder, SiglipEncoderConfig
 from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, output_frames
@@ -60,12 +62,15 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
     ``vision="qwen"``: a Qwen2.5-VL tower instead (2 x 2 merge, windows of 2 x 2 merge groups,
     the second layer full), its projector Qwen's merger (RMSNorm); ``vision="qwen3"``: a Qwen3-VL
     tower (learned positions from a 3 x 3 table, DeepStack features of its two layers, which the
-    LLM's first two layers add), its projector Qwen3-VL's mergers."""
+    LLM's first two layers add), its projector Qwen3-VL's mergers; ``vision="omni"``: Qwen2.5-Omni's
+    thinker towers, the Qwen2.5-VL one and its audio tower (chunks of 4 mel frames, pooled pairs,
+    a linear projector)."""
     enc, proj = {}, {}
-    if "image" in media and vision == "qwen":
-        enc["image"] = QwenVisionEncoder(QwenVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                                          num_attention_heads=4, patch_size=2, window_size=8,
-                                                          fullatt_block_indexes=[1], min_pixels=16))
+    if "image" in media and vision in ("qwen", "omni"):
+        tower = QwenOmniVisionEncoder if vision == "omni" else QwenVisionEncoder
+        enc["image"] = tower(QwenVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, patch_size=2, window_size=8,
+                                              fullatt_block_indexes=[1], min_pixels=16))
         proj["image"] = Projector(16, 32, merge=4, norm="rms")
     elif "image" in media and vision == "qwen3":
         enc["image"] = Qwen3VisionEncoder(Qwen3VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -80,7 +85,12 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
                                                          num_attention_heads=4, image_size=16, patch_size=2,
                                                          spatial_merge=merge))
         proj["image"] = Projector(16, 32, merge=merge * merge)
-    if "audio" in media:
+    if "audio" in media and vision == "omni":
+        enc["audio"] = QwenOmniAudioEncoder(QwenOmniAudioConfig(
+            num_mel_bins=MEL_BINS, d_model=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=32,
+            max_source_positions=64, n_window=2, max_frames=64))
+        proj["audio"] = enc["audio"].new_projector(32)
+    elif "audio" in media:
         enc["audio"] = WhisperEncoder(WhisperEncoderConfig(num_mel_bins=MEL_BINS, d_model=16, encoder_layers=2,
                                                            encoder_attention_heads=4, encoder_ffn_dim=32,
                                                            max_source_positions=64))
@@ -95,7 +105,7 @@ def build(moe: bool | str, num_layers: int, media: tuple = (), frozen: tuple = (
     LoRA adapters of that rank on the LLM's linear layers (its base weights frozen), their B
     initialised non-zero so that the first step's gradients reach every adapter."""
     torch.manual_seed(1234)
-    llm = Decoder(model_config(moe, num_layers, mrope={"qwen": True, "qwen3": "qwen3"}.get(vision, False)))
+    llm = Decoder(model_config(moe, num_layers, mrope={"qwen": True, "omni": True, "qwen3": "qwen3"}.get(vision, False)))
     model = OmniModel(llm, *encoders(media, merge, vision), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
@@ -139,9 +149,12 @@ def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1, 
         a = int(torch.randint(1, 4, (1,), generator=gen)) if size == 0 else size
         b = int(torch.randint(1, 5, (1,), generator=gen))
         a, b = a * merge, b * merge
-        if vision in ("qwen", "qwen3"):
+        if vision in ("qwen", "qwen3", "omni"):
             return torch.randn(a * b, QWEN_PATCH_FEATURES, generator=gen), [1, a, b], a * b // (merge * merge)
         return torch.randn(a * b, PATCH_FEATURES, generator=gen), [a, b], a * b // (merge * merge)
+    if vision == "omni":  # 3 to 12 mel frames (1 to 3 chunks of 4), one row per pooled pair of conv tokens
+        frames = int(torch.randint(3, 13, (1,), generator=gen)) if size == 0 else size
+        return torch.randn(frames, MEL_BINS, generator=gen), [frames], llm_tokens(frames)
     frames = int(torch.randint(1, 9, (1,), generator=gen)) if size == 0 else size
     return torch.randn(frames, MEL_BINS, generator=gen), [frames], output_frames(frames)
 
@@ -164,7 +177,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
                 feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge, vision)
                 start = offset + sum(t.numel() for t in d_ids)
                 items[m].append((feats, size, tok, torch.arange(start, start + tok)))
-                if vision in ("qwen", "qwen3") and m == "image":  # M-RoPE grid of its placeholders
+                if vision in ("qwen", "qwen3", "omni") and m == "image":  # M-RoPE grid of its placeholders
                     grids.append((start - offset, 1, size[1] // merge, size[2] // merge, 1.0))
                 d_ids.append(torch.full((tok,), PLACEHOLDER))
                 d_lab.append(torch.full((tok,), IGNORE_INDEX))
@@ -186,7 +199,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
                                  torch.tensor([t for _, _, t, _ in its]), torch.cat([p for _, _, _, p in its]))
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, media=out, sample_ids=[f"mb{index}"],
-                      rope_position_ids=torch.cat(rope, dim=1) if vision in ("qwen", "qwen3") else None)
+                      rope_position_ids=torch.cat(rope, dim=1) if vision in ("qwen", "qwen3", "omni") else None)
 
 
 def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:

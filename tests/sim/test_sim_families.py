@@ -28,6 +28,8 @@ FAMILIES = {  # the family presets: the LLM of the family and its tower, as ship
     "siglip2": ["model=qwen2_7b", "encoders=vision_only", "encoders/vision=siglip2"],
     "vit_siglip": ["model=llama_12b", "encoders=vision_only", "encoders/vision=vit_1b"],
     "whisper": ["encoders=demo", "encoders/vision=vit_1b", "encoders/audio=whisper", "data.media_mix.audio=0.3"],
+    # Qwen2.5-Omni's thinker: its two towers (audio in chunks, pooled pairs) into a Qwen2-7B with M-RoPE
+    "qwen2_5_omni": ["model=qwen2_5_omni_7b", "encoders=omni", "data.media_mix.audio=0.3"],
     # Qwen3 backbones (QK-norm; the MoE's 128 experts over ep=8) under a SigLIP2 tower
     "qwen3_8b": ["model=qwen3_8b", "encoders=vision_only", "encoders/vision=siglip2"],
     "qwen3_30b_a3b": ["model=qwen3_30b_a3b", "encoders=vision_only", "encoders/vision=siglip2", "parallel.ep=8"],

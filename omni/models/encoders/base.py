@@ -281,6 +281,14 @@ class EncoderAnchor(nn.Module):
         return name
 
     @classmethod
+    def hf_parts(cls, name: str) -> Tuple[str, ...]:
+        """The checkpoint's names (below the weight prefix) whose concatenation along the first
+        axis is our parameter ``name``, for a checkpoint that stores it in parts where Omni
+        fuses them (Qwen2.5-Omni's tower: q, k and v of a fused qkv); () where none does. Tried
+        only when the checkpoint lacks ``hf_name(name)``."""
+        return ()
+
+    @classmethod
     def from_pretrained(cls, path: str, **overrides: Any) -> "EncoderAnchor":
         """Load a transformers checkpoint directory; ``overrides`` are ``Config`` params
         (e.g. a preprocessing budget) applied on top of config.json."""
@@ -322,14 +330,18 @@ class EncoderAnchor(nn.Module):
             tried = ", ".join(repr(p + anchor) for p in cls.hf_weight_prefixes)
             raise ValueError(f"{path}: no {cls.__name__} weights found (looked for {tried})")
         names = {name: prefix + cls.hf_name(name) for name in wanted}
-        missing = [n for n in names.values() if n not in reader]
+        parts = {name: tuple(prefix + p for p in cls.hf_parts(name)) for name, key in names.items() if key not in reader}
+        parts = {name: keys for name, keys in parts.items() if keys and all(k in reader for k in keys)}
+        missing = [key for name, key in names.items() if key not in reader and name not in parts]
         if missing:
             raise ValueError(f"{path}: checkpoint lacks {len(missing)} {cls.__name__} weights, e.g. {missing[0]}")
         dtype = torch.get_default_dtype()
-        raw = reader.tensors(names.values())
+        raw = reader.tensors([key for name, key in names.items() if name not in parts]
+                             + [k for keys in parts.values() for k in keys])
         state = {}
         for name, ref in wanted.items():
-            t = model.convert_hf_tensor(name, raw[names[name]])
+            stored = torch.cat([raw[k] for k in parts[name]]) if name in parts else raw[names[name]]
+            t = model.convert_hf_tensor(name, stored)
             if tuple(t.shape) != tuple(ref.shape):
                 raise ValueError(
                     f"{path}: weight {names[name]} has shape {tuple(t.shape)}, "

@@ -58,7 +58,11 @@ class QwenVisionProcessor:
 
     modality = "image"
 
-    def __init__(self, config: QwenVisionConfig):
+    def __init__(self, config: QwenVisionConfig, resume_after_largest: bool = False):
+        # Where text resumes after a video (``rope_grid``'s fifth field): past its grid (Qwen2-VL,
+        # Qwen2.5-VL), or past its largest position (Qwen2.5-Omni's TMRoPE, whose timed frames
+        # can outrun the grid): dataloading.construct.positions.mrope_position_ids
+        self.resume_after_largest = resume_after_largest
         self.patch = config.patch_size
         self.merge = config.spatial_merge
         self.frames = config.temporal_patch_size
@@ -163,4 +167,5 @@ class QwenVisionProcessor:
         x = x.transpose(0, 3, 1, 2)  # [n, C, H, W]
         interval = 1.0 if self.tokens_per_second is None else self.tokens_per_second * t * meta["duration"] / n
         return MediaItem(features=torch.from_numpy(self._patches(x, gh, gw)), size=(n // t, gh, gw),
-                         num_tokens=n // t * gh * gw // (m * m), rope_grid=(n // t, gh // m, gw // m, interval))
+                         num_tokens=n // t * gh * gw // (m * m),
+                         rope_grid=(n // t, gh // m, gw // m, interval, self.resume_after_largest))

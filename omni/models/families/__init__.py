@@ -5,7 +5,7 @@ encoder plugin of its vision tower (which also loads the tower's projector, e.g.
 patch merger), how its vocabulary writes a media placeholder, and the function that writes a
 model back in the family's own transformers class. Each family is a room, one module here that
 declares its entries (``FAMILIES``) and holds its tokens and exporter: ``llm`` (the LLM-only
-families), ``qwen_vl``, ``qwen3_vl``, ``llava``, ``llava_onevision``, ``llava_next``; what the exporters share
+families), ``qwen_vl``, ``qwen3_vl``, ``llava``, ``llava_onevision``, ``llava_next``, ``qwen_omni``; what the exporters share
 is ``_hf_export``, the ``Family`` entry ``family``. Adding a family is its room (and its encoder
 plugin if new, and its config presets) plus its name in ``_ROOMS``.
 
@@ -23,8 +23,8 @@ from typing import Iterable, Mapping
 from dataloading.formats.tokenizer import Tokenizer, load_tokenizer
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
-from omni.models.families import llava, llava_next, llava_onevision, llm, qwen3_vl, qwen_vl
-from omni.models.families.family import Family, config_ids, exported_tokenizer, write_generation_config
+from omni.models.families import llava, llava_next, llava_onevision, llm, qwen3_vl, qwen_omni, qwen_vl
+from omni.models.families.family import Family, config_ids, exported_tokenizer, towers, write_generation_config
 from omni.models.hf_checkpoint import read_hf_config
 from omni.models.multimodal import OmniModel
 
@@ -32,7 +32,7 @@ __all__ = ["FAMILIES", "Family", "config_ids", "encoder_slots", "exported_tokeni
            "load_pretrained", "pretrained_tokenizer", "write_generation_config"]
 
 # The rooms, in the order ``family_of_model`` tries them (and error messages list them).
-_ROOMS = (llm, qwen_vl, qwen3_vl, llava, llava_onevision, llava_next)
+_ROOMS = (llm, qwen_omni, qwen_vl, qwen3_vl, llava, llava_onevision, llava_next)
 
 
 def _joined(rooms: Iterable) -> Mapping[str, Family]:
@@ -59,17 +59,22 @@ def family_of(path: str) -> tuple[str, Family]:
 
 
 def encoder_slots(path: str) -> dict[str, EncoderSlot]:
-    """The encoder slots of a family's directory: its vision tower (and the tower's projector)
-    loaded from the same directory."""
+    """The encoder slots of a family's directory: its vision (and audio) tower, each with its
+    projector, loaded from the same directory."""
     _, family = family_of(path)
-    return {"vision": EncoderSlot(name=family.vision, pretrained=path)} if family.vision else {}
+    return {slot: EncoderSlot(name=plugin, pretrained=path) for slot, plugin in towers(family).items()}
+
+
+def _modalities(slots: Iterable[str]) -> list[str]:
+    """The placeholders of a family's towers: ``<image>`` for a vision tower, ``<audio>`` for an audio one."""
+    return [{"vision": "image", "audio": "audio"}[slot] for slot in slots]
 
 
 def pretrained_tokenizer(path: str, modalities=None) -> Tokenizer:
     """The directory's own tokenizer, its placeholders written the family's way."""
     _, family = family_of(path)
     if modalities is None:
-        modalities = ["image"] if family.vision else []
+        modalities = _modalities(towers(family))
     return load_tokenizer(path, modalities=modalities, family_tokens=family.family_tokens)
 
 
@@ -82,7 +87,7 @@ def load_pretrained(path: str, attn_backend: str = "auto") -> OmniModel:
     slots = encoder_slots(path)
     has_tokenizer = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
     # Without a tokenizer beside the weights, the checkpoint's own vocabulary.
-    vocab = pretrained_tokenizer(path, modalities=["image"] if slots else []).vocab_size if has_tokenizer else 0
+    vocab = pretrained_tokenizer(path, modalities=_modalities(slots)).vocab_size if has_tokenizer else 0
     return build_model(ModelConfig(pretrained=path, attn_backend=attn_backend), slots, vocab_needed=vocab, seed=0)
 
 

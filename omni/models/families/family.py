@@ -15,16 +15,22 @@ from omni.models.multimodal import OmniModel
 
 @dataclass(frozen=True)
 class Family:
-    """One kind of checkpoint directory. ``vision``: the encoder plugin of its vision tower
-    (None: an LLM alone). ``export``: ``(model, path, tokenizer, vocab)`` writing a model in the
+    """One kind of checkpoint directory. ``vision``, ``audio``: the encoder plugins of its vision
+    and audio towers (None: the family has none; neither: an LLM alone). ``export``: ``(model, path, tokenizer, vocab)`` writing a model in the
     family's transformers class, ``vocab`` being the tokenizer already written to ``path`` as
     transformers loads it (``exported_tokenizer``); ``matches``: whether a built model has the
     family's parts."""
 
     vision: Optional[str] = None
+    audio: Optional[str] = None
     family_tokens: Mapping[str, PlaceholderTokens] = field(default_factory=dict)
     export: Optional[Callable[[OmniModel, str, Tokenizer, Any], None]] = None
     matches: Optional[Callable[[OmniModel], bool]] = None
+
+
+def towers(family: "Family") -> dict[str, str]:
+    """Encoder slot -> plugin of the family's towers (``vision``, ``audio``)."""
+    return {slot: plugin for slot, plugin in (("vision", family.vision), ("audio", family.audio)) if plugin}
 
 
 def image_encoder(model: OmniModel) -> Any:

@@ -21,11 +21,14 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # their text model (a Qwen2 or Qwen3 with M-RoPE). Their weights sit under model.language_model.
 # (older checkpoints: model.) beside the vision tower's, which the encoder slot loads (``qwen_vl``,
 # ``qwen3_vl``).
+# Qwen2.5-Omni's thinker (``qwen2_5_omni_thinker``, or nested as ``thinker_config`` in a whole
+# ``qwen2_5_omni`` directory) is a Qwen2 with M-RoPE.
 VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text",
-                   "qwen3_vl_moe": "qwen3_vl_moe_text"}
+                   "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen2_5_omni_thinker": "qwen2_5_omni_text",
+                   "qwen2_5_omni": "qwen2_5_omni_text"}
 # The family of each of those text models.
 _VLM_TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
-                      "qwen3_vl_moe_text": "qwen3_moe"}
+                      "qwen3_vl_moe_text": "qwen3_moe", "qwen2_5_omni_text": "qwen2"}
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

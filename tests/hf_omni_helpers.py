@@ -1,0 +1,127 @@
+"""Tiny Qwen2.5-Omni thinker directories (the vision and the audio tower into a Qwen2 with
+M-RoPE), saved by transformers itself, in the thinker-only layout or the released one, and
+transformers' inputs for them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hf_family_helpers import byte_level_tokenizer
+
+OMNI_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_bos|>", "<|vision_eos|>", "<|IMAGE|>",
+                 "<|VIDEO|>", "<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>"]
+# ChatML as Qwen2.5-Omni's template writes media: each item framed by its modality's tokens.
+OMNI_CHAT = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif part['type'] == 'video' %}<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif part['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MEL_BINS = 128  # the released feature extractor's (WhisperFeatureExtractor feature_size)
+
+
+def save_tiny_qwen2_5_omni(path: Path, seed: int = 0, std: float = 0.15, released: bool = False):
+    """A tiny Qwen2.5-Omni thinker: Qwen2.5-VL's tower (2 layers, windows in the first), an audio
+    tower of 2 layers over 8-frame chunks, a Qwen2 of 3 layers with M-RoPE; its tokenizer, image
+    processor and feature extractor in ``path``. ``released``: the tensors under ``thinker.``
+    and the config nested as a whole Qwen2.5-Omni's (``thinker_config``, no talker), as the
+    released checkpoints hold them; else what transformers saves for the thinker alone.
+    Returns (the transformers thinker, the tokenizer)."""
+    import transformers
+
+    tok = byte_level_tokenizer(OMNI_SPECIALS, eos="<|im_end|>", chat_template=OMNI_CHAT)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in OMNI_SPECIALS}
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2_5OmniThinkerConfig(
+        text_config=dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=272, eos_token_id=ids["<|im_end|>"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 2, 2]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
+                           out_hidden_size=40, fullatt_block_indexes=[1], window_size=56),
+        audio_config=dict(num_mel_bins=MEL_BINS, d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                          encoder_ffn_dim=48, n_window=4, output_dim=40, max_source_positions=64),
+        audio_token_index=ids["<|AUDIO|>"], image_token_index=ids["<|IMAGE|>"], video_token_index=ids["<|VIDEO|>"],
+        audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
+        vision_start_token_id=ids["<|vision_bos|>"], vision_end_token_id=ids["<|vision_eos|>"])
+    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name or "ln_" in name else p.normal_(0.0, std)
+    model = model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    image = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16},
+                                                  patch_size=14, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    audio = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS)
+    (Path(path) / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Qwen2_5OmniProcessor", "image_processor": image.to_dict(), "feature_extractor": audio.to_dict()},
+        indent=2))
+    if released:
+        _as_released(Path(path))
+    return model, tok
+
+
+def _as_released(path: Path) -> None:
+    """The thinker's files as a whole Qwen2.5-Omni checkpoint holds them: every tensor under
+    ``thinker.``, the config nested as ``thinker_config`` (audio output off: no talker)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    save_file({f"thinker.{k}": v for k, v in load_file(file).items()}, file, metadata={"format": "pt"})
+    thinker = json.loads((path / "config.json").read_text())
+    thinker.pop("architectures", None)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2_5OmniForConditionalGeneration"], "model_type": "qwen2_5_omni",
+        "enable_audio_output": False, "thinker_config": thinker}, indent=2))
+
+
+def tone(seconds: float, hz: float = 440.0, rate: int = 16000) -> np.ndarray:
+    """A sine tone (float32 samples at ``rate``)."""
+    t = np.arange(int(seconds * rate), dtype=np.float32) / rate
+    return (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+
+
+def omni_hf_inputs(directory: Path, images, waves, ids: np.ndarray) -> dict:
+    """transformers' thinker inputs for ``ids`` (placeholders already expanded), PIL ``images``
+    and 16 kHz ``waves``, prepared as Qwen2.5-Omni's processor prepares them (the image
+    processor as saved; the feature extractor padding to 30 s with its frame mask)."""
+    import transformers
+
+    settings = json.loads((Path(directory) / "processor_config.json").read_text())
+    # the attention mask too: without it the thinker cannot build its 3-D positions and falls
+    # back to 1-D ones (compute_3d_position_ids)
+    out = dict(input_ids=torch.as_tensor(ids)[None], attention_mask=torch.ones(1, len(ids), dtype=torch.int64))
+    if images:
+        image = transformers.Qwen2VLImageProcessorPil(**{k: v for k, v in settings["image_processor"].items()
+                                                         if k not in ("image_processor_type", "processor_class")})
+        out.update(image(images=list(images), return_tensors="pt"))
+    if waves:
+        extractor = settings.get("feature_extractor") or {"feature_size": MEL_BINS}
+        audio = transformers.WhisperFeatureExtractor(**{k: v for k, v in extractor.items()
+                                                        if k not in ("feature_extractor_type", "processor_class")})
+        feats = audio(list(waves), sampling_rate=16000, padding="max_length", return_attention_mask=True,
+                      return_tensors="pt")
+        out.update(input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"])
+    return out
+
+
+def omni_prompt(loaded, image, waves, prompt: str = "what do you see and hear?"):
+    """An image, audio clips and a question in one user turn, built as ``omni generate`` builds
+    it: Omni's micro-batch."""
+    from dataloading.construct.constructor import SampleConstructor
+    from dataloading.formats.sample import DecodedSample
+    from omni.models.build import media_processors
+    from recipes.generate_cmd import prompt_text
+
+    kinds = ["image"] * (image is not None) + ["audio"] * len(waves)
+    media = [("image", image)] * (image is not None) + [("audio", (w, 16000)) for w in waves]
+    text = prompt_text(loaded.tokenizer, kinds, prompt)
+    c = SampleConstructor({}, loaded.tokenizer, media_processors(loaded.model), None)
+    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, media))
+    return mb

@@ -1,0 +1,179 @@
+"""`omni export` and `omni generate` on tiny Qwen2.5-Omni thinker directories, in the thinker-only
+layout (what transformers saves for the thinker) and in the released checkpoints' layout (the
+whole class, ``thinker.`` names): the export is the released layout, which transformers loads
+with the thinker's weights and Omni exports again file for file; greedy generation from an image
+and an audio clip gives transformers' tokens."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from hf_omni_helpers import omni_hf_inputs, omni_prompt, save_tiny_qwen2_5_omni, tone
+from recipes.cli import main
+
+transformers = pytest.importorskip("transformers")
+LAYOUTS = pytest.mark.parametrize("released", [False, True], ids=["thinker-only", "released layout"])
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@LAYOUTS
+def test_a_thinker_directory_exports_in_the_released_layout(tmp_path, released):
+    hf, _ = save_tiny_qwen2_5_omni(tmp_path / "hf", released=released)
+    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["model_type"] == "qwen2_5_omni" and config["architectures"] == ["Qwen2_5OmniForConditionalGeneration"]
+    back = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(tmp_path / "a")
+    assert not back.has_talker
+    want, got = hf.state_dict(), back.thinker.state_dict()
+    assert set(got) == set(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    written = _tensors(tmp_path / "a")
+    assert all(k.startswith("thinker.") for k in written)
+    if released:  # the directory's own tensors, name for name, bit for bit
+        stored = _tensors(tmp_path / "hf")
+        assert stored.keys() == written.keys() and all(torch.equal(stored[k], written[k]) for k in stored)
+    # exported again: the same files
+    assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
+    for name in ("config.json", "model.safetensors", "processor_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+@LAYOUTS
+def test_greedy_with_an_image_and_audio_equals_transformers_generate(tmp_path, capsys, released):
+    import soundfile
+
+    from dataloading.formats.media_codecs import decode_audio
+    from recipes.model_source import load_model
+
+    hf, tok = save_tiny_qwen2_5_omni(tmp_path / "hf", released=released)
+    image = np.random.default_rng(2).integers(0, 256, size=(56, 84, 3), dtype=np.uint8)
+    Image.fromarray(image).save(tmp_path / "a.png")
+    soundfile.write(tmp_path / "a.wav", tone(0.9, 660.0), 16000, subtype="PCM_16")
+    prompt = "what do you see and hear?"
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--image", str(tmp_path / "a.png"), "--audio",
+                 str(tmp_path / "a.wav"), "--prompt", prompt, "--max-new-tokens", "12", "--greedy", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # the reference: the family's chat template, each placeholder repeated once per encoder
+    # output (the counts from transformers' own processors), transformers' inputs and generate
+    wave, _ = decode_audio((tmp_path / "a.wav").read_bytes())
+    inputs = omni_hf_inputs(tmp_path / "hf", [Image.open(tmp_path / "a.png")], [wave], np.zeros(1, dtype=np.int64))
+    n_image = int(inputs["image_grid_thw"].prod()) // 4
+    frames = int(inputs["feature_attention_mask"].sum())
+    n_audio = ((frames - 1) // 2 + 1 - 2) // 2 + 1
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "audio"},
+                                                                 {"type": "text", "text": prompt}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    text = text.replace("<|IMAGE|>", "<|IMAGE|>" * n_image).replace("<|AUDIO|>", "<|AUDIO|>" * n_audio)
+    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"])
+    mb = omni_prompt(load_model(str(tmp_path / "hf")), image, [wave], prompt)
+    assert mb.input_ids.tolist() == ids.tolist()  # Omni's prompt is the family's
+    inputs["input_ids"] = torch.as_tensor(ids)[None]
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    with torch.no_grad():
+        want = hf.generate(**inputs, max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]  # omni leaves the end of sequence out of its answer
+    assert got["token_ids"] == want and len(want) >= 3
+
+
+def test_the_tiny_preset_trains_both_towers_and_answers(demo_root, tmp_path, capsys):
+    """`experiment=qwen2_5_omni_tiny` from scratch on the demo's mixture: both towers train
+    (colocated under multiplexing), `omni generate` answers from an image and a clip, and the
+    export is refused in one line (the byte tokenizer lacks the thinker's framing tokens, by
+    which transformers would place the items)."""
+    import soundfile
+
+    from recipe_helpers import read_metrics, tiny_overrides, train
+    from recipes.model_source import load_model
+
+    run = tmp_path / "run"
+    train(tiny_overrides(demo_root, run, **{"trainer.max_steps": 3}) + ["experiment=qwen2_5_omni_tiny"])
+    steps = [r for r in read_metrics(run) if "loss" in r]
+    assert len(steps) == 3 and all(np.isfinite(r["loss"]) for r in steps)
+    model = load_model(str(run)).model
+    assert sorted(model.encoders) == ["audio", "image"]
+    Image.fromarray(np.random.default_rng(4).integers(0, 256, size=(32, 48, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    soundfile.write(tmp_path / "a.wav", tone(0.5, 330.0), 16000, subtype="PCM_16")
+    capsys.readouterr()
+    assert main(["generate", "--model", str(run), "--image", str(tmp_path / "a.png"), "--audio",
+                 str(tmp_path / "a.wav"), "--prompt", "what is this?", "--max-new-tokens", "4", "--greedy",
+                 "--json"]) == 0
+    assert "token_ids" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("omni: error: a Qwen2.5-Omni thinker finds its images and clips by <|vision_bos|>")
+
+
+def test_greedy_with_a_video_equals_transformers_generate(tmp_path, capsys):
+    """A clip (2 frames a second, 3 temporal patches) between text: its frames take TMRoPE's
+    timed positions (25 a second) and text resumes past the last frame's time, which outruns
+    the grid; transformers gets the same frames as its video inputs."""
+    pytest.importorskip("av")
+    from dataloading.formats.video import decode_video
+    from media_helpers import clip_bytes
+    from omni.models.encoders.qwen_omni_vision import QwenOmniVisionEncoder
+    from recipes.model_source import load_model
+
+    hf, tok = save_tiny_qwen2_5_omni(tmp_path / "hf")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_bytes(frames=30, rate=10, height=56, width=84, texture_seed=0))  # 3 s
+    prompt = "what happens?"
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", prompt,
+                 "--max-new-tokens", "10", "--greedy", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    enc = load_model(str(tmp_path / "hf")).model.encoders["image"]
+    item = QwenOmniVisionEncoder.processor(enc.config).video(decode_video(clip.read_bytes()))
+    assert item.size[0] == 3 and item.rope_grid[3] == 25.0  # 2 frames per temporal patch at 2 fps: 1 s each
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor(tok(text.replace("<|VIDEO|>", "<|VIDEO|>" * item.num_tokens), add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
+                           pixel_values_videos=item.features, video_grid_thw=torch.tensor([list(item.size)]),
+                           video_second_per_grid=torch.tensor([1.0]), max_new_tokens=10,
+                           do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]
+    assert got["token_ids"] == want and len(want) >= 3
+
+
+def test_a_run_fine_tuned_from_a_thinker_exports_and_transformers_gives_omnis_logits(demo_root, tmp_path):
+    """Fine-tuned from the directory (its tokenizer, both towers pretrained) on the demo's shapes,
+    tones and text, then exported: transformers' whole class holds the trained thinker, whose
+    logits on an image and a clip equal Omni's."""
+    from recipe_helpers import tiny_overrides, train
+    from recipes.model_source import load_model
+
+    save_tiny_qwen2_5_omni(tmp_path / "hf")
+    hf_dir = tmp_path / "hf"
+    run = tmp_path / "run"
+    train(tiny_overrides(demo_root, run, **{
+        "trainer.max_steps": 2, "model.pretrained": hf_dir, "data.tokenizer": hf_dir, "data.micro_batch_tokens": 768,
+        "encoders.vision.pretrained": hf_dir, "encoders.audio.pretrained": hf_dir}) + ["encoders=omni"])
+    loaded = load_model(str(run))
+    start = load_model(str(hf_dir)).model.state_dict()
+    assert any(not torch.equal(t, start[n]) for n, t in loaded.model.state_dict().items()), "training changed nothing"
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+    back = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(tmp_path / "out").thinker.eval()
+    image = np.random.default_rng(6).integers(0, 256, size=(40, 70, 3), dtype=np.uint8)
+    wave = tone(0.8, 550.0)
+    mb = omni_prompt(loaded, image, [wave])
+    inputs = omni_hf_inputs(tmp_path / "out", [Image.fromarray(image)], [wave], mb.input_ids.numpy())
+    with torch.no_grad():
+        want = back(**inputs).logits[0]
+        got = loaded.model(mb.input_ids, media=mb.media, position_ids=mb.position_ids,
+                           rope_position_ids=mb.rope_position_ids)[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
