@@ -171,12 +171,12 @@ def plan_chunks(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_batches
             # Features come from the item's own group unless this GPU holds them already.
             feat = sum(t * spec.encoders[mod].feature_bytes_per_token for mod, t, _, g, _ in work if g != group_of[r])
             rows = sum(n / s_ for _, _, s_, _, n in work)
-            sent.append((feat, rows * spec.hidden * BF16))
+            sent.append((feat, rows * spec.media_row_width * BF16))
         if p2p:
             feat_s, out_s = _p2p_exchange(m, spec, per_gpu, node, group_node, receivers)
         else:
             # What one group's receiving GPU takes in: its share of the group's output rows.
-            recv = max((sum(it.tokens for it in items if it.group == g) * spec.hidden * BF16 / receivers
+            recv = max((sum(it.tokens for it in items if it.group == g) * spec.media_row_width * BF16 / receivers
                         for g in set(group_of)), default=0.0)
             feat_s = m.all_to_all_group(max((f for f, _ in sent), default=0.0), members_g)
             out_s = m.all_to_all_group(max(max((o for _, o in sent), default=0.0), recv), members_g)
@@ -205,7 +205,7 @@ def _p2p_exchange(m: Machine, spec: ModelSpec, per_gpu: list[list[tuple[str, int
         for mod, t, s_, g, n in work:
             local = group_node[g] == node[r]
             fb = t / s_ * spec.encoders[mod].feature_bytes_per_token
-            ob = n / s_ * spec.hidden * BF16
+            ob = n / s_ * spec.media_row_width * BF16
             if local:
                 f_loc, o_loc = f_loc + fb, o_loc + ob
             else:
@@ -301,7 +301,7 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
             bwd = w.backward_s + sum(x.backward_s for x in idle)
             act = sum(encoder_activation_bytes(spec, mod, t) for mod, t, _, _ in work)
             cells.setdefault((group_of[i], call.stage), []).append((fwd, bwd, act))
-            rows = sum(n for _, _, _, n in work) * spec.hidden * BF16
+            rows = sum(n for _, _, _, n in work) * spec.media_row_width * BF16
             if rows:
                 far = node[i] != group_node[group_of[i]]
                 sent.setdefault(group_of[i], []).append(m.p2p(rows, far))
@@ -315,7 +315,7 @@ def plan_bubble_calls(m: Machine, spec: ModelSpec, mux: MultiplexConfig, micro_b
         for g, sends in sent.items():
             rows = sum(rows_of[key] for key in call.placed if key[2] == g)
             # the group's first-stage GPUs each take in their share of the rows
-            taken_in = m.p2p(rows * spec.hidden * BF16 / max(receivers, 1), crosses[g])
+            taken_in = m.p2p(rows * spec.media_row_width * BF16 / max(receivers, 1), crosses[g])
             times.transfer_s[g] = max(max(sends), taken_in)
         out.append(times)
     return out

@@ -56,6 +56,9 @@ class ModelSpec:
     norm_params: int
     encoders: dict[str, EncoderSpec] = field(default_factory=dict)
     processors: dict = field(default_factory=dict)  # modality -> MediaProcessor (data.source=mixture)
+    # Width of the media rows the multiplexer sends to the LLM (OmniModel.input_width): the LLM's,
+    # times 1 + the DeepStack layers (Qwen3-VL's rows carry their residuals); 0: the LLM's.
+    row_width: int = 0
     _kinds: tuple | None = field(default=None, init=False, repr=False, compare=False)  # layer_kinds()
 
     @property
@@ -93,6 +96,11 @@ class ModelSpec:
     @property
     def hidden(self) -> int:
         return self.llm.hidden_size
+
+    @property
+    def media_row_width(self) -> int:
+        """Values per media row in the encoders' output exchanges (``row_width``)."""
+        return self.row_width or self.hidden
 
     def llm_params(self) -> int:
         return sum(self.layer_params) + self.embed_params + self.head_params + self.norm_params
@@ -161,7 +169,8 @@ def model_spec(model_cfg: ModelConfig, slots: dict[str, EncoderSlot], encoder_re
             activation_bytes_per_token=(per_token or 0.0) / 1024.0, feature_bytes_per_token=2.0 * int(width),
             supports_sp=sp, tokens_per_row=int(k), recompute=encoder_recompute, fsdp_units=len(layers) if sp else 1,
             item=enc.simulated_item, clip=enc.simulated_clip)
-    return ModelSpec(c, cost, layer_params, active, expert, embed, head, norm, encoders, media_processors(model))
+    return ModelSpec(c, cost, layer_params, active, expert, embed, head, norm, encoders, media_processors(model),
+                     row_width=int(model.input_width))
 
 
 def _ask(enc, modality: str, name: str):

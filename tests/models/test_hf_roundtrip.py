@@ -157,3 +157,23 @@ def test_a_checkpoint_of_a_newer_transformers_type_is_refused_in_one_line(tmp_pa
                    {"model_type": "qwen9_vl", "transformers_version": "4.0.0"}):
         (tmp_path / "config.json").write_text(json.dumps(config))
         assert read_hf_config(str(tmp_path)) == config
+
+
+def test_hidden_first_experts_are_read_by_region(tmp_path):
+    """Qwen3-VL-MoE's released files store a layer's experts fused and hidden first; a rank that
+    holds some experts and rows (expert or FSDP sharding) reads just those, transposed into
+    Omni's [E, 2I, H] / [E, H, I], whichever layout the file has."""
+    from hf_family_helpers import save_tiny_qwen3_vl_moe
+    from omni.models.hf_io import CheckpointSource, read_decoder_config
+
+    save_tiny_qwen3_vl_moe(tmp_path)
+    config = read_decoder_config(str(tmp_path))
+    source = CheckpointSource(str(tmp_path), config, experts_hidden_first=True)
+    stored = source.reader.tensors(["model.language_model.layers.0.mlp.experts.gate_up_proj",
+                                    "model.language_model.layers.0.mlp.experts.down_proj"])
+    gate_up, down = (t.transpose(1, 2) for t in stored.values())  # Omni's layout
+    assert source.shape("layers.0.mlp.experts.w_gate_up") == tuple(gate_up.shape) == (5, 48, 40)
+    index = (slice(1, 4), slice(10, 30), slice(5, 40))
+    assert torch.equal(source.read("layers.0.mlp.experts.w_gate_up", None, None, index), gate_up[index])
+    index = (slice(2, 5), slice(0, 40), slice(7, 19))
+    assert torch.equal(source.read("layers.0.mlp.experts.w_down", None, None, index), down[index])

@@ -166,3 +166,22 @@ def test_a_plugin_that_does_not_answer_is_one_line(capsys):
     assert capsys.readouterr().err.strip() == (
         "omni: error: encoders: Headless (image) does not implement attention_heads(), which the simulator needs "
         "(docs/simulate.md, \"What the simulator asks of an encoder\")")
+
+
+def test_deepstack_rows_are_exchanged_at_their_width():
+    """Qwen3-VL's media rows carry the DeepStack residuals beside the embedding (the runtime's
+    OmniModel.input_width): the simulator moves them at that width, so a tower with DeepStack
+    spends more on the row exchange than the same tower without it."""
+    cfg = load_sim_config(FAMILIES["qwen3_vl"])
+    spec = model_spec(cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint)
+    assert spec.row_width == spec.hidden * (1 + 3)  # Qwen3-VL-8B's tower: DeepStack from 3 layers
+    flat = ["+encoders.vision.params.deepstack_visual_indexes=[]"]
+    assert model_spec(*_model_of(FAMILIES["qwen3_vl"] + flat)).row_width == spec.hidden
+    wide = _json([*FAMILIES["qwen3_vl"], *ONE])["placements"]["colocated"]["decomposition_s"]
+    narrow = _json([*FAMILIES["qwen3_vl"], *flat, *ONE])["placements"]["colocated"]["decomposition_s"]
+    assert wide["row_exchange"] > narrow["row_exchange"] > 0
+
+
+def _model_of(over: list[str]):
+    cfg = load_sim_config(over)
+    return cfg.model, cfg.encoders, cfg.parallel.encoder_activation_checkpoint
