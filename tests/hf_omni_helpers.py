@@ -67,7 +67,61 @@ def save_tiny_qwen2_5_omni(path: Path, seed: int = 0, std: float = 0.15, release
     return model, tok
 
 
-def _as_released(path: Path) -> None:
+QWEN3_OMNI_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|image_pad|>", "<|video_pad|>", "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
+# ChatML as Qwen3-Omni's template writes media (the Qwen3 vocabulary's tokens)
+QWEN3_OMNI_CHAT = OMNI_CHAT.replace("<|vision_bos|>", "<|vision_start|>").replace("<|vision_eos|>", "<|vision_end|>") \
+    .replace("<|IMAGE|>", "<|image_pad|>").replace("<|VIDEO|>", "<|video_pad|>").replace("<|audio_bos|>", "<|audio_start|>") \
+    .replace("<|audio_eos|>", "<|audio_end|>").replace("<|AUDIO|>", "<|audio_pad|>")
+
+
+def save_tiny_qwen3_omni(path: Path, seed: int = 0, std: float = 0.15, released: bool = False):
+    """A tiny Qwen3-Omni thinker: Qwen3-VL's tower (3 layers, 16-pixel patches, a 3 x 3 position
+    table, DeepStack from two layers), Qwen3-Omni's audio tower (2 layers), a Qwen3-MoE of 3
+    layers (5 experts of 24, top 2, the middle layer dense) with interleaved M-RoPE (the audio
+    tower's chunks of 100 frames, attention over 2 of them: transformers' tower counts 13 tokens a
+    chunk, which holds only for n_window 49 to 52); its tokenizer,
+    image processor and feature extractor in ``path``. ``released``: as ``save_tiny_qwen2_5_omni``.
+    Returns (the transformers thinker, the tokenizer)."""
+    import transformers
+
+    tok = byte_level_tokenizer(QWEN3_OMNI_SPECIALS, eos="<|im_end|>", chat_template=QWEN3_OMNI_CHAT)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN3_OMNI_SPECIALS}
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3OmniMoeThinkerConfig(
+        text_config=dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=12, vocab_size=272, num_experts=5, num_experts_per_tok=2,
+                         moe_intermediate_size=24, mlp_only_layers=[1], eos_token_id=ids["<|im_end|>"],
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 2],
+                                          "interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, out_hidden_size=40,
+                           num_position_embeddings=9, deepstack_visual_indexes=[0, 2]),
+        audio_config=dict(num_mel_bins=MEL_BINS, d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                          encoder_ffn_dim=48, output_dim=40, downsample_hidden_size=8, n_window=50, n_window_infer=200,
+                          max_source_positions=64),
+        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        audio_start_token_id=ids["<|audio_start|>"], vision_start_token_id=ids["<|vision_start|>"],
+        position_id_per_seconds=13)
+    model = transformers.Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name or "ln_" in name else p.normal_(0.0, std)
+    model = model.eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    image = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16},
+                                                  patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    audio = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS)
+    (Path(path) / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Qwen3OmniMoeProcessor", "image_processor": image.to_dict(), "feature_extractor": audio.to_dict()},
+        indent=2))
+    if released:
+        _as_released(Path(path), "qwen3_omni_moe", "Qwen3OmniMoeForConditionalGeneration")
+    return model, tok
+
+
+def _as_released(path: Path, model_type: str = "qwen2_5_omni",
+                 architecture: str = "Qwen2_5OmniForConditionalGeneration") -> None:
     """The thinker's files as a whole Qwen2.5-Omni checkpoint holds them: every tensor under
     ``thinker.``, the config nested as ``thinker_config`` (audio output off: no talker)."""
     from safetensors.torch import load_file, save_file
@@ -77,8 +131,8 @@ def _as_released(path: Path) -> None:
     thinker = json.loads((path / "config.json").read_text())
     thinker.pop("architectures", None)
     (path / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2_5OmniForConditionalGeneration"], "model_type": "qwen2_5_omni",
-        "enable_audio_output": False, "thinker_config": thinker}, indent=2))
+        "architectures": [architecture], "model_type": model_type, "enable_audio_output": False,
+        "thinker_config": thinker}, indent=2))
 
 
 def tone(seconds: float, hz: float = 440.0, rate: int = 16000) -> np.ndarray:
@@ -105,9 +159,19 @@ def omni_hf_inputs(directory: Path, images, waves, ids: np.ndarray) -> dict:
         extractor = settings.get("feature_extractor") or {"feature_size": MEL_BINS}
         audio = transformers.WhisperFeatureExtractor(**{k: v for k, v in extractor.items()
                                                         if k not in ("feature_extractor_type", "processor_class")})
-        feats = audio(list(waves), sampling_rate=16000, padding="max_length", return_attention_mask=True,
-                      return_tensors="pt")
-        out.update(input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"])
+        if settings["processor_class"] == "Qwen2_5OmniProcessor":  # every clip zero-padded to 30 s
+            feats = audio(list(waves), sampling_rate=16000, padding="max_length", return_attention_mask=True,
+                          return_tensors="pt")
+            out.update(input_features=feats["input_features"], feature_attention_mask=feats["attention_mask"])
+        else:  # Qwen3-Omni's pads to the batch's longest clip: each clip as its processor takes it alone
+            clips = [audio(w, sampling_rate=16000, padding=True, return_attention_mask=True,
+                           return_tensors="pt")["input_features"][0] for w in waves]
+            longest = max(c.shape[1] for c in clips)
+            feats = torch.zeros(len(clips), clips[0].shape[0], longest)
+            mask = torch.zeros(len(clips), longest, dtype=torch.int64)
+            for i, c in enumerate(clips):
+                feats[i, :, :c.shape[1]], mask[i, :c.shape[1]] = c, 1
+            out.update(input_features=feats, feature_attention_mask=mask)
     return out
 
 
@@ -125,3 +189,9 @@ def omni_prompt(loaded, image, waves, prompt: str = "what do you see and hear?")
     c = SampleConstructor({}, loaded.tokenizer, media_processors(loaded.model), None)
     mb, _ = c.build_prompt(DecodedSample("prompt", text, None, media))
     return mb
+
+
+# family -> (saver, the thinker-only model type, the whole model's, the image and audio placeholders)
+THINKERS = {"qwen2_5_omni": (save_tiny_qwen2_5_omni, "qwen2_5_omni_thinker", "qwen2_5_omni", "<|IMAGE|>", "<|AUDIO|>"),
+            "qwen3_omni": (save_tiny_qwen3_omni, "qwen3_omni_moe_thinker", "qwen3_omni_moe", "<|image_pad|>",
+                           "<|audio_pad|>")}

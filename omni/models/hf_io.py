@@ -46,7 +46,7 @@ _VLM_NOT_LLM = ("model.visual.", "visual.", "model.vision_tower.", "vision_tower
                 # Qwen2.5-Omni: the thinker's towers (``thinker.`` in the released files, none in a
                 # thinker-only save), the talker and the vocoder (speech output: not loaded)
                 "thinker.visual.", "thinker.audio_tower.", "audio_tower.", "model.audio_tower.", "talker.",
-                "token2wav.")
+                "token2wav.", "code2wav.")  # the last: Qwen3-Omni's vocoder
 # Vision-language checkpoints in LLaVA's layout: the language model is ``text_config``, a model
 # of a supported family, its weights under ``language_model.model.`` and
 # ``language_model.lm_head.`` (or ``model.language_model.`` and ``lm_head.``).
@@ -284,7 +284,7 @@ def read_decoder_config(path: str) -> DecoderConfig:
     kind = hf.get("model_type")
     if kind in LLAVA_MODEL_TYPES:
         return DecoderConfig.from_hf(llava_text_config(hf))
-    if kind == "qwen2_5_omni":  # a whole Qwen2.5-Omni: the thinker's config holds the language model's
+    if kind in ("qwen2_5_omni", "qwen3_omni_moe"):  # a whole Omni model: the thinker's config holds the LLM's
         hf = dict(hf.get("thinker_config") or {}, model_type=kind)
     if kind in VLM_TEXT_MODELS:
         # transformers 5 nests the text model's config; 4.x wrote it at the top level

@@ -52,10 +52,16 @@ class MediaTower(nn.Module):
         self.sharded = False
         self.compute_dtype: Optional[torch.dtype] = None  # FSDP's parameter dtype once sharded
 
+    # Width of every modality's rows (the model's input_width): a projector without DeepStack
+    # beside one with it (Qwen3-Omni's audio beside its vision) has its rows zero-padded to it,
+    # as OmniModel.embed pads them, so that the runtime's row buffers have one width.
+    row_width: Optional[int] = None
+
     @classmethod
     def take_from(cls, model: nn.Module) -> "MediaTower":
         """Move ``model.encoders`` / ``model.projectors`` into a tower (the model keeps empty ones)."""
         tower = cls(dict(model.encoders), dict(model.projectors))
+        tower.row_width = getattr(model, "input_width", None)
         model.encoders, model.projectors = nn.ModuleDict(), nn.ModuleDict()
         return tower
 
@@ -84,7 +90,10 @@ class MediaTower(nn.Module):
         whole = long_sizes is None  # the rows are whole items (the projector may lay them out)
         long_sizes = None if long_sizes is None else HostSizes(long_sizes)
         rows = self.encoders[modality].encode_chunk(features, HostSizes(sizes), long_features, long_sizes, sp_group)
-        return self.projectors[modality](rows, HostSizes(sizes) if whole else None)
+        out = self.projectors[modality](rows, HostSizes(sizes) if whole else None)
+        if self.row_width is not None and out.shape[1] < self.row_width:
+            out = torch.nn.functional.pad(out, (0, self.row_width - out.shape[1]))
+        return out
 
     def shard(self, mesh: DeviceMesh, precision: MixedPrecisionPolicy, reshard_after_forward: bool = True,
               prefetch: int = 1, weights: str = "sharded") -> list[nn.Parameter]:

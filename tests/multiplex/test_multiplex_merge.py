@@ -45,6 +45,8 @@ LAYOUTS = [
      {**MERGED, "vision": "qwen3"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
     ("qwen3_vl tower, tp=2", dict(tp=2), IMAGE, {**MERGED, "vision": "qwen3"}, {}),
     ("qwen3_vl tower, interleaved M-RoPE under cp=2", dict(dp_shard=1, cp=2), IMAGE, {**MERGED, "vision": "qwen3"}, {}),
+    # an audio tower beside it (Qwen3-Omni's shape): its rows, without DeepStack, padded to the wide ones
+    ("qwen3_vl tower beside an audio tower, dp_shard=2", dict(dp_shard=2), BOTH, {**MERGED, "vision": "qwen3"}, {}),
     # Qwen3-VL-MoE: the same tower and DeepStack rows into a Qwen3-MoE backbone, experts over ep=2
     ("qwen3_vl tower, Qwen3-MoE backbone, dp_shard=2 x ep=2", dict(dp_shard=2, ep=2), QWEN3_MOE,
      {**MERGED, "vision": "qwen3"}, {}),

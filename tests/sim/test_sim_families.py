@@ -30,6 +30,8 @@ FAMILIES = {  # the family presets: the LLM of the family and its tower, as ship
     "whisper": ["encoders=demo", "encoders/vision=vit_1b", "encoders/audio=whisper", "data.media_mix.audio=0.3"],
     # Qwen2.5-Omni's thinker: its two towers (audio in chunks, pooled pairs) into a Qwen2-7B with M-RoPE
     "qwen2_5_omni": ["model=qwen2_5_omni_7b", "encoders=omni", "data.media_mix.audio=0.3"],
+    # Qwen3-Omni's: Qwen3-VL's tower with DeepStack and its own audio tower into a Qwen3-MoE (ep=8)
+    "qwen3_omni": ["model=qwen3_omni_30b_a3b", "encoders=qwen3_omni", "parallel.ep=8", "data.media_mix.audio=0.3"],
     # Qwen3 backbones (QK-norm; the MoE's 128 experts over ep=8) under a SigLIP2 tower
     "qwen3_8b": ["model=qwen3_8b", "encoders=vision_only", "encoders/vision=siglip2"],
     "qwen3_30b_a3b": ["model=qwen3_30b_a3b", "encoders=vision_only", "encoders/vision=siglip2", "parallel.ep=8"],

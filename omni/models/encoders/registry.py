@@ -2,7 +2,7 @@
 
 Three ways, tried in order:
 
-1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``qwen3_vl``, ``qwen_omni_vision``, ``qwen_omni_audio``, ``clip``, ``siglip2``, ``llava_ov``, ``llava_next``): always available, also when omni is not pip-installed;
+1. built-ins (``siglip``, ``whisper``, ``qwen_vl``, ``qwen3_vl``, ``qwen_omni_vision``, ``qwen_omni_audio``, ``qwen3_omni_vision``, ``qwen3_omni_audio``, ``clip``, ``siglip2``, ``llava_ov``, ``llava_next``): always available, also when omni is not pip-installed;
 2. installed packages that declare an entry point in the ``omni.encoders`` group, e.g. in their
    pyproject.toml::
 
@@ -42,6 +42,8 @@ _BUILTINS: Dict[str, str] = {
     "qwen3_vl": "omni.models.encoders.qwen3_vl:Qwen3VisionEncoder",
     "qwen_omni_vision": "omni.models.encoders.qwen_omni_vision:QwenOmniVisionEncoder",
     "qwen_omni_audio": "omni.models.encoders.qwen_omni_audio:QwenOmniAudioEncoder",
+    "qwen3_omni_vision": "omni.models.encoders.qwen3_omni_vision:Qwen3OmniVisionEncoder",
+    "qwen3_omni_audio": "omni.models.encoders.qwen3_omni_audio:Qwen3OmniAudioEncoder",
     "clip": "omni.models.encoders.clip:ClipEncoder",
     "siglip2": "omni.models.encoders.siglip2:Siglip2Encoder",
     "llava_ov": "omni.models.encoders.llava_ov:LlavaOvEncoder",

@@ -5,7 +5,7 @@ encoder plugin of its vision tower (which also loads the tower's projector, e.g.
 patch merger), how its vocabulary writes a media placeholder, and the function that writes a
 model back in the family's own transformers class. Each family is a room, one module here that
 declares its entries (``FAMILIES``) and holds its tokens and exporter: ``llm`` (the LLM-only
-families), ``qwen_vl``, ``qwen3_vl``, ``llava``, ``llava_onevision``, ``llava_next``, ``qwen_omni``; what the exporters share
+families), ``qwen_vl``, ``qwen3_vl``, ``llava``, ``llava_onevision``, ``llava_next``, ``qwen_omni``, ``qwen3_omni``; what the exporters share
 is ``_hf_export``, the ``Family`` entry ``family``. Adding a family is its room (and its encoder
 plugin if new, and its config presets) plus its name in ``_ROOMS``.
 
@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 from dataloading.formats.tokenizer import Tokenizer, load_tokenizer
 from omni.errors import ConfigError
 from omni.models.config import EncoderSlot, ModelConfig
-from omni.models.families import llava, llava_next, llava_onevision, llm, qwen3_vl, qwen_omni, qwen_vl
+from omni.models.families import llava, llava_next, llava_onevision, llm, qwen3_omni, qwen3_vl, qwen_omni, qwen_vl
 from omni.models.families.family import Family, config_ids, exported_tokenizer, towers, write_generation_config
 from omni.models.hf_checkpoint import read_hf_config
 from omni.models.multimodal import OmniModel
@@ -32,7 +32,7 @@ __all__ = ["FAMILIES", "Family", "config_ids", "encoder_slots", "exported_tokeni
            "load_pretrained", "pretrained_tokenizer", "write_generation_config"]
 
 # The rooms, in the order ``family_of_model`` tries them (and error messages list them).
-_ROOMS = (llm, qwen_omni, qwen_vl, qwen3_vl, llava, llava_onevision, llava_next)
+_ROOMS = (llm, qwen_omni, qwen3_omni, qwen_vl, qwen3_vl, llava, llava_onevision, llava_next)
 
 
 def _joined(rooms: Iterable) -> Mapping[str, Family]:

@@ -25,10 +25,14 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # ``qwen2_5_omni`` directory) is a Qwen2 with M-RoPE.
 VLM_TEXT_MODELS = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text",
                    "qwen3_vl_moe": "qwen3_vl_moe_text", "qwen2_5_omni_thinker": "qwen2_5_omni_text",
-                   "qwen2_5_omni": "qwen2_5_omni_text"}
+                   "qwen2_5_omni": "qwen2_5_omni_text", "qwen3_omni_moe_thinker": "qwen3_omni_moe_text",
+                   "qwen3_omni_moe": "qwen3_omni_moe_text"}
 # The family of each of those text models.
 _VLM_TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
-                      "qwen3_vl_moe_text": "qwen3_moe", "qwen2_5_omni_text": "qwen2"}
+                      "qwen3_vl_moe_text": "qwen3_moe", "qwen2_5_omni_text": "qwen2", "qwen3_omni_moe_text": "qwen3_moe"}
+# Text models whose M-RoPE always interleaves its sections, whatever the config says (Qwen3-Omni's
+# rotary embedding has no switch; its config writes ``interleaved``, Qwen3-VL's ``mrope_interleaved``).
+_ALWAYS_INTERLEAVED = ("qwen3_omni_moe_text",)
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -175,7 +179,8 @@ class DecoderConfig:
             raise ValueError(f"config.json layer_types has {len(windowed)} {windowed[0]!r} layers; only full attention "
                              "is supported (use_sliding_window=false)")
         theta, scaling, mrope = _rope_from_hf(hf, family)
-        interleaved = bool((hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("mrope_interleaved"))
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        interleaved = bool(rope.get("mrope_interleaved")) or hf.get("model_type") in _ALWAYS_INTERLEAVED
         hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         # Qwen3's config class defaults head_dim to 128 (not hidden / heads) where the file has none.
         head_dim = hf.get("head_dim", 128 if family == "qwen3" else None)
@@ -327,6 +332,7 @@ def _rope_from_hf(hf: Dict[str, Any], family: str):
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or _DEFAULT_THETA[family]
     mrope = params.pop("mrope_section", None)
     params.pop("mrope_interleaved", None)
+    params.pop("interleaved", None)  # Qwen3-Omni's name for it
     mrope = [int(x) for x in mrope] if mrope else None
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
