@@ -181,11 +181,11 @@ def test_a_run_fine_tuned_from_a_thinker_exports_and_transformers_gives_omnis_lo
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
 
 
-def test_a_qwen3_omni_run_trains_both_towers_and_answers_and_export_says_why_not(demo_root, tmp_path, capsys):
+def test_a_qwen3_omni_run_trains_both_towers_answers_and_exports(demo_root, tmp_path, capsys):
     """Fine-tuned from a tiny Qwen3-Omni thinker (its tokenizer, both towers pretrained; the
     vision tower's DeepStack rows beside the audio tower's narrower ones) on the demo's shapes,
-    tones and text: every part trains, `omni generate` answers from an image and a clip, and
-    `omni export` says in one line that the family has no exporter yet."""
+    tones and text: every part trains, `omni generate` answers from an image and a clip, and the
+    export's thinker, loaded by transformers, gives Omni's logits."""
     import soundfile
 
     from hf_omni_helpers import save_tiny_qwen3_omni
@@ -206,7 +206,35 @@ def test_a_qwen3_omni_run_trains_both_towers_and_answers_and_export_says_why_not
     assert main(["generate", "--model", str(run), "--image", str(tmp_path / "a.png"), "--audio", str(tmp_path / "a.wav"),
                  "--prompt", "what is this?", "--max-new-tokens", "4", "--greedy", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]) >= 1
-    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("omni: error: the qwen3_omni_moe_thinker family loads, trains and generates, but Omni "
-                              "cannot write it back yet")
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+    back = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path / "out").thinker.eval()
+    loaded = load_model(str(run))
+    image, wave = np.random.default_rng(6).integers(0, 256, size=(40, 70, 3), dtype=np.uint8), tone(0.8, 550.0)
+    mb = omni_prompt(loaded, image, [wave])
+    with torch.no_grad():
+        want = back(**omni_hf_inputs(tmp_path / "out", [Image.fromarray(image)], [wave], mb.input_ids.numpy())).logits[0]
+        got = loaded.model(mb.input_ids, media=mb.media, position_ids=mb.position_ids,
+                           rope_position_ids=mb.rope_position_ids)[0]
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+@LAYOUTS
+def test_a_qwen3_omni_thinker_exports_in_the_released_layout(tmp_path, released):
+    from hf_omni_helpers import save_tiny_qwen3_omni
+
+    hf, _ = save_tiny_qwen3_omni(tmp_path / "hf", released=released)
+    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_omni_moe" and config["thinker_config"]["position_id_per_seconds"] == 13
+    back = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path / "a")
+    assert not back.has_talker
+    want, got = hf.state_dict(), back.thinker.state_dict()
+    assert set(got) == set(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    written = _tensors(tmp_path / "a")
+    if released:  # the directory's own tensors, name for name, bit for bit
+        stored = _tensors(tmp_path / "hf")
+        assert stored.keys() == written.keys() and all(torch.equal(stored[k], written[k]) for k in stored)
+    assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
+    for name in ("config.json", "model.safetensors", "processor_config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

@@ -47,7 +47,11 @@ class Qwen3OmniVisionEncoder(Qwen3VisionEncoder):
 
     @classmethod
     def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
-        return super().params_from_hf_config({"vision_config": thinker_config(hf_config).get("vision_config") or {}})
+        thinker = thinker_config(hf_config)
+        params = super().params_from_hf_config({"vision_config": thinker.get("vision_config") or {}})
+        if "position_id_per_seconds" in thinker:  # the thinker's time step per second of video (kept for export)
+            params["tokens_per_second"] = int(thinker["position_id_per_seconds"])
+        return params
 
     @classmethod
     def pretrained_projector(cls, path: str) -> Optional[PretrainedProjector]:
