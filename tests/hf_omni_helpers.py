@@ -35,9 +35,7 @@ def save_tiny_qwen2_5_omni(path: Path, seed: int = 0, std: float = 0.15, release
     Returns (the transformers thinker, the tokenizer)."""
     import transformers
 
-    tok = byte_level_tokenizer(OMNI_SPECIALS, eos="<|im_end|>", chat_template=OMNI_CHAT)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in OMNI_SPECIALS}
-    torch.manual_seed(seed)
+    tok, ids = _chat_tokenizer(OMNI_SPECIALS, OMNI_CHAT, seed)
     cfg = transformers.Qwen2_5OmniThinkerConfig(
         text_config=dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=272, eos_token_id=ids["<|im_end|>"],
@@ -50,21 +48,8 @@ def save_tiny_qwen2_5_omni(path: Path, seed: int = 0, std: float = 0.15, release
         audio_start_token_id=ids["<|audio_bos|>"], audio_end_token_id=ids["<|audio_eos|>"],
         vision_start_token_id=ids["<|vision_bos|>"], vision_end_token_id=ids["<|vision_eos|>"])
     model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name or "ln_" in name else p.normal_(0.0, std)
-    model = model.eval()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    image = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16},
-                                                  patch_size=14, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-    audio = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS)
-    (Path(path) / "processor_config.json").write_text(json.dumps({
-        "processor_class": "Qwen2_5OmniProcessor", "image_processor": image.to_dict(), "feature_extractor": audio.to_dict()},
-        indent=2))
-    if released:
-        _as_released(Path(path))
-    return model, tok
+    return _drawn_saved(model, tok, Path(path), std, 14, "Qwen2_5OmniProcessor",
+                        ("qwen2_5_omni", "Qwen2_5OmniForConditionalGeneration") if released else None)
 
 
 QWEN3_OMNI_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -85,9 +70,7 @@ def save_tiny_qwen3_omni(path: Path, seed: int = 0, std: float = 0.15, released:
     Returns (the transformers thinker, the tokenizer)."""
     import transformers
 
-    tok = byte_level_tokenizer(QWEN3_OMNI_SPECIALS, eos="<|im_end|>", chat_template=QWEN3_OMNI_CHAT)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN3_OMNI_SPECIALS}
-    torch.manual_seed(seed)
+    tok, ids = _chat_tokenizer(QWEN3_OMNI_SPECIALS, QWEN3_OMNI_CHAT, seed)
     cfg = transformers.Qwen3OmniMoeThinkerConfig(
         text_config=dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=12, vocab_size=272, num_experts=5, num_experts_per_tok=2,
@@ -103,27 +86,52 @@ def save_tiny_qwen3_omni(path: Path, seed: int = 0, std: float = 0.15, released:
         audio_start_token_id=ids["<|audio_start|>"], vision_start_token_id=ids["<|vision_start|>"],
         position_id_per_seconds=13)
     model = transformers.Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+    return _drawn_saved(model, tok, Path(path), std, 16, "Qwen3OmniMoeProcessor",
+                        ("qwen3_omni_moe", "Qwen3OmniMoeForConditionalGeneration") if released else None)
+
+
+def _chat_tokenizer(specials: list[str], template: str, seed: int):
+    """A byte-level tokenizer with ``specials`` and the chat ``template`` (ending turns with
+    <|im_end|>), its special tokens' ids; torch's generator seeded for the weights drawn next."""
+    tok = byte_level_tokenizer(specials, eos="<|im_end|>", chat_template=template)
+    torch.manual_seed(seed)
+    return tok, {t: tok.convert_tokens_to_ids(t) for t in specials}
+
+
+def drawn_large(model, std: float = 0.15):
+    """``model`` in eval mode with weights drawn large (norm gains about 1, the rest N(0, std)):
+    attention far from uniform, so positions and layout matter."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0, 0.1) if "norm" in name or "ln_" in name else p.normal_(0.0, std)
-    model = model.eval()
+    return model.eval()
+
+
+def _drawn_saved(model, tok, path: Path, std: float, patch: int, processor: str, released):
+    """``model`` with weights drawn large (norm gains about 1, the rest N(0, std)), saved with
+    ``tok`` and the processor's files (the image processor of ``patch``-pixel patches, the 128-bin
+    feature extractor) to ``path``; ``released``: (model type, class) of the whole model, whose
+    layout the files then take. Returns (the model in eval mode, the tokenizer)."""
+    import transformers
+
+    model = drawn_large(model, std)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    image = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": 32 * 32, "longest_edge": 32 * 32 * 16},
-                                                  patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    side = 2 * patch
+    image = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": side * side, "longest_edge": side * side * 16},
+                                                  patch_size=patch, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     audio = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS)
-    (Path(path) / "processor_config.json").write_text(json.dumps({
-        "processor_class": "Qwen3OmniMoeProcessor", "image_processor": image.to_dict(), "feature_extractor": audio.to_dict()},
-        indent=2))
+    (path / "processor_config.json").write_text(json.dumps({
+        "processor_class": processor, "image_processor": image.to_dict(), "feature_extractor": audio.to_dict()}, indent=2))
     if released:
-        _as_released(Path(path), "qwen3_omni_moe", "Qwen3OmniMoeForConditionalGeneration")
+        _as_released(path, *released)
     return model, tok
 
 
-def _as_released(path: Path, model_type: str = "qwen2_5_omni",
-                 architecture: str = "Qwen2_5OmniForConditionalGeneration") -> None:
-    """The thinker's files as a whole Qwen2.5-Omni checkpoint holds them: every tensor under
-    ``thinker.``, the config nested as ``thinker_config`` (audio output off: no talker)."""
+def _as_released(path: Path, model_type: str, architecture: str) -> None:
+    """The thinker's files as a whole Omni checkpoint (``model_type``, ``architecture``) holds
+    them: every tensor under ``thinker.``, the config nested as ``thinker_config`` (audio output
+    off: no talker)."""
     from safetensors.torch import load_file, save_file
 
     file = path / "model.safetensors"
@@ -195,3 +203,70 @@ def omni_prompt(loaded, image, waves, prompt: str = "what do you see and hear?")
 THINKERS = {"qwen2_5_omni": (save_tiny_qwen2_5_omni, "qwen2_5_omni_thinker", "qwen2_5_omni", "<|IMAGE|>", "<|AUDIO|>"),
             "qwen3_omni": (save_tiny_qwen3_omni, "qwen3_omni_moe_thinker", "qwen3_omni_moe", "<|image_pad|>",
                            "<|audio_pad|>")}
+
+
+def check_audio_config_round_trip(cls, path, d_model: int, out_dim: int, whole_type: str) -> None:
+    """An Omni audio tower plugin ``cls`` reads the thinker's preprocessing and config.json, and
+    the ``audio_config`` it writes back for an export reads as the same tower (also nested as a
+    whole ``whole_type`` model's ``thinker_config``)."""
+    pp = {"chunk_length": 300, "feature_size": 128, "hop_length": 160, "n_fft": 400, "sampling_rate": 16000,
+          "nb_max_frames": 30000, "feature_extractor_type": "WhisperFeatureExtractor"}
+    assert cls.params_from_preprocessor_config(pp) == {
+        "sampling_rate": 16000, "n_fft": 400, "hop_length": 160, "max_frames": 30000}
+    enc = cls.from_pretrained(path, max_frames=3000)
+    assert (enc.config.d_model, enc.config.encoder_layers, enc.config.max_frames) == (d_model, 2, 3000)
+    exported = enc.hf_audio_config(out_dim)
+    saved = json.loads((Path(path) / "config.json").read_text())["audio_config"]
+    assert exported == {k: v for k, v in saved.items() if k in exported}
+    again = cls.params_from_hf_config({"model_type": whole_type, "thinker_config": {"audio_config": exported}})
+    assert cls.build_config({**again, "max_frames": 3000}) == enc.config
+
+
+def audio_tower_rows(cls, plugin: str, path, clips):
+    """An Omni audio tower plugin ``cls`` loaded from ``path`` with its projector as Omni builds
+    it (``build_projector``), run on packed ``clips`` (mel frames each): (tower, projector, the
+    tower's rows, the projected rows)."""
+    from omni.models.build import build_projector
+    from omni.models.config import EncoderSlot
+
+    enc = cls.from_pretrained(path).eval()
+    held = cls.pretrained_projector(path)
+    proj, source = build_projector("audio", EncoderSlot(name=plugin, pretrained=path), enc, held.out_dim)
+    assert source is not None
+    proj = proj.to_empty(device="cpu")
+    proj.load_state_dict(source.tensors)
+    sizes = torch.tensor([[c.shape[0]] for c in clips])
+    with torch.no_grad():
+        rows = enc(torch.cat(clips), sizes)
+        return enc, proj, rows, proj(rows, sizes)
+
+
+def as_whole_model(src, tower, path: Path, model_type: str, **audio) -> str:
+    """The released layout of a thinker saved at ``src`` (its audio ``tower`` alone): model_type
+    ``model_type``, the config nested as ``thinker_config`` (``audio``: audio_config entries
+    changed), the tower's weights under ``thinker.audio_tower.``."""
+    from safetensors.torch import save_file
+
+    thinker = json.loads((Path(src) / "config.json").read_text())
+    thinker["audio_config"].update(audio)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": model_type, "thinker_config": thinker, "enable_audio_output": False,
+        "transformers_version": thinker.get("transformers_version")}))
+    save_file({f"thinker.audio_tower.{k}": v.contiguous() for k, v in tower.state_dict().items()},
+              str(path / "model.safetensors"))
+    return str(path)
+
+
+def mel_clips(frames, mel: int, seed: int = 0) -> list:
+    """Random mel features [f, mel] for each clip length in ``frames`` (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(f, mel, generator=g) for f in frames]
+
+
+def saved_thinker(model, tmp_path_factory, name: str):
+    """A thinker ``model`` (drawn large, seeded) saved by transformers to a fresh folder
+    ``name``: (the folder, its audio tower)."""
+    model = drawn_large(model)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return str(path), model.model.audio_tower

@@ -29,13 +29,21 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+# family -> the whole model's class (which the export is), the thinker's time step per second of video
+WHOLE = {"qwen2_5_omni": ("Qwen2_5OmniForConditionalGeneration", 25), "qwen3_omni": ("Qwen3OmniMoeForConditionalGeneration", 13)}
+
+
 @LAYOUTS
-def test_a_thinker_directory_exports_in_the_released_layout(tmp_path, released):
-    hf, _ = save_tiny_qwen2_5_omni(tmp_path / "hf", released=released)
+@pytest.mark.parametrize("family", sorted(THINKERS))
+def test_a_thinker_directory_exports_in_the_released_layout(tmp_path, family, released):
+    saver, _, whole_type, _, _ = THINKERS[family]
+    whole_class, per_second = WHOLE[family]
+    hf, _ = saver(tmp_path / "hf", released=released)
     assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
     config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["model_type"] == "qwen2_5_omni" and config["architectures"] == ["Qwen2_5OmniForConditionalGeneration"]
-    back = transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(tmp_path / "a")
+    assert (config["model_type"], config["architectures"]) == (whole_type, [whole_class])
+    assert config["thinker_config"]["position_id_per_seconds"] == per_second
+    back = getattr(transformers, whole_class).from_pretrained(tmp_path / "a")
     assert not back.has_talker
     want, got = hf.state_dict(), back.thinker.state_dict()
     assert set(got) == set(want)
@@ -216,25 +224,3 @@ def test_a_qwen3_omni_run_trains_both_towers_answers_and_exports(demo_root, tmp_
         got = loaded.model(mb.input_ids, media=mb.media, position_ids=mb.position_ids,
                            rope_position_ids=mb.rope_position_ids)[0]
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
-
-
-@LAYOUTS
-def test_a_qwen3_omni_thinker_exports_in_the_released_layout(tmp_path, released):
-    from hf_omni_helpers import save_tiny_qwen3_omni
-
-    hf, _ = save_tiny_qwen3_omni(tmp_path / "hf", released=released)
-    assert main(["export", str(tmp_path / "hf"), "--out", str(tmp_path / "a")]) == 0
-    config = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert config["model_type"] == "qwen3_omni_moe" and config["thinker_config"]["position_id_per_seconds"] == 13
-    back = transformers.Qwen3OmniMoeForConditionalGeneration.from_pretrained(tmp_path / "a")
-    assert not back.has_talker
-    want, got = hf.state_dict(), back.thinker.state_dict()
-    assert set(got) == set(want)
-    assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    written = _tensors(tmp_path / "a")
-    if released:  # the directory's own tensors, name for name, bit for bit
-        stored = _tensors(tmp_path / "hf")
-        assert stored.keys() == written.keys() and all(torch.equal(stored[k], written[k]) for k in stored)
-    assert main(["export", str(tmp_path / "a"), "--out", str(tmp_path / "b")]) == 0
-    for name in ("config.json", "model.safetensors", "processor_config.json"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name

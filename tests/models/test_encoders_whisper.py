@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from dataloading.formats.media import MediaProcessor
 from model_helpers import saved_hf_model
-from omni.models.encoders import whisper as whisper_mod
-from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig, resample
+from omni.models.encoders import resample as resample_mod
+from omni.models.encoders.resample import resample
+from omni.models.encoders.whisper import WhisperEncoder, WhisperEncoderConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.whisper import modeling_whisper as hf_whisper  # noqa: E402
@@ -135,7 +136,7 @@ def test_resample_preserves_a_tone(orig, new, polyphase, monkeypatch):
     wave = np.sin(2 * np.pi * freq * np.arange(n) / orig).astype(np.float32)
     out = resample(wave, orig, new)
     if not polyphase:  # the per-output gather fallback computes the same filter
-        monkeypatch.setattr(whisper_mod, "_POLYPHASE_MAX_WEIGHTS", 0)
+        monkeypatch.setattr(resample_mod, "_POLYPHASE_MAX_WEIGHTS", 0)
         gathered = resample(wave, orig, new)
         np.testing.assert_allclose(gathered, out, rtol=0, atol=1e-5)
         out = gathered

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from dataloading.formats.media import MediaProcessor
+from hf_omni_helpers import as_whole_model, audio_tower_rows, check_audio_config_round_trip, mel_clips, saved_thinker
 from model_helpers import rel_err
-from omni.models.build import build_projector
-from omni.models.config import EncoderSlot
 from omni.models.encoders.qwen3_omni_audio import (Qwen3OmniAudioConfig, Qwen3OmniAudioEncoder, conv_tokens,
                                                    llm_tokens)
 from omni.models.projector import Projector
@@ -44,13 +43,7 @@ def thinker_dir(tmp_path_factory):
                          num_experts_per_tok=1, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=8, vocab_size=128))
     torch.manual_seed(0)
-    model = transformers.Qwen3OmniMoeThinkerForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # large-ish weights: attention far from uniform, positions matter
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if ("norm" in name or "ln_post" in name) else p.normal_(0.0, 0.15)
-    path = tmp_path_factory.mktemp("qwen3_omni_thinker")
-    model.save_pretrained(path)
-    return str(path), model.model.audio_tower
+    return saved_thinker(transformers.Qwen3OmniMoeThinkerForConditionalGeneration(cfg), tmp_path_factory, "qwen3_omni_thinker")
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +51,12 @@ def whole_model_dir(thinker_dir, tmp_path_factory):
     """The released layout: model_type qwen3_omni_moe, the tower's config as
     thinker_config.audio_config, weights under thinker.audio_tower.*; here n_window 50 (the
     released one) with windows of 3 chunks."""
-    from safetensors.torch import save_file
-
     src, tower = thinker_dir
-    path = tmp_path_factory.mktemp("qwen3_omni_whole")
-    with open(f"{src}/config.json") as f:
-        thinker = json.load(f)
-    thinker["audio_config"].update(n_window=50, n_window_infer=300)
-    with open(path / "config.json", "w") as f:
-        json.dump({"model_type": "qwen3_omni_moe", "thinker_config": thinker, "enable_audio_output": False,
-                   "transformers_version": thinker.get("transformers_version")}, f)
-    save_file({f"thinker.audio_tower.{k}": v.contiguous() for k, v in tower.state_dict().items()},
-              str(path / "model.safetensors"))
-    return str(path)
+    return as_whole_model(src, tower, tmp_path_factory.mktemp("qwen3_omni_whole"), "qwen3_omni_moe", n_window=50, n_window_infer=300)
 
 
 def _features(frames, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(f, MEL, generator=g) for f in frames]
+    return mel_clips(frames, MEL, seed)
 
 
 def _hf_rows(tower, clips, n_window=None, n_window_infer=None, head=True):
@@ -93,16 +74,9 @@ def _hf_rows(tower, clips, n_window=None, n_window_infer=None, head=True):
 
 
 def _ours(path, clips):
-    enc = Qwen3OmniAudioEncoder.from_pretrained(path).eval()
-    held = Qwen3OmniAudioEncoder.pretrained_projector(path)
-    proj, source = build_projector("audio", EncoderSlot(name="qwen3_omni_audio", pretrained=path), enc, held.out_dim)
-    assert isinstance(proj, Projector) and source is not None and proj.merge == 1
-    proj = proj.to_empty(device="cpu")
-    proj.load_state_dict(source.tensors)
-    sizes = torch.tensor([[c.shape[0]] for c in clips])
-    with torch.no_grad():
-        rows = enc(torch.cat(clips), sizes)
-        return enc, rows, proj(rows, sizes)
+    enc, proj, rows, out = audio_tower_rows(Qwen3OmniAudioEncoder, "qwen3_omni_audio", path, clips)
+    assert isinstance(proj, Projector) and proj.merge == 1
+    return enc, rows, out
 
 
 def test_thinker_checkpoint_matches_transformers(thinker_dir):
@@ -219,20 +193,8 @@ def test_processor_and_counts_equal_qwen3_omni_processing():
 
 def test_checkpoint_config_reading(thinker_dir):
     path, _ = thinker_dir
-    pp = {"chunk_length": 300, "feature_size": 128, "hop_length": 160, "n_fft": 400, "sampling_rate": 16000,
-          "nb_max_frames": 30000, "feature_extractor_type": "WhisperFeatureExtractor"}
-    assert Qwen3OmniAudioEncoder.params_from_preprocessor_config(pp) == {
-        "sampling_rate": 16000, "n_fft": 400, "hop_length": 160, "max_frames": 30000}
+    check_audio_config_round_trip(Qwen3OmniAudioEncoder, path, D, OUT, "qwen3_omni_moe")
     enc = Qwen3OmniAudioEncoder.from_pretrained(path, max_frames=3000)
-    assert (enc.config.d_model, enc.config.encoder_layers, enc.config.max_frames) == (D, 2, 3000)
-    # export: the audio_config written back reads as the same tower
-    exported = enc.hf_audio_config(OUT)
-    with open(f"{path}/config.json") as f:
-        saved = json.load(f)["audio_config"]
-    assert exported == {k: v for k, v in saved.items() if k in exported}
-    again = Qwen3OmniAudioEncoder.params_from_hf_config({"model_type": "qwen3_omni_moe",
-                                                         "thinker_config": {"audio_config": exported}})
-    assert Qwen3OmniAudioEncoder.build_config({**again, "max_frames": 3000}) == enc.config
     # the simulator's and planner's hooks answer
     alpha, beta = enc.cost_coefficients()
     assert alpha == 0.0 and beta > 0 and enc.activation_bytes(100) > 0 and enc.attention_heads() == 4

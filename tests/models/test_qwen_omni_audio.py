@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from dataloading.formats.media import MediaProcessor
+from hf_omni_helpers import as_whole_model, audio_tower_rows, check_audio_config_round_trip, mel_clips, saved_thinker
 from model_helpers import rel_err
-from omni.models.build import build_projector
-from omni.models.config import EncoderSlot
 from omni.models.encoders.qwen_omni_audio import (LinearProjector, QwenOmniAudioConfig, QwenOmniAudioEncoder,
                                                   llm_tokens)
 
@@ -38,37 +37,19 @@ def thinker_dir(tmp_path_factory):
                          num_key_value_heads=2, vocab_size=128,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 3]}))
     torch.manual_seed(0)
-    model = transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # large-ish weights: attention far from uniform, positions matter
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if ("norm" in name or "ln_post" in name) else p.normal_(0.0, 0.15)
-    path = tmp_path_factory.mktemp("qwen_omni_thinker")
-    model.save_pretrained(path)
-    return str(path), model.model.audio_tower
+    return saved_thinker(transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg), tmp_path_factory, "qwen_omni_thinker")
 
 
 @pytest.fixture(scope="module")
 def whole_model_dir(thinker_dir, tmp_path_factory):
     """The layout of the released checkpoints: model_type qwen2_5_omni, the tower's config as
     thinker_config.audio_config, weights under thinker.audio_tower.*; here with n_window 4."""
-    from safetensors.torch import save_file
-
     src, tower = thinker_dir
-    path = tmp_path_factory.mktemp("qwen_omni_whole")
-    with open(f"{src}/config.json") as f:
-        thinker = json.load(f)
-    thinker["audio_config"]["n_window"] = 4
-    with open(path / "config.json", "w") as f:
-        json.dump({"model_type": "qwen2_5_omni", "thinker_config": thinker,
-                   "transformers_version": thinker.get("transformers_version")}, f)
-    save_file({f"thinker.audio_tower.{k}": v.contiguous() for k, v in tower.state_dict().items()},
-              str(path / "model.safetensors"))
-    return str(path)
+    return as_whole_model(src, tower, tmp_path_factory.mktemp("qwen_omni_whole"), "qwen2_5_omni", n_window=4)
 
 
 def _features(frames, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(f, MEL, generator=g) for f in frames]
+    return mel_clips(frames, MEL, seed)
 
 
 def _hf_rows(tower, clips, n_window=None):
@@ -83,16 +64,9 @@ def _hf_rows(tower, clips, n_window=None):
 
 
 def _ours(path, clips):
-    enc = QwenOmniAudioEncoder.from_pretrained(path).eval()
-    held = QwenOmniAudioEncoder.pretrained_projector(path)
-    proj, source = build_projector("audio", EncoderSlot(name="qwen_omni_audio", pretrained=path), enc, held.out_dim)
-    assert isinstance(proj, LinearProjector) and source is not None
-    proj = proj.to_empty(device="cpu")
-    proj.load_state_dict(source.tensors)
-    sizes = torch.tensor([[c.shape[0]] for c in clips])
-    with torch.no_grad():
-        rows = enc(torch.cat(clips), sizes)
-        return enc, rows, proj(rows, sizes)
+    enc, proj, rows, out = audio_tower_rows(QwenOmniAudioEncoder, "qwen_omni_audio", path, clips)
+    assert isinstance(proj, LinearProjector)
+    return enc, rows, out
 
 
 def test_thinker_checkpoint_matches_transformers(thinker_dir):
@@ -211,19 +185,7 @@ def test_tokens_equal_the_towers_rows():
 
 def test_checkpoint_config_reading(thinker_dir):
     path, _ = thinker_dir
-    pp = {"chunk_length": 300, "feature_size": 128, "hop_length": 160, "n_fft": 400, "sampling_rate": 16000,
-          "nb_max_frames": 30000, "feature_extractor_type": "WhisperFeatureExtractor"}
-    assert QwenOmniAudioEncoder.params_from_preprocessor_config(pp) == {
-        "sampling_rate": 16000, "n_fft": 400, "hop_length": 160, "max_frames": 30000}
-    enc = QwenOmniAudioEncoder.from_pretrained(path, max_frames=3000)
-    assert (enc.config.d_model, enc.config.encoder_layers, enc.config.max_frames) == (D, 2, 3000)
-    # export: the audio_config written back reads as the same tower
-    exported = enc.hf_audio_config(OUT)
-    with open(f"{path}/config.json") as f:
-        saved = json.load(f)["audio_config"]
-    assert exported == {k: v for k, v in saved.items() if k in exported}
-    again = QwenOmniAudioEncoder.params_from_hf_config({"thinker_config": {"audio_config": exported}})
-    assert QwenOmniAudioEncoder.build_config({**again, "max_frames": 3000}) == enc.config
+    check_audio_config_round_trip(QwenOmniAudioEncoder, path, D, OUT, "qwen2_5_omni")
 
 
 # --- mistakes: one clear line -------------------------------------------------------------------

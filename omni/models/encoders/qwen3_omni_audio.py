@@ -38,15 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.formats.media import MediaItem
 from parallel.transfer import to_device
-from omni.models.encoders.base import EncoderAnchor, check_sizes
-from omni.models.encoders.blocks import AttentionSpec, activation, transformer_activation_bytes, transformer_flops
+from omni.models.encoders.base import EncoderAnchor
+from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 from omni.models.encoders.qwen3_omni_vision import OMNI3_MODEL_TYPES, thinker_config
 from omni.models.encoders.qwen_omni_audio import QwenOmniAudioEncoder
 # Whisper's layer: transformers' Qwen3-Omni audio layer's names and math (pre-norm); _local:
 # 0..l-1 per length. Shared, not copied.
-from omni.models.encoders.whisper import WhisperProcessor, _Layer, _local, sinusoids
+from omni.models.encoders.whisper import MelFrameTower, WhisperProcessor, _Layer, _local, check_widths, sinusoids
 from omni.models.projector import ACTIVATIONS, PretrainedProjector
 
 
@@ -75,11 +74,7 @@ class Qwen3OmniAudioConfig:
     max_frames: int = 30000
 
     def __post_init__(self) -> None:
-        if self.d_model % self.encoder_attention_heads:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of encoder_attention_heads "
-                             f"{self.encoder_attention_heads}")
-        if self.d_model % 2 or self.d_model < 4:
-            raise ValueError(f"d_model {self.d_model} must be even and >= 4 (sin and cos halves of the positions)")
+        check_widths(self.d_model, self.encoder_attention_heads)
         if self.n_window < 1 or conv_tokens(2 * self.n_window) > self.max_source_positions:
             raise ValueError(f"n_window {self.n_window} must be >= 1 with its chunk's {conv_tokens(2 * self.n_window)} "
                              f"tokens <= max_source_positions {self.max_source_positions}")
@@ -133,18 +128,9 @@ class Qwen3OmniAudioProcessor(WhisperProcessor):
                 "audio chunk_seconds, or raise max_frames")
         return super().num_frames(num_samples, sample_rate)  # too short for the STFT: Whisper's message
 
-    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
-        n, sr = int(meta["num_samples"]), int(meta["sample_rate"])
-        if self.chunk_samples is not None and sr != self.config.sampling_rate:
-            n = -(-n * self.config.sampling_rate // sr)  # chunking happens after resampling
-            sr = self.config.sampling_rate
-        return sum(llm_tokens(self.num_frames(b - a, sr), self.config.n_window) for a, b in self.chunk_bounds(n))
-
-    def __call__(self, raw: Any) -> MediaItem:
-        out = super().__call__(raw)
-        for item in out if isinstance(out, list) else [out]:
-            item.num_tokens = llm_tokens(item.size[0], self.config.n_window)
-        return out
+    def tokens_of(self, frames: int) -> int:
+        """The tokens of the clip's chunks (``llm_tokens``)."""
+        return llm_tokens(frames, self.config.n_window)
 
 
 class _Layer3(_Layer):
@@ -155,7 +141,7 @@ class _Layer3(_Layer):
         self.self_attn.k_proj = nn.Linear(config.d_model, config.d_model)
 
 
-class Qwen3OmniAudioEncoder(EncoderAnchor):
+class Qwen3OmniAudioEncoder(MelFrameTower, EncoderAnchor):
     """Qwen3-Omni audio tower up to ``ln_post`` (proj1/act/proj2 is the projector).
 
     ``forward(features [sum F, num_mel_bins], sizes int64 [n, 1] = F per clip)`` ->
@@ -188,16 +174,9 @@ class Qwen3OmniAudioEncoder(EncoderAnchor):
 
     # --- the model ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        if features.dim() != 2 or features.shape[1] != c.num_mel_bins:
-            raise ValueError(f"{type(self).__name__}: features must be [frames, num_mel_bins = {c.num_mel_bins}], "
-                             f"got {tuple(features.shape)}")
-        frames = check_sizes(type(self).__name__, features, self.input_units(sizes))
+        frames = self.clip_frames(features, sizes, least=1)
         if not frames:
-            return self.ln_post(features.new_zeros(0, c.d_model, dtype=self.ln_post.weight.dtype))
-        if min(frames) < 1:
-            raise ValueError(f"{type(self).__name__}: a clip of {min(frames)} mel frames makes no LLM token "
-                             "(need >= 1)")
+            return self.ln_post(features.new_zeros(0, self.config.d_model, dtype=self.ln_post.weight.dtype))
         x, windows = self.embed_chunks(features, frames)
         return self.finish(self.encode_tokens(x, self.item_attention(windows, x.device)))
 
@@ -238,23 +217,10 @@ class Qwen3OmniAudioEncoder(EncoderAnchor):
             out += [size] * (n // size) + ([n % size] if n % size else [])
         return out
 
-    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        """The layers; ``attention``: segments of the windows (``item_attention`` of their lengths)."""
-        return self.run_layers(self.layers, x, attention)
-
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_post(x)
 
     # --- the planner's and the simulator's view ---------------------------------------------------
-    def attention_heads(self) -> int:
-        return self.config.encoder_attention_heads
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """Mel frames per clip (feature rows); the clip yields llm_tokens(F) rows."""
-        return [int(n) for n in sizes[:, 0].tolist()]
-
-    def layer_modules(self) -> List[nn.Module]:
-        return list(self.layers)
 
     def feature_width(self) -> int:
         """Mel values per output row: a full chunk's frames over its tokens (about 8 frames)."""

@@ -194,7 +194,7 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
     @classmethod
     def params_from_hf_config(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
         """A Qwen3-VL config.json (the whole model's: its ``vision_config``) -> params."""
-        v = dict(hf_config.get("vision_config") or {})
+        v = cls.vision_config_of(hf_config)
         rope = v.get("rope_parameters") or {}
         out = {"hidden_size": v.get("hidden_size"), "intermediate_size": v.get("intermediate_size"),
                "num_hidden_layers": v.get("depth"), "num_attention_heads": v.get("num_heads"),
@@ -212,19 +212,31 @@ class Qwen3VisionEncoder(QwenVisionEncoder):
         return name
 
     @classmethod
+    def vision_config_of(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:
+        """The tower's ``vision_config`` in a config.json (Qwen3-VL's: at the top)."""
+        return dict(hf_config.get("vision_config") or {})
+
+    @classmethod
+    def merger_names(cls, layers: int, prefix: str) -> Dict[str, str]:
+        """``DeepStackProjector``'s tensor names -> the checkpoint's (``deepstack_names``)."""
+        return deepstack_names(layers, prefix)
+
+    @classmethod
     def pretrained_projector(cls, path: str) -> Optional[PretrainedProjector]:
         """The checkpoint's merger and DeepStack mergers (``DeepStackProjector``)."""
         from omni.models.hf_checkpoint import CheckpointReader, read_hf_config
 
         hf = read_hf_config(path)
         params = cls.build_config(cls.params_from_hf_config(hf))
+        layers = len(params.deepstack_visual_indexes)
         reader = CheckpointReader(path)
-        prefix = next((p for p in cls.hf_weight_prefixes if p + "merger.linear_fc1.weight" in reader), None)
+        prefix = next((p for p in cls.hf_weight_prefixes if cls.merger_names(layers, p)["merger.fc1.weight"] in reader),
+                      None)
         if prefix is None:
             return None
         width = params.hidden_size * params.spatial_merge ** 2
-        return PretrainedProjector(out_dim=int((hf.get("vision_config") or {}).get("out_hidden_size")), hidden=width,
-                                   names=deepstack_names(len(params.deepstack_visual_indexes), prefix))
+        return PretrainedProjector(out_dim=int(cls.vision_config_of(hf).get("out_hidden_size")), hidden=width,
+                                   names=cls.merger_names(layers, prefix))
 
     def new_projector(self, llm_width: int, **kwargs: Any) -> nn.Module:
         """Qwen3-VL's mergers (``DeepStackProjector``); ``kwargs`` (a slot's MLP shape) do not

@@ -28,13 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dataloading.formats.media import MediaItem
 from parallel.transfer import to_device
-from omni.models.encoders.base import EncoderAnchor, check_sizes
-from omni.models.encoders.blocks import AttentionSpec, activation, transformer_activation_bytes, transformer_flops
+from omni.models.encoders.base import EncoderAnchor
+from omni.models.encoders.blocks import activation, transformer_activation_bytes, transformer_flops
 # Whisper's layer has transformers' Qwen2.5-Omni layer's parameter names and math (pre-norm,
 # k_proj without bias); _local: 0..l-1 per length. Shared, not copied.
-from omni.models.encoders.whisper import WhisperProcessor, _Layer, _local, sinusoids
+from omni.models.encoders.whisper import MelFrameTower, WhisperProcessor, _Layer, _local, check_widths, sinusoids
 from omni.models.projector import PretrainedProjector
 
 
@@ -64,11 +63,7 @@ class QwenOmniAudioConfig:
     bos_eos_width: int = 0
 
     def __post_init__(self) -> None:
-        if self.d_model % self.encoder_attention_heads:
-            raise ValueError(f"d_model {self.d_model} is not a multiple of encoder_attention_heads "
-                             f"{self.encoder_attention_heads}")
-        if self.d_model % 2 or self.d_model < 4:
-            raise ValueError(f"d_model {self.d_model} must be even and >= 4 (sin and cos halves of the positions)")
+        check_widths(self.d_model, self.encoder_attention_heads)
         if not 1 <= self.n_window <= self.max_source_positions:
             raise ValueError(f"n_window {self.n_window} must be in [1, max_source_positions = "
                              f"{self.max_source_positions}]: a chunk's tokens take positions 0..n_window-1")
@@ -123,12 +118,9 @@ class QwenOmniAudioProcessor(WhisperProcessor):
                              f"one LLM token needs 3 (more than {2 * c.hop_length} samples)")
         return frames
 
-    def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
-        n, sr = int(meta["num_samples"]), int(meta["sample_rate"])
-        if self.chunk_samples is not None and sr != self.config.sampling_rate:
-            n = -(-n * self.config.sampling_rate // sr)  # chunking happens after resampling
-            sr = self.config.sampling_rate
-        return sum(llm_tokens(self.num_frames(b - a, sr)) for a, b in self.chunk_bounds(n))
+    def tokens_of(self, frames: int) -> int:
+        """Whisper's stride-2 tokens, averaged in pairs (``llm_tokens``)."""
+        return llm_tokens(frames)
 
     def log_mel(self, wave: np.ndarray) -> torch.Tensor:
         """[n] samples -> [num_mel_bins, ceil(n / hop_length)], as the extractor computes them on
@@ -140,13 +132,6 @@ class QwenOmniAudioProcessor(WhisperProcessor):
         padded = np.zeros(min(c.max_frames * c.hop_length, n + c.n_fft), dtype=np.float32)
         padded[:n] = wave
         return super().log_mel(padded)[:, : -(-n // c.hop_length)]
-
-    def __call__(self, raw: Any) -> MediaItem:
-        out = super().__call__(raw)
-        # Whisper's items count the stride-2 conv's tokens; the pairs pooling halves them.
-        for item in out if isinstance(out, list) else [out]:
-            item.num_tokens = llm_tokens(item.size[0])
-        return out
 
 
 class LinearProjector(nn.Linear):
@@ -167,7 +152,7 @@ class _Table(nn.Module):
         self.register_buffer("weight", torch.zeros(rows, width))
 
 
-class QwenOmniAudioEncoder(EncoderAnchor):
+class QwenOmniAudioEncoder(MelFrameTower, EncoderAnchor):
     """Qwen2.5-Omni audio tower up to ``ln_post`` (``proj`` is the projector).
 
     ``forward(features [sum F, num_mel_bins], sizes int64 [n, 1] = F per clip)`` ->
@@ -188,12 +173,9 @@ class QwenOmniAudioEncoder(EncoderAnchor):
 
     def __init__(self, config: QwenOmniAudioConfig):
         super().__init__(config)
-        d = config.d_model
-        self.output_dim = d
-        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.conv_stem(config)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.encoder_layers))
-        self.ln_post = nn.LayerNorm(d)
+        self.ln_post = nn.LayerNorm(config.d_model)
         if config.bos_eos_width:
             self.audio_bos_eos_token = _Table(2, config.bos_eos_width)
 
@@ -203,16 +185,9 @@ class QwenOmniAudioEncoder(EncoderAnchor):
 
     # --- the model ---------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        if features.dim() != 2 or features.shape[1] != c.num_mel_bins:
-            raise ValueError(f"{type(self).__name__}: features must be [frames, num_mel_bins = {c.num_mel_bins}], "
-                             f"got {tuple(features.shape)}")
-        frames = check_sizes(type(self).__name__, features, self.input_units(sizes))
+        frames = self.clip_frames(features, sizes, least=3)
         if not frames:
-            return self.ln_post(features.new_zeros(0, c.d_model, dtype=self.ln_post.weight.dtype))
-        if min(frames) < 3:
-            raise ValueError(f"{type(self).__name__}: a clip of {min(frames)} mel frames makes no LLM token "
-                             "(need >= 3)")
+            return self.ln_post(features.new_zeros(0, self.config.d_model, dtype=self.ln_post.weight.dtype))
         x, chunk_tokens, pool = self.embed_chunks(features, frames)
         x = self.encode_tokens(x, self.item_attention(chunk_tokens, x.device))
         return self.finish((x.index_select(0, pool) + x.index_select(0, pool + 1)) / 2)
@@ -243,23 +218,10 @@ class QwenOmniAudioEncoder(EncoderAnchor):
         h = h + sinusoids(h.shape[1], self.config.d_model).to(h.device, h.dtype)
         return h.reshape(-1, h.shape[-1]).index_select(0, out_idx), toks.tolist(), pool
 
-    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        """The layers; ``attention``: segments of the chunks (``item_attention`` of their lengths)."""
-        return self.run_layers(self.layers, x, attention)
-
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_post(x)
 
     # --- the planner's and the simulator's view ---------------------------------------------------
-    def attention_heads(self) -> int:
-        return self.config.encoder_attention_heads
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """Mel frames per clip (feature rows); the clip yields llm_tokens(F) rows."""
-        return [int(n) for n in sizes[:, 0].tolist()]
-
-    def layer_modules(self) -> List[nn.Module]:
-        return list(self.layers)
 
     def feature_width(self) -> int:
         """Four mel frames per output row (two conv tokens, two frames each)."""

@@ -24,11 +24,9 @@ _QKV = re.compile(r"(blocks\.\d+\.attn\.)qkv\.(weight|bias)")
 
 
 def thinker_config(hf_config: Dict[str, Any]) -> Dict[str, Any]:
-    """The thinker's config of a Qwen2.5-Omni config.json: nested in a whole model's, the file
-    itself in a thinker-only directory."""
-    if hf_config.get("model_type") == "qwen2_5_omni":
-        return dict(hf_config.get("thinker_config") or {})
-    return hf_config
+    """The thinker's config of an Omni config.json (Qwen2.5-Omni's, Qwen3-Omni's): nested as
+    ``thinker_config`` in a whole model's, the file itself in a thinker-only directory."""
+    return dict(hf_config.get("thinker_config") or hf_config)
 
 
 class QwenOmniVisionEncoder(QwenVisionEncoder):

@@ -24,6 +24,7 @@ from torch import nn
 from dataloading.formats.media import MediaItem
 from parallel.transfer import to_device
 from omni.models.encoders.base import EncoderAnchor, check_sizes
+from omni.models.encoders.resample import resample
 from omni.models.encoders.blocks import (AttentionSpec, activation, packed_self_attention,
                                          transformer_activation_bytes, transformer_flops)
 
@@ -59,53 +60,18 @@ class WhisperEncoderConfig:
         activation(self.activation_function)
 
 
+def check_widths(d_model: int, heads: int) -> None:
+    """An audio tower's width: whole heads, and an even width (sin and cos halves of its
+    sinusoidal positions)."""
+    if d_model % heads:
+        raise ValueError(f"d_model {d_model} is not a multiple of encoder_attention_heads {heads}")
+    if d_model % 2 or d_model < 4:
+        raise ValueError(f"d_model {d_model} must be even and >= 4 (sin and cos halves of the positions)")
+
+
 def output_frames(n_frames: int) -> int:
     """Tokens after the stride-2 conv (kernel 3, padding 1) over ``n_frames`` mel frames."""
     return (n_frames - 1) // 2 + 1
-
-
-#: Above this many filter weights (very unusual rate pairs) resample() gathers taps per output.
-_POLYPHASE_MAX_WEIGHTS = 1 << 22
-
-
-def resample(wave: np.ndarray, orig_sr: int, new_sr: int, zero_crossings: int = 6, rolloff: float = 0.99) -> np.ndarray:
-    """Band-limited resampling with a Hann-windowed sinc; returns ceil(n * new_sr / orig_sr) samples.
-
-    Output sample j sits at input time t_j = j * orig_sr / new_sr and is sum_k x[k] h(t_j - k),
-    h a low-pass at ``rolloff`` times the lower Nyquist frequency, windowed to
-    ``zero_crossings`` zero crossings each side; samples outside the clip count as zero.
-    """
-    x = torch.as_tensor(np.asarray(wave, dtype=np.float32))
-    n = x.numel()
-    g = math.gcd(orig_sr, new_sr)
-    orig, new = orig_sr // g, new_sr // g
-    n_out = -(-n * new // orig)
-    fc = 0.5 * rolloff * min(1.0, new / orig)  # cutoff, cycles per input sample
-    half = zero_crossings / (2 * fc)  # window half-width in input samples
-    k = math.ceil(half)
-    offs = torch.arange(-k + 1, k + 1, dtype=torch.int64)
-    # t_j = base_j + phase_j / new with phase_j = (j * orig) % new: only `new` distinct filters.
-    t = torch.arange(new, dtype=torch.float64)[:, None] / new - offs[None, :].to(torch.float64)
-    table = (2 * fc * torch.sinc(2 * fc * t) * torch.cos(math.pi * t / (2 * half)).square() * (t.abs() <= half))
-    table = table.to(torch.float32)  # [new, 2k]
-    if new * (orig + 2 * k) <= _POLYPHASE_MAX_WEIGHTS:
-        # Polyphase: output m*new + i is a stride-`orig` conv of x with phase i's filter.
-        weight = torch.zeros(new, orig + 2 * k, dtype=torch.float32)
-        shift = torch.arange(new) * orig // new  # whole input samples before phase i's time
-        cols = shift[:, None] + torch.arange(2 * k)[None, :]
-        weight.scatter_(1, cols, table[torch.arange(new) * orig % new])
-        xp = F.pad(x[None, None], (k - 1, k + orig + 1))
-        y = F.conv1d(xp, weight[:, None, :], stride=orig)[0]  # [new, n // orig + 1]
-        return y.T.reshape(-1)[:n_out].contiguous().numpy()
-    out = torch.empty(n_out, dtype=torch.float32)
-    step = 1 << 15
-    for start in range(0, n_out, step):
-        j = torch.arange(start, min(start + step, n_out), dtype=torch.int64)
-        idx = (j * orig // new)[:, None] + offs[None, :]
-        valid = (idx >= 0) & (idx < n)
-        taps = torch.where(valid, x[idx.clamp(0, max(n - 1, 0))], 0.0)
-        out[start : start + j.numel()] = (taps * table[j * orig % new]).sum(1)
-    return out.numpy()
 
 
 class WhisperProcessor:
@@ -179,12 +145,16 @@ class WhisperProcessor:
             )
         return frames
 
+    def tokens_of(self, frames: int) -> int:
+        """LLM tokens of a clip of ``frames`` mel frames (the tower's output rows)."""
+        return output_frames(frames)
+
     def num_tokens_from_meta(self, meta: Dict[str, Any]) -> int:
         n, sr = int(meta["num_samples"]), int(meta["sample_rate"])
         if self.chunk_samples is not None and sr != self.config.sampling_rate:
             n = -(-n * self.config.sampling_rate // sr)  # chunking happens after resampling
             sr = self.config.sampling_rate
-        return sum(output_frames(self.num_frames(b - a, sr)) for a, b in self.chunk_bounds(n))
+        return sum(self.tokens_of(self.num_frames(b - a, sr)) for a, b in self.chunk_bounds(n))
 
     def log_mel(self, wave: np.ndarray) -> torch.Tensor:
         """[n] float32 samples at ``sampling_rate`` -> [num_mel_bins, n // hop_length]."""
@@ -216,7 +186,7 @@ class WhisperProcessor:
             frames = self.num_frames(b - a, self.config.sampling_rate)
             feats = self.log_mel(wave[a:b]).T.contiguous()  # [frames, mel]
             assert feats.shape[0] == frames
-            items.append(MediaItem(features=feats, size=(frames,), num_tokens=output_frames(frames)))
+            items.append(MediaItem(features=feats, size=(frames,), num_tokens=self.tokens_of(frames)))
         return items[0] if len(items) == 1 else items
 
 
@@ -260,7 +230,44 @@ class _Layer(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
 
-class WhisperEncoder(EncoderAnchor):
+class MelFrameTower:
+    """What the packed mel-frame towers share (Whisper's, Qwen2.5-Omni's, Qwen3-Omni's audio
+    towers): an item is a clip of mel frames (``sizes[:, 0]``), its tokens run through ``layers``."""
+
+    def conv_stem(self, config) -> None:
+        """Whisper's two convolutions (the second strides by 2) into ``d_model``, its output width."""
+        d = config.d_model
+        self.output_dim = d
+        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+
+    def clip_frames(self, features: torch.Tensor, sizes: torch.Tensor, least: int) -> List[int]:
+        """The clips' mel frames, checked in one line each: features [frames, num_mel_bins], as
+        many rows as the sizes say, every clip at least ``least`` frames (one LLM token)."""
+        name, mel = type(self).__name__, self.config.num_mel_bins
+        if features.dim() != 2 or features.shape[1] != mel:
+            raise ValueError(f"{name}: features must be [frames, num_mel_bins = {mel}], got {tuple(features.shape)}")
+        frames = check_sizes(name, features, self.input_units(sizes))
+        if frames and min(frames) < least:
+            raise ValueError(f"{name}: a clip of {min(frames)} mel frames makes no LLM token (need >= {least})")
+        return frames
+
+    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
+        """The layers; ``attention``: the segments tokens attend within (``item_attention``)."""
+        return self.run_layers(self.layers, x, attention)
+
+    def attention_heads(self) -> int:
+        return self.config.encoder_attention_heads
+
+    def input_units(self, sizes: torch.Tensor) -> List[int]:
+        """Mel frames per clip (feature rows)."""
+        return [int(n) for n in sizes[:, 0].tolist()]
+
+    def layer_modules(self) -> List[nn.Module]:
+        return list(self.layers)
+
+
+class WhisperEncoder(MelFrameTower, EncoderAnchor):
     """Packed Whisper audio encoder; output: final-layernorm hidden states, one token per two
     mel frames. Parameter names equal transformers' WhisperEncoder."""
 
@@ -273,9 +280,7 @@ class WhisperEncoder(EncoderAnchor):
     def __init__(self, config: WhisperEncoderConfig):
         super().__init__(config)
         d = config.d_model
-        self.output_dim = d
-        self.conv1 = nn.Conv1d(config.num_mel_bins, d, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(d, d, kernel_size=3, stride=2, padding=1)
+        self.conv_stem(config)
         self.embed_positions = nn.Embedding(config.max_source_positions, d)
         with torch.no_grad():
             self.embed_positions.weight.copy_(sinusoids(config.max_source_positions, d))
@@ -337,21 +342,8 @@ class WhisperEncoder(EncoderAnchor):
         h = F.gelu(self.conv2(h))[0].T  # [ceil(length/2), D]
         return h.index_select(0, out_idx) + self.embed_positions(pos), tokens
 
-    def encode_tokens(self, x: torch.Tensor, attention: AttentionSpec) -> torch.Tensor:
-        return self.run_layers(self.layers, x, attention)
-
     def finish(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer_norm(x)
-
-    def attention_heads(self) -> int:
-        return self.config.encoder_attention_heads
-
-    def input_units(self, sizes: torch.Tensor) -> List[int]:
-        """Mel frames per clip (feature rows); the clip yields output_frames(n) tokens."""
-        return [int(n) for n in sizes[:, 0].tolist()]
-
-    def layer_modules(self) -> List[nn.Module]:
-        return list(self.layers)
 
     def activation_bytes(self, tokens: int, element_bytes: int = 4) -> float:
         c = self.config

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from dataloading.formats.tokenizer import PlaceholderTokens, Tokenizer
-from omni.errors import ConfigError
-from omni.models.families._hf_export import language_model, split_ids, write_checkpoint, write_processor_config
-from omni.models.families.family import Family, config_ids
+from dataloading.formats.tokenizer import PlaceholderTokens
+from omni.models.families._hf_export import language_model, split_ids, write_checkpoint
+from omni.models.families._omni import thinker_family, towers_or_refuse
+from omni.models.families.family import Family
 from omni.models.multimodal import OmniModel
 
 # How the thinker's vocabulary frames each item (Qwen3OmniMoeProcessor's tokens, the Qwen3 vocabulary's)
@@ -47,13 +47,7 @@ def export_qwen3_omni(model: OmniModel, path: str, image_token_id: int, audio_to
     part, for a model that is not a Qwen3-Omni thinker."""
     import transformers
 
-    from omni.models.encoders.qwen3_omni_vision import merger_names
-
-    towers = _towers(model)
-    if towers is None:
-        raise ValueError("a Qwen3-Omni thinker has exactly two towers: encoders.vision.name=qwen3_omni_vision and "
-                         "encoders.audio.name=qwen3_omni_audio")
-    vision, audio = towers
+    vision, audio = towers_or_refuse(_towers(model), "Qwen3-Omni", "qwen3_omni_vision", "qwen3_omni_audio")
     llm = model.llm.config
     if llm.family != "qwen3_moe" or llm.mrope_section is None or not llm.mrope_interleaved or not llm.norm_topk_prob:
         raise ValueError(f"a Qwen3-Omni thinker's language model is a Qwen3-MoE with interleaved M-RoPE and a router "
@@ -69,7 +63,7 @@ def export_qwen3_omni(model: OmniModel, path: str, image_token_id: int, audio_to
                "tie_word_embeddings": llm.tie_word_embeddings, **top}
     config = transformers.Qwen3OmniMoeConfig(thinker_config=thinker, enable_audio_output=False)
     sd = {"thinker.visual." + vision.hf_name(k): vision.to_hf_tensor(k, t) for k, t in vision.state_dict().items()}
-    names = merger_names(len(vision.config.deepstack_visual_indexes), "thinker.visual.")
+    names = vision.merger_names(len(vision.config.deepstack_visual_indexes), "thinker.visual.")
     sd.update({names[k]: t for k, t in model.projectors["image"].state_dict().items()})
     sd.update({"thinker.audio_tower." + k: t for k, t in audio.state_dict().items()})
     proj = {"fc1": "proj1", "fc2": "proj2"}
@@ -79,36 +73,6 @@ def export_qwen3_omni(model: OmniModel, path: str, image_token_id: int, audio_to
     write_checkpoint(config, "Qwen3OmniMoeForConditionalGeneration", sd, path, max_shard_bytes)
 
 
-def _export(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
-    """The thinker, and its processor's settings (the image processor's and the feature
-    extractor's, nested in processor_config.json)."""
-    import transformers
-
-    from omni.models.families.qwen_vl import image_processor_settings
-
-    ids = config_ids(vocab, _IDS)
-    absent = [TOKENS[m].before for m, field in (("image", "vision_start_token_id"), ("audio", "audio_start_token_id"))
-              if ids[field] < 0]
-    if absent:
-        # transformers' thinker finds each item by the token before it (get_rope_index)
-        raise ConfigError(f"a Qwen3-Omni thinker finds its images and clips by {' and '.join(absent)}, which this "
-                          f"run's tokenizer lacks; train with the family's tokenizer (data.tokenizer=<a Qwen3-Omni "
-                          f"directory>) to export")
-    export_qwen3_omni(model, path, image_token_id=tokenizer.placeholder_ids["image"],
-                      audio_token_id=tokenizer.placeholder_ids["audio"], token_ids=ids)
-    audio = model.encoders["audio"].config
-    extractor = transformers.WhisperFeatureExtractor(
-        feature_size=audio.num_mel_bins, sampling_rate=audio.sampling_rate, hop_length=audio.hop_length,
-        n_fft=audio.n_fft, chunk_length=audio.max_frames * audio.hop_length // audio.sampling_rate)
-    write_processor_config(path, "Qwen3OmniMoeProcessor",
-                           transformers.Qwen2VLImageProcessorPil(**image_processor_settings(model.encoders["image"])),
-                           feature_extractor=extractor.to_dict())
-
-
-def _matches(model: OmniModel) -> bool:
-    return _towers(model) is not None
-
-
-_FAMILY = Family(vision="qwen3_omni_vision", audio="qwen3_omni_audio", family_tokens=TOKENS, export=_export,
-                 matches=_matches)
+_FAMILY = thinker_family("qwen3_omni_vision", "qwen3_omni_audio", TOKENS, _IDS, "Qwen3-Omni", export_qwen3_omni,
+                         "Qwen3OmniMoeProcessor", _towers)
 FAMILIES: dict[str, Family] = {"qwen3_omni_moe_thinker": _FAMILY, "qwen3_omni_moe": _FAMILY}

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Optional
 
-from dataloading.formats.tokenizer import PlaceholderTokens, Tokenizer
-from omni.errors import ConfigError
-from omni.models.families._hf_export import language_model, split_ids, write_checkpoint, write_processor_config
-from omni.models.families.family import Family, config_ids
+from dataloading.formats.tokenizer import PlaceholderTokens
+from omni.models.families._hf_export import language_model, split_ids, write_checkpoint
+from omni.models.families._omni import thinker_family, towers_or_refuse
+from omni.models.families.family import Family
 from omni.models.multimodal import OmniModel
 
 # How the thinker's vocabulary frames each item (Qwen2_5OmniProcessor's tokens)
@@ -54,11 +54,7 @@ def export_qwen2_5_omni(model: OmniModel, path: str, image_token_id: int, audio_
 
     from omni.models.encoders.qwen_vl import merger_names
 
-    towers = _towers(model)
-    if towers is None:
-        raise ValueError("a Qwen2.5-Omni thinker has exactly two towers: encoders.vision.name=qwen_omni_vision and "
-                         "encoders.audio.name=qwen_omni_audio")
-    vision, audio = towers
+    vision, audio = towers_or_refuse(_towers(model), "Qwen2.5-Omni", "qwen_omni_vision", "qwen_omni_audio")
     llm = model.llm.config
     if llm.family != "qwen2" or llm.mrope_section is None or llm.mrope_interleaved:
         raise ValueError(f"a Qwen2.5-Omni thinker's language model is a Qwen2 with M-RoPE (not interleaved); this "
@@ -85,37 +81,6 @@ def export_qwen2_5_omni(model: OmniModel, path: str, image_token_id: int, audio_
     torch.save({}, os.path.join(path, "spk_dict.pt"))
 
 
-def _export(model: OmniModel, path: str, tokenizer: Tokenizer, vocab: Any) -> None:
-    """The thinker, and its processor's settings (the image processor's and the feature
-    extractor's, nested in processor_config.json as transformers writes them)."""
-    import transformers
-
-    from omni.models.families.qwen_vl import image_processor_settings
-
-    ids = config_ids(vocab, _IDS)
-    absent = [TOKENS[m].before for m, field in (("image", "vision_start_token_id"), ("audio", "audio_start_token_id"))
-              if ids[field] < 0]
-    if absent:
-        # transformers' thinker finds each item by the token before it (get_rope_index): without
-        # it an image would take text positions there and the export would compute other logits
-        raise ConfigError(f"a Qwen2.5-Omni thinker finds its images and clips by {' and '.join(absent)}, which this "
-                          f"run's tokenizer lacks; train with the family's tokenizer (data.tokenizer=<a Qwen2.5-Omni "
-                          f"directory>) to export")
-    export_qwen2_5_omni(model, path, image_token_id=tokenizer.placeholder_ids["image"],
-                        audio_token_id=tokenizer.placeholder_ids["audio"], token_ids=ids)
-    audio = model.encoders["audio"].config
-    extractor = transformers.WhisperFeatureExtractor(
-        feature_size=audio.num_mel_bins, sampling_rate=audio.sampling_rate, hop_length=audio.hop_length,
-        n_fft=audio.n_fft, chunk_length=audio.max_frames * audio.hop_length // audio.sampling_rate)
-    write_processor_config(path, "Qwen2_5OmniProcessor",
-                           transformers.Qwen2VLImageProcessorPil(**image_processor_settings(model.encoders["image"])),
-                           feature_extractor=extractor.to_dict())
-
-
-def _matches(model: OmniModel) -> bool:
-    return _towers(model) is not None
-
-
-_FAMILY = Family(vision="qwen_omni_vision", audio="qwen_omni_audio", family_tokens=TOKENS, export=_export,
-                 matches=_matches)
+_FAMILY = thinker_family("qwen_omni_vision", "qwen_omni_audio", TOKENS, _IDS, "Qwen2.5-Omni", export_qwen2_5_omni,
+                         "Qwen2_5OmniProcessor", _towers)
 FAMILIES: dict[str, Family] = {"qwen2_5_omni_thinker": _FAMILY, "qwen2_5_omni": _FAMILY}
