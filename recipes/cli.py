@@ -237,6 +237,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image", action="append", default=[], metavar="FILE", help="an image (repeat for more)")
     p.add_argument("--video", action="append", default=[], metavar="FILE", help="a video (mp4, webm)")
     p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an audio file (wav, flac)")
+    p.add_argument("--video-audio", action="store_true",
+                   help="also take each video's own audio track, interleaved with its frames (Qwen2.5-Omni's thinker)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--greedy", action="store_true", help="the most likely token each step (the default)")
     p.add_argument("--temperature", type=float, default=None, help="sample with this temperature")
@@ -305,6 +307,7 @@ def _run(args: argparse.Namespace) -> int:
         from recipes.generate_cmd import generate_main
 
         return generate_main(args.model, args.prompt, images=args.image, videos=args.video, audios=args.audio,
+                             video_audio=args.video_audio,
                              max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, as_json=args.json, step=args.step,
                              device=args.device)

@@ -40,6 +40,18 @@ def _media_files(images: Sequence[str], videos: Sequence[str], audios: Sequence[
     return files
 
 
+def _with_audio_track(video, path: Path):
+    """``video`` (a decoded ``Video``) with its own audio track; one line when it has none."""
+    import dataclasses
+
+    from dataloading.formats.video import audio_track
+
+    track = audio_track(video.data)
+    if track is None:
+        raise ConfigError(f"--video-audio: {path} has no audio track; drop --video-audio for its frames alone")
+    return dataclasses.replace(video, audio=track)
+
+
 def _decode(kind: str, path: Path):
     """The file of ``--{kind}`` decoded; one that is not such a file (an image given as
     ``--audio``, a damaged video) is one line naming it, in its declaration's words
@@ -86,7 +98,10 @@ def eos_ids(loaded) -> set[int]:
 def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: Sequence[str] = (),
                   audios: Sequence[str] = (), max_new_tokens: int = 128, greedy: bool = False,
                   temperature: Optional[float] = None, top_p: Optional[float] = None, top_k: Optional[int] = None,
-                  seed: int = 0, as_json: bool = False, step: Optional[int] = None, device: str = "cpu") -> int:
+                  seed: int = 0, as_json: bool = False, step: Optional[int] = None, device: str = "cpu",
+                  video_audio: bool = False) -> int:
+    """``video_audio``: each video's own audio track goes to the audio tower beside its frames
+    (interleaved, as Qwen2.5-Omni's thinker takes them)."""
     import torch
 
     from dataloading.construct.constructor import SampleConstructor
@@ -101,6 +116,9 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
     sampling = _sampling(greedy, temperature, top_p, top_k, seed)
     files = _media_files(images, videos, audios)
     media = [(kind, _decode(kind, path)) for kind, path in files]  # a video: its header only
+    if video_audio:
+        media = [(kind, _with_audio_track(raw, path) if kind == "video" else raw) for (kind, raw), (_, path)
+                 in zip(media, files)]
     where = locate(model, step)
     loaded = load_model(where)
     processors = media_processors(loaded.model)
@@ -109,6 +127,9 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
             have = ", ".join(sorted(processors)) or "none"
             raise ConfigError(f"--{kind} {path}: the model has no {encoder_modality(kind)} encoder (it has: {have})")
         processor_for(processors, kind, f"--{kind} {path}")  # one that cannot take a video says so
+    if video_audio and videos and "audio" not in processors:
+        raise ConfigError(f"--video-audio: the model has no audio encoder for the videos' tracks (it has: "
+                          f"{', '.join(sorted(processors))})")
     tokenizer = loaded.tokenizer
     text = prompt_text(tokenizer, [k for k, _ in files], prompt)
     ids = tokenizer.encode(as_encoder_placeholders(text))

@@ -186,16 +186,21 @@ def omni_hf_inputs(directory: Path, images, waves, ids: np.ndarray) -> dict:
 def omni_prompt(loaded, image, waves, prompt: str = "what do you see and hear?"):
     """An image, audio clips and a question in one user turn, built as ``omni generate`` builds
     it: Omni's micro-batch."""
+    media = [("image", image)] * (image is not None) + [("audio", (w, 16000)) for w in waves]
+    return omni_prompt_media(loaded, media, prompt)
+
+
+def omni_prompt_media(loaded, media, prompt: str):
+    """``media`` ((kind, decoded), in order) and a question in one user turn, built as ``omni
+    generate`` builds it: Omni's micro-batch."""
     from dataloading.construct.constructor import SampleConstructor
     from dataloading.formats.sample import DecodedSample
     from omni.models.build import media_processors
     from recipes.generate_cmd import prompt_text
 
-    kinds = ["image"] * (image is not None) + ["audio"] * len(waves)
-    media = [("image", image)] * (image is not None) + [("audio", (w, 16000)) for w in waves]
-    text = prompt_text(loaded.tokenizer, kinds, prompt)
+    text = prompt_text(loaded.tokenizer, [kind for kind, _ in media], prompt)
     c = SampleConstructor({}, loaded.tokenizer, media_processors(loaded.model), None)
-    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, media))
+    mb, _ = c.build_prompt(DecodedSample("prompt", text, None, list(media)))
     return mb
 
 

@@ -5,6 +5,7 @@ with the thinker's weights and Omni exports again file for file; greedy generati
 and an audio clip gives transformers' tokens."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_omni_helpers import THINKERS, omni_hf_inputs, omni_prompt, save_tiny_qwen2_5_omni, tone
+from hf_omni_helpers import THINKERS, omni_hf_inputs, omni_prompt, omni_prompt_media, save_tiny_qwen2_5_omni, tone
 from recipes.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -224,3 +225,73 @@ def test_a_qwen3_omni_run_trains_both_towers_answers_and_exports(demo_root, tmp_
         got = loaded.model(mb.input_ids, media=mb.media, position_ids=mb.position_ids,
                            rope_position_ids=mb.rope_position_ids)[0]
     assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+def test_greedy_with_a_video_and_its_own_audio_equals_transformers_generate(tmp_path, capsys):
+    """`--video-audio`: a 3-second clip's frames and its AAC track, interleaved in 2-second chunks
+    between <|audio_bos|> and <|audio_eos|> inside the video's own tokens, with TMRoPE's positions
+    (the two opening tokens share one, the audio counts up beside the frames' times); transformers
+    gets the same frames and track with use_audio_in_video."""
+    pytest.importorskip("av")
+    from dataloading.formats.video import audio_track, decode_video
+    from dataloading.construct.positions import video_with_audio
+    from media_helpers import clip_with_audio_bytes
+    from omni.models.encoders.qwen_omni_vision import QwenOmniVisionEncoder
+    from recipes.model_source import load_model
+
+    hf, tok = save_tiny_qwen2_5_omni(tmp_path / "hf")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_with_audio_bytes(seconds=3.0))
+    prompt = "what happens?"
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--video-audio", "--prompt", prompt,
+                 "--max-new-tokens", "10", "--greedy", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loaded = load_model(str(tmp_path / "hf"))
+    item = QwenOmniVisionEncoder.processor(loaded.model.encoders["image"].config).video(decode_video(clip.read_bytes()))
+    wave, rate = audio_track(clip.read_bytes())
+    assert rate == 16000 and item.size[0] == 3
+    n_audio = loaded.model.encoders["audio"].processor(loaded.model.encoders["audio"].config)((wave, rate)).num_tokens
+    t, rows, cols, interval = item.rope_grid[:4]
+    runs, _, _ = video_with_audio(t, rows, cols, interval, n_audio, 50.0)
+    assert len(runs) >= 3 and {v for v, _ in runs} == {True, False}  # really interleaved
+    # the family's text: the video's tokens replaced by the audio's framing and the runs
+    inner = "<|audio_bos|>" + "".join(("<|VIDEO|>" if v else "<|AUDIO|>") * n for v, n in runs) + "<|audio_eos|>"
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}],
+                                   tokenize=False, add_generation_prompt=True).replace("<|VIDEO|>", inner)
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    video = dataclasses.replace(decode_video(clip.read_bytes()), audio=(wave, rate))
+    mb = omni_prompt_media(loaded, [("video", video)], prompt)
+    # Omni's prompt is the family's, runs and framing included (a video's placeholder is written
+    # as its encoder's, the image one: the id under an encoder row is never read)
+    video_id, image_id = tok.convert_tokens_to_ids("<|VIDEO|>"), tok.convert_tokens_to_ids("<|IMAGE|>")
+    assert mb.input_ids.tolist() == [image_id if i == video_id else i for i in ids.tolist()]
+    assert mb.rope_position_ids[0].max() > mb.input_ids.numel() // 2  # timed positions, not a text count
+    audio_in = omni_hf_inputs(tmp_path / "hf", [], [wave], ids.numpy())
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
+                           pixel_values_videos=item.features, video_grid_thw=torch.tensor([list(item.size)]),
+                           video_second_per_grid=torch.tensor([1.0]), input_features=audio_in["input_features"],
+                           feature_attention_mask=audio_in["feature_attention_mask"], use_audio_in_video=True,
+                           max_new_tokens=10, do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]
+    assert got["token_ids"] == want and len(want) >= 3
+
+
+def test_video_audio_mistakes_are_one_line(tmp_path, capsys):
+    """--video-audio on a clip without an audio track, and on a model without an audio tower."""
+    pytest.importorskip("av")
+    from hf_family_helpers import save_tiny_qwen2_5_vl
+    from media_helpers import clip_bytes, clip_with_audio_bytes
+
+    save_tiny_qwen2_5_omni(tmp_path / "omni")
+    save_tiny_qwen2_5_vl(tmp_path / "vl")
+    (tmp_path / "silent.mp4").write_bytes(clip_bytes(frames=20, rate=10, height=56, width=84))
+    (tmp_path / "sound.mp4").write_bytes(clip_with_audio_bytes(seconds=2.0))
+    for model, clip, message in (("omni", "silent.mp4", "has no audio track; drop --video-audio"),
+                                 ("vl", "sound.mp4", "the model has no audio encoder")):
+        capsys.readouterr()
+        assert main(["generate", "--model", str(tmp_path / model), "--video", str(tmp_path / clip),
+                     "--video-audio", "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("omni: error: --video-audio") and message in err[-1], err[-1]

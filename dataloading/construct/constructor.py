@@ -13,14 +13,15 @@ position, so packing, splitting and CP slicing carry each turn's mask along.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.construct.positions import mrope_position_ids
+from dataloading.construct.positions import mrope_position_ids, video_with_audio
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.chat import last_answer
 from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
@@ -43,6 +44,9 @@ class Tokenized:
     ids: np.ndarray  # int64 [L]
     labels: np.ndarray  # int64 [L]
     media: list[tuple[str, MediaItem, np.ndarray]]  # (modality, item, positions in the sample)
+    # (start, relative positions [3, n], resume) of spans with explicit M-RoPE positions (a video
+    # and its audio track interleaved: positions.video_with_audio)
+    spans: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -100,7 +104,24 @@ class SampleConstructor:
         if not items or any(it.num_tokens < 1 for it in items):
             raise DataError(f"sample {sample_id}: the {kind} processor gave an item without tokens; "
                             "a media item needs at least one", kind="media_error")
+        if getattr(raw, "audio", None) is not None:  # a video with its own audio track
+            items[0] = self._with_track(sample_id, items, raw.audio)
         return items
+
+    def _with_track(self, sample_id: str, items: list[MediaItem], audio) -> MediaItem:
+        """The video's item with its audio track's item (``MediaItem.track``), encoded by the
+        audio tower; one line when the model cannot take it."""
+        chunk = float(getattr(processor_for(self._processors(sample_id), "video", f"sample {sample_id}"),
+                              "track_chunk_positions", 0.0))
+        frame = getattr(self.tokenizer, "family_tokens", {}).get("audio")
+        if len(items) != 1 or not chunk or items[0].rope_grid is None or frame is None or not frame.before:
+            raise DataError(f"sample {sample_id}: a video's audio track goes beside its frames only in a model that "
+                            "interleaves them (Qwen2.5-Omni's thinker, with its own tokenizer)", kind="config")
+        track = self._media_items(sample_id, "audio", audio)
+        if len(track) != 1:
+            raise DataError(f"sample {sample_id}: the video's audio track became {len(track)} chunks; its clip must be "
+                            "one (no audio chunk_seconds for a video's track)", kind="config")
+        return dataclasses.replace(items[0], track=track[0], track_chunk=chunk)
 
     def segments(self, sample: DecodedSample, prompt_only: bool = False) -> tuple[list[tuple[str, bool]], bool]:
         """The sample's text as (text, gets a loss) pieces, and whether EOS follows as a target
@@ -115,6 +136,7 @@ class SampleConstructor:
         ids: list[int] = [] if tok.bos_id is None else [tok.bos_id]
         target = [False] * len(ids)  # does the token get predicted (a loss on it)?
         media: list[tuple[str, MediaItem, np.ndarray]] = []
+        spans: list = []
         k = 0
         for text, is_target in pieces:
             for t in tok.encode(as_encoder_placeholders(text)):
@@ -122,10 +144,14 @@ class SampleConstructor:
                     modality, chunks = items[k]  # parse_fields checked count and modalities
                     k += 1
                     assert t == self._placeholder_of[modality], "placeholder order validated in parse_fields"
+                    before = len(ids)
                     for chunk in chunks:
+                        if chunk.track is not None:
+                            self._interleave(chunk, t, ids, media, spans)
+                            continue
                         media.append((modality, chunk, np.arange(len(ids), len(ids) + chunk.num_tokens)))
                         ids.extend([t] * chunk.num_tokens)
-                    target.extend([False] * sum(c.num_tokens for c in chunks))  # never predict a placeholder
+                    target.extend([False] * (len(ids) - before))  # never predict a placeholder
                 else:
                     ids.append(t)
                     target.append(is_target)
@@ -137,7 +163,27 @@ class SampleConstructor:
         labels = np.full(len(ids_arr), IGNORE_INDEX, dtype=np.int64)
         wanted = np.asarray(target[1:], dtype=bool)
         labels[:-1][wanted] = ids_arr[1:][wanted]
-        return Tokenized(sample.sample_id, ids_arr, labels, media)
+        return Tokenized(sample.sample_id, ids_arr, labels, media, spans)
+
+    def _interleave(self, video: MediaItem, video_id: int, ids: list[int], media: list, spans: list) -> None:
+        """A video and its track between the audio's opening and closing tokens, their tokens in
+        chunks (``video_with_audio``), each item's rows at its own positions, the span's M-RoPE
+        positions explicit."""
+        t, rows, cols, interval = video.rope_grid[:4]
+        runs, rel, resume = video_with_audio(t, rows, cols, interval, video.track.num_tokens, video.track_chunk)
+        frame = self.tokenizer.family_tokens["audio"]
+        opening, closing = (self.tokenizer.token_id(x) for x in (frame.before, frame.after))
+        audio_id = self._placeholder_of["audio"]
+        start = len(ids)
+        ids.append(opening)
+        at = {True: [], False: []}
+        for is_video, count in runs:
+            at[is_video].extend(range(len(ids), len(ids) + count))
+            ids.extend([video_id if is_video else audio_id] * count)
+        ids.append(closing)
+        media.append(("image", video, np.asarray(at[True], dtype=np.int64)))
+        media.append(("audio", video.track, np.asarray(at[False], dtype=np.int64)))
+        spans.append((start, rel, resume))
 
     def fit_budget(self, t: Tokenized, piece: int | None) -> Tokenized:
         """Apply the over-budget policy: whole, truncated, or piece ``piece`` of a split."""
@@ -256,9 +302,11 @@ def assemble(samples: Sequence[Tokenized]) -> MicroBatch:
             num_tokens=torch.tensor([it.num_tokens for it, _ in entries], dtype=torch.int64),
             positions=torch.from_numpy(np.concatenate([p for _, p in entries]).astype(np.int64)))
     rope = None
-    if any(item.rope_grid is not None for s in samples for _, item, _ in s.media):
+    if any(item.rope_grid is not None for s in samples for _, item, _ in s.media) or any(s.spans for s in samples):
+        # an interleaved video's positions come with its span (the frames' rows are not contiguous)
         rope = torch.cat([mrope_position_ids(len(s), [(int(pos[0]), *item.rope_grid) for _, item, pos in s.media
-                                                      if item.rope_grid is not None]) for s in samples], dim=1)
+                                                      if item.rope_grid is not None and item.track is None],
+                                             s.spans) for s in samples], dim=1)
     return MicroBatch(
         input_ids=torch.from_numpy(np.concatenate([s.ids for s in samples])),
         position_ids=torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])),
@@ -276,7 +324,11 @@ def _slice(t: Tokenized, unit_id: str, lo: int, hi: int) -> Tokenized:
     the prefix, which the row holds."""
     labels = t.labels[lo:hi].copy()
     media = [(m, it, p - lo) for m, it, p in t.media if p[0] >= lo and p[-1] < hi]
-    return Tokenized(unit_id, t.ids[lo:hi], labels, media)
+    spans = [(start - lo, rel, resume) for start, rel, resume in t.spans if start >= lo and start + rel.shape[1] <= hi]
+    if len(spans) != len(t.spans):
+        raise DataError(f"sample {t.sample_id}: a video interleaved with its audio track cannot be split over "
+                        f"pieces; raise data.micro_batch_tokens", kind="over_budget")
+    return Tokenized(unit_id, t.ids[lo:hi], labels, media, spans)
 
 
 def dummy_micro_batch(pad_id: int) -> MicroBatch:

@@ -54,6 +54,11 @@ class MediaItem:
     # (``dataloading.construct.positions.mrope_position_ids``); set by processors of towers made
     # for it (qwen_vl, qwen_omni_vision). None: the item's placeholders count like text.
     rope_grid: tuple | None = None
+    # A video's own audio track, encoded by the audio tower, its tokens interleaved with the
+    # frames' in chunks of ``track_chunk`` rotary positions (Qwen2.5-Omni's use_audio_in_video:
+    # ``dataloading.construct.positions.video_with_audio``); None: the frames alone.
+    track: "MediaItem | None" = None
+    track_chunk: float = 0.0
 
 
 @runtime_checkable

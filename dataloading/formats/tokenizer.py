@@ -303,6 +303,10 @@ class HFTokenizer:
         return _digest(["hf", files, sorted(self.placeholder_ids.items()),
                         sorted((m, asdict(t)) for m, t in self.family_tokens.items()), self.chat_template])
 
+    def token_id(self, token: str) -> int:
+        """The id of one token of the vocabulary (a family's framing token)."""
+        return int(self._tok.convert_tokens_to_ids(token))
+
     def save(self, directory: str | Path) -> None:
         """``save_pretrained`` (the appended placeholders included) plus which ones are used."""
         directory = Path(directory)

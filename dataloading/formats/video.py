@@ -95,6 +95,9 @@ class Video:
 
     data: bytes
     meta: dict[str, Any]
+    # The clip's own audio track, (float32 mono waveform, sample rate), when a model takes it
+    # beside the frames (Qwen2.5-Omni's use_audio_in_video: ``audio_track``); None: frames only.
+    audio: Any = None
 
     def frames(self, times) -> list[np.ndarray]:
         """One uint8 [H, W, 3] RGB array per time (seconds from the start, ascending): the frame
@@ -129,6 +132,24 @@ class Video:
             for k in range(j, len(times)):
                 out[k] = last
         return out  # type: ignore[return-value] - every entry is set above
+
+
+def audio_track(data: bytes) -> tuple[np.ndarray, int] | None:
+    """The first audio stream of an encoded video as (float32 mono waveform, sample rate), its
+    channels mixed down by FFmpeg's resampler at the stream's own rate; None when the container
+    has no audio stream."""
+    av = require_av()
+    with av.open(io.BytesIO(data)) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        rate = int(stream.rate or stream.codec_context.sample_rate)
+        mono = av.AudioResampler(format="flt", layout="mono", rate=rate)
+        chunks = [f.to_ndarray().reshape(-1) for frame in container.decode(stream) for f in mono.resample(frame)]
+        chunks += [f.to_ndarray().reshape(-1) for f in mono.resample(None)]  # what the resampler still holds
+    if not chunks:
+        return None
+    return np.ascontiguousarray(np.concatenate(chunks), dtype=np.float32), rate
 
 
 def decode_video(data: bytes) -> Video:

@@ -63,6 +63,9 @@ class QwenVisionProcessor:
         # Qwen2.5-VL), or past its largest position (Qwen2.5-Omni's TMRoPE, whose timed frames
         # can outrun the grid): dataloading.construct.positions.mrope_position_ids
         self.resume_after_largest = resume_after_largest
+        # A video's own audio track interleaves with its frames in chunks of this many rotary
+        # positions (Qwen2.5-Omni: seconds_per_chunk 2 at tokens_per_second; 0: no track)
+        self.track_chunk_positions = 2.0 * config.tokens_per_second if resume_after_largest else 0.0
         self.patch = config.patch_size
         self.merge = config.spatial_merge
         self.frames = config.temporal_patch_size
