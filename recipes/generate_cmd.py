@@ -106,6 +106,7 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
 
     from dataloading.construct.constructor import SampleConstructor
     from dataloading.formats.media import as_encoder_placeholders, encoder_modality, processor_for
+    from dataloading.formats.modality import AUDIO, VIDEO
     from dataloading.formats.sample import DecodedSample
     from omni.models.build import media_processors
     from omni.runtime.generate import generate
@@ -117,7 +118,7 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
     files = _media_files(images, videos, audios)
     media = [(kind, _decode(kind, path)) for kind, path in files]  # a video: its header only
     if video_audio:
-        media = [(kind, _with_audio_track(raw, path) if kind == "video" else raw) for (kind, raw), (_, path)
+        media = [(kind, _with_audio_track(raw, path) if kind == VIDEO.name else raw) for (kind, raw), (_, path)
                  in zip(media, files)]
     where = locate(model, step)
     loaded = load_model(where)
@@ -127,7 +128,7 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
             have = ", ".join(sorted(processors)) or "none"
             raise ConfigError(f"--{kind} {path}: the model has no {encoder_modality(kind)} encoder (it has: {have})")
         processor_for(processors, kind, f"--{kind} {path}")  # one that cannot take a video says so
-    if video_audio and videos and "audio" not in processors:
+    if video_audio and videos and AUDIO.name not in processors:
         raise ConfigError(f"--video-audio: the model has no audio encoder for the videos' tracks (it has: "
                           f"{', '.join(sorted(processors))})")
     tokenizer = loaded.tokenizer

@@ -26,7 +26,7 @@ from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.chat import last_answer
 from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
                                        encoder_modality, processor_for)
-from dataloading.formats.modality import MODALITIES
+from dataloading.formats.modality import AUDIO, MODALITIES, VIDEO
 from dataloading.formats.sample import DecodedSample, decode_sample, text_segments
 from dataloading.formats.tokenizer import Tokenizer
 from dataloading.index.shards import ShardPool, SourceReader
@@ -111,13 +111,13 @@ class SampleConstructor:
     def _with_track(self, sample_id: str, items: list[MediaItem], audio) -> MediaItem:
         """The video's item with its audio track's item (``MediaItem.track``), encoded by the
         audio tower; one line when the model cannot take it."""
-        chunk = float(getattr(processor_for(self._processors(sample_id), "video", f"sample {sample_id}"),
+        chunk = float(getattr(processor_for(self._processors(sample_id), VIDEO.name, f"sample {sample_id}"),
                               "track_chunk_positions", 0.0))
-        frame = getattr(self.tokenizer, "family_tokens", {}).get("audio")
+        frame = getattr(self.tokenizer, "family_tokens", {}).get(AUDIO.name)
         if len(items) != 1 or not chunk or items[0].rope_grid is None or frame is None or not frame.before:
             raise DataError(f"sample {sample_id}: a video's audio track goes beside its frames only in a model that "
                             "interleaves them (Qwen2.5-Omni's thinker, with its own tokenizer)", kind="config")
-        track = self._media_items(sample_id, "audio", audio)
+        track = self._media_items(sample_id, AUDIO.name, audio)
         if len(track) != 1:
             raise DataError(f"sample {sample_id}: the video's audio track became {len(track)} chunks; its clip must be "
                             "one (no audio chunk_seconds for a video's track)", kind="config")
@@ -171,9 +171,9 @@ class SampleConstructor:
         positions explicit."""
         t, rows, cols, interval = video.rope_grid[:4]
         runs, rel, resume = video_with_audio(t, rows, cols, interval, video.track.num_tokens, video.track_chunk)
-        frame = self.tokenizer.family_tokens["audio"]
+        frame = self.tokenizer.family_tokens[AUDIO.name]
         opening, closing = (self.tokenizer.token_id(x) for x in (frame.before, frame.after))
-        audio_id = self._placeholder_of["audio"]
+        audio_id = self._placeholder_of[AUDIO.name]
         start = len(ids)
         ids.append(opening)
         at = {True: [], False: []}
@@ -181,8 +181,8 @@ class SampleConstructor:
             at[is_video].extend(range(len(ids), len(ids) + count))
             ids.extend([video_id if is_video else audio_id] * count)
         ids.append(closing)
-        media.append(("image", video, np.asarray(at[True], dtype=np.int64)))
-        media.append(("audio", video.track, np.asarray(at[False], dtype=np.int64)))
+        media.append((VIDEO.encoder, video, np.asarray(at[True], dtype=np.int64)))
+        media.append((AUDIO.name, video.track, np.asarray(at[False], dtype=np.int64)))
         spans.append((start, rel, resume))
 
     def fit_budget(self, t: Tokenized, piece: int | None) -> Tokenized:
