@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 TRAIN_EPILOG = """\
 overrides (Hydra syntax):
@@ -339,5 +340,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry(argv: list[str] | None = None) -> NoReturn:
+    """The ``omni`` command: `main`, then the process's exit."""
+    code = main(argv)
+    if code == 2 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # torchrun ends the other workers as soon as one exits. A rank whose user error is already
+        # in its error file leaves at once instead of tearing the interpreter down (a second or
+        # more on a busy machine): else a peer that exits first has torchrun SIGTERM this rank,
+        # and the report's root cause (the earliest error file) shows -15, not the rank's own 2.
+        # Nothing ran yet that a teardown would finish.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

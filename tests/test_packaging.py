@@ -31,7 +31,7 @@ def test_wheel_contains_configs_and_entry_points(tmp_path):
         assert pkg in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "omni = recipes.cli:main" in text and "[omni.encoders]" in text
+    assert "omni = recipes.cli:entry" in text and "[omni.encoders]" in text
 
 
 def test_installed_copy_composes_its_config(tmp_path):

@@ -90,16 +90,16 @@ def install(kind: str, step: int) -> None:
         raise SystemExit(f"fault_launch: unknown fault kind {kind!r}")
 
 
-def main() -> int:
+def main() -> None:
     spec = os.environ.get("OMNI_FAULT")
     if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         kind, rank, step = spec.split(":")
         if int(rank) == int(os.environ.get("RANK", "0")):
             install(kind, int(step))
-    from recipes.cli import main as cli
+    from recipes.cli import entry
 
-    return cli(sys.argv[1:])
+    entry(sys.argv[1:])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
