@@ -157,6 +157,48 @@ def test_greedy_with_a_video_on_a_qwen_directory_equals_transformers_generate(tm
     assert got["token_ids"] == want and len(want) >= 3
 
 
+def test_greedy_with_a_video_on_a_qwen3_vl_directory_equals_transformers_generate(tmp_path, capsys):
+    """Qwen3-VL writes a clip frame by frame: the chat template's <|vision_start|><|video_pad|>
+    <|vision_end|> becomes, per temporal patch, its time ("<0.5 seconds>") and the frame's own
+    <|vision_start|>, video tokens and <|vision_end|> (transformers' Qwen3VLProcessor);
+    transformers gets the clip's frames as one video of 3 temporal patches."""
+    pytest.importorskip("av")
+    from dataloading.formats.video import decode_video
+    from hf_family_helpers import save_tiny_qwen3_vl
+    from media_helpers import clip_bytes
+    from omni.models.encoders.qwen3_vl import Qwen3VisionEncoder
+    from recipes.model_source import load_model
+
+    hf, tok = save_tiny_qwen3_vl(tmp_path / "hf")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_bytes(frames=30, rate=10, height=64, width=96, texture_seed=0))  # 3 s
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", "what happens?",
+                 "--max-new-tokens", "10", "--json"]) == 0
+    got = _json_out(capsys)
+    enc = load_model(str(tmp_path / "hf")).model.encoders["image"]
+    items = Qwen3VisionEncoder.processor(enc.config).video(decode_video(clip.read_bytes()))
+    assert len(items) == 3 and len({it.size for it in items}) == 1  # 6 frames at 2 a second, patches of 2
+    _, gh, gw = items[0].size
+    n = items[0].num_tokens
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                 {"type": "text", "text": "what happens?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    # frames at 0.25, 0.75, ..., 2.75 s; each patch's time is its two frames' mean
+    frames = "".join(f"<{s} seconds><|vision_start|>" + "<|video_pad|>" * n + "<|vision_end|>"
+                     for s in ("0.5", "1.5", "2.5"))
+    text = text.replace("<|vision_start|><|video_pad|><|vision_end|>", frames)
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    video = hf.config.video_token_id
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], pixel_values_videos=torch.cat([it.features for it in items]),
+                           video_grid_thw=torch.tensor([[3, gh, gw]]),
+                           mm_token_type_ids=(ids == video).long()[None] * 2, max_new_tokens=10,
+                           do_sample=False)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]
+    assert got["token_ids"] == want and len(want) >= 3
+
+
 def test_media_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
     """An image whose grid the Qwen processor cannot make (aspect ratio over 200) and a video
     without the decoder extra, each one line; the video's before the model is read."""

@@ -138,16 +138,25 @@ class SampleConstructor:
         media: list[tuple[str, MediaItem, np.ndarray]] = []
         spans: list = []
         k = 0
+        closing = None  # a dropped frame's closing token, still to come
         for text, is_target in pieces:
             for t in tok.encode(as_encoder_placeholders(text)):
+                if t == closing:
+                    closing = None
+                    continue
                 if t in self._placeholder_set:
                     modality, chunks = items[k]  # parse_fields checked count and modalities
                     k += 1
                     assert t == self._placeholder_of[modality], "placeholder order validated in parse_fields"
+                    if chunks[0].frame_text is not None:  # written frame by frame: the placeholder's frame goes
+                        closing = self._drop_frame(ids, target)
                     before = len(ids)
                     for chunk in chunks:
                         if chunk.track is not None:
                             self._interleave(chunk, t, ids, media, spans)
+                            continue
+                        if chunk.frame_text is not None:
+                            self._framed(chunk, t, ids, media)
                             continue
                         media.append((modality, chunk, np.arange(len(ids), len(ids) + chunk.num_tokens)))
                         ids.extend([t] * chunk.num_tokens)
@@ -164,6 +173,35 @@ class SampleConstructor:
         wanted = np.asarray(target[1:], dtype=bool)
         labels[:-1][wanted] = ids_arr[1:][wanted]
         return Tokenized(sample.sample_id, ids_arr, labels, media, spans)
+
+    def _frame_ids(self) -> tuple[int | None, int | None]:
+        """The ids of the opening and closing tokens the family frames a video's item with (None
+        without a family's tokens: a byte tokenizer writes the frames bare)."""
+        frame = getattr(self.tokenizer, "family_tokens", {}).get(VIDEO.name)
+        if frame is None:
+            return None, None
+        return tuple(self.tokenizer.token_id(x) if x else None for x in (frame.before, frame.after))
+
+    def _drop_frame(self, ids: list[int], target: list[bool]) -> int | None:
+        """Drop the opening token just written before a placeholder whose items come framed one by
+        one (as transformers' Qwen3-VL processor collapses the chat template's wrapper); return
+        the closing token to skip when it comes."""
+        opening, closing = self._frame_ids()
+        if opening is None or not ids or ids[-1] != opening:
+            return None  # the placeholder was written bare
+        ids.pop()
+        target.pop()
+        return closing
+
+    def _framed(self, item: MediaItem, placeholder: int, ids: list[int], media: list) -> None:
+        """One frame of a clip as its family writes it: its text, the opening token, the item's
+        placeholders, the closing token (``MediaItem.frame_text``)."""
+        opening, closing = self._frame_ids()
+        ids.extend(self.tokenizer.encode(item.frame_text))
+        ids.extend([opening] if opening is not None else [])
+        media.append((VIDEO.encoder, item, np.arange(len(ids), len(ids) + item.num_tokens)))
+        ids.extend([placeholder] * item.num_tokens)
+        ids.extend([closing] if closing is not None else [])
 
     def _interleave(self, video: MediaItem, video_id: int, ids: list[int], media: list, spans: list) -> None:
         """A video and its track between the audio's opening and closing tokens, their tokens in

@@ -59,6 +59,11 @@ class MediaItem:
     # ``dataloading.construct.positions.video_with_audio``); None: the frames alone.
     track: "MediaItem | None" = None
     track_chunk: float = 0.0
+    # One frame of a clip that a family writes frame by frame (Qwen3-VL: a timestamp before each
+    # temporal patch): this text, then the family's opening token, the item's placeholders and
+    # its closing token; the placeholder's own opening and closing tokens are dropped
+    # (``dataloading.construct.constructor``). None: the item sits inside its placeholder's frame.
+    frame_text: str | None = None
 
 
 @runtime_checkable
@@ -80,6 +85,13 @@ class MediaProcessor(Protocol):
         num_samples/sample_rate; video: ``dataloading.formats.video.video_meta``), so planning never
         decodes media."""
         ...
+
+
+def frame_texts_from_meta(processor: MediaProcessor, meta: dict) -> list[str]:
+    """The texts a processor writes before the frames of a clip (``MediaItem.frame_text``), from
+    index metadata (its optional ``frame_texts_from_meta``); [] for one that writes none."""
+    texts = getattr(processor, "frame_texts_from_meta", None)
+    return list(texts(meta)) if texts is not None else []
 
 
 def processor_for(processors: Mapping[str, MediaProcessor], kind: str, where: str) -> MediaProcessor:

@@ -150,7 +150,8 @@ VIDEO = Modality(
     read_meta=video_meta, decode=decode_video, sniff=sniff_video,
     options={"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int},
     record_keys=("videos", "video"), part_types=("video", "video_url"),
-    encoded_as="image", item_method="video", item_hint="a video-capable vision encoder (qwen_vl)",
+    encoded_as="image", item_method="video",
+    item_hint="a video-capable vision encoder (qwen_vl, qwen3_vl, qwen_omni_vision)",
     decodes_lazily=True)
 
 #: The media kinds Omni knows, in the order their maps list them.

@@ -31,7 +31,8 @@ import numpy as np
 
 from dataloading.errors import DataError
 from dataloading.formats.media import (MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality,
-                                       processor_for)
+                                       frame_texts_from_meta, processor_for)
+from dataloading.formats.modality import VIDEO
 from dataloading.formats.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
 from dataloading.index.source_index import SampleMeta, SourceIndex
 from dataloading.plan.balance import arrange
@@ -59,6 +60,21 @@ def media_tokens(meta: SampleMeta, processors: Mapping[str, MediaProcessor], whe
     return out
 
 
+def frame_text_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
+                      where: str = "") -> int:
+    """Tokens of the text a processor writes between a clip's frames (Qwen3-VL's timestamps:
+    ``MediaItem.frame_text``) beyond the placeholder's own: every frame's text and, where the
+    family frames a video (its opening and closing tokens), one more pair per frame but the first."""
+    frame = getattr(tokenizer, "family_tokens", {}).get(VIDEO.name)
+    pair = 0 if frame is None else bool(frame.before) + bool(frame.after)
+    n = 0
+    for kind, m in meta.media:
+        texts = frame_texts_from_meta(processor_for(processors, kind, f"{where or 'sample'} {meta.key}:"), m)
+        if texts:
+            n += estimate_text_tokens(tokenizer, sum(len(t.encode()) for t in texts)) + pair * (len(texts) - 1)
+    return n
+
+
 def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
                     where: str = "", template_bytes: int = 0) -> int:
     """Packed length of a sample from index metadata (exact for ByteTokenizer)."""
@@ -67,7 +83,7 @@ def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[
     n += estimate_text_tokens(tokenizer, meta.text_bytes - placeholder_bytes + template_bytes)
     if meta.response_bytes is not None:
         n += estimate_text_tokens(tokenizer, meta.response_bytes)
-    return n + sum(media_tokens(meta, processors, where))
+    return n + sum(media_tokens(meta, processors, where)) + frame_text_tokens(meta, tokenizer, processors, where)
 
 
 def _seed_words(seed: int) -> int:
@@ -105,7 +121,7 @@ class SourceTable:
         for i, meta in enumerate(index.samples):
             items = media_tokens(meta, self.processors, where)
             if meta.key in chat:
-                self.tokens[i] = chat[meta.key] + sum(items)
+                self.tokens[i] = chat[meta.key] + sum(items) + frame_text_tokens(meta, tokenizer, self.processors, where)
             else:
                 self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
             # A video costs what its encoder's item of that many tokens costs (an image item's).

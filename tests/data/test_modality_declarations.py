@@ -114,7 +114,7 @@ def test_an_item_is_made_by_the_declared_processor_method():
     assert IMAGE.make_item(Frames(), 1) == ("called", 1) and VIDEO.make_item(Frames(), 2) == ("video", 2)
     assert VIDEO.made_by(Frames()) and not VIDEO.made_by(lambda raw: raw) and IMAGE.made_by(lambda raw: raw)
     with pytest.raises(DataError, match=r"has video media but the image encoder's processor \(function\) cannot "
-                                         r"encode video; use a video-capable vision encoder \(qwen_vl\)"):
+                                         r"encode video; use a video-capable vision encoder \(qwen_vl"):
         media.processor_for({"image": lambda raw: raw}, "video", "sample s/1")
 
 

@@ -267,11 +267,12 @@ def test_omni_data_plan_shows_the_video_cost_and_a_budget_error_in_one_line(vide
         "max_video_pixels is 1000; raise video.max_video_pixels" in err[0], err
 
 
-def test_a_tiny_qwen_vl_model_trains_two_steps_on_videos(video_mixture, tmp_path):
+@pytest.mark.parametrize("experiment", ["qwen2_vl_tiny", "qwen3_vl_tiny"])  # Qwen3-VL: a timestamp per frame
+def test_a_tiny_qwen_vl_model_trains_two_steps_on_videos(video_mixture, tmp_path, experiment):
     from recipe_helpers import read_metrics, train
 
     run_dir = tmp_path / "run"
-    result = train(["experiment=qwen2_vl_tiny", f"data.mixture={video_mixture}", "data.global_batch_size=2",
+    result = train([f"experiment={experiment}", f"data.mixture={video_mixture}", "data.global_batch_size=2",
                     "data.num_workers=0", f"trainer.run_dir={run_dir}", "trainer.progress=false",
                     "trainer.eval_at_end=false", "trainer.max_steps=2", "optim.warmup_steps=1", "checkpoint.every=0"])
     steps = [r for r in read_metrics(run_dir) if "loss" in r]

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Dict, Tuple
 
-from omni.models.encoders.qwen3_vl import Qwen3VisionEncoder
+from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder, Qwen3VisionProcessor
 from omni.models.encoders.qwen_omni_vision import thinker_config
 
 OMNI3_MODEL_TYPES = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
+
+
+class Qwen3OmniVisionProcessor(Qwen3VisionProcessor):
+    """Qwen3-VL's image processor without its videos: Qwen3-Omni lays a video out by time
+    (unfloored rotary steps, its audio track interleaved token by token), which Omni does not
+    build yet. With no ``video`` method, a video source is refused in one line before loading."""
+
+    video = None
 
 
 class Qwen3OmniVisionEncoder(Qwen3VisionEncoder):
@@ -24,6 +32,10 @@ class Qwen3OmniVisionEncoder(Qwen3VisionEncoder):
 
     hf_model_types: ClassVar[Tuple[str, ...]] = OMNI3_MODEL_TYPES
     hf_weight_prefixes: ClassVar[Tuple[str, ...]] = ("thinker.visual.", "model.visual.", "visual.")
+
+    @classmethod
+    def processor(cls, config: Qwen3VisionConfig) -> Qwen3OmniVisionProcessor:
+        return Qwen3OmniVisionProcessor(cls.build_config(config))
 
     @classmethod
     def vision_config_of(cls, hf_config: Dict[str, Any]) -> Dict[str, Any]:

@@ -9,6 +9,8 @@ configs of its Hugging Face checkpoints:
   ``num_position_embeddings`` entries, resampled to each item's ``h x w`` grid by bilinear
   interpolation with aligned corners (each patch a weighted sum of four entries); every frame of
   a video repeats the image's.
+- **Videos** as one item per temporal patch, a timestamp written before each
+  (``Qwen3VisionProcessor``).
 - **Blocks**: LayerNorm, fused qkv with bias, a plain ``linear_fc1``/``linear_fc2`` MLP (tanh
   GELU); attention over each frame of each item, no windows.
 - **DeepStack**: the hidden states after the layers ``deepstack_visual_indexes`` are merged
@@ -27,9 +29,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
+from dataloading.formats.media import MediaItem
+from dataloading.formats.video import frame_times
 from parallel.transfer import to_device
 from omni.models.encoders.base import EncoderAnchor, check_sizes
 from omni.models.encoders.blocks import activation
@@ -86,13 +91,38 @@ class Qwen3VisionConfig(QwenTowerGeometry):
 
 
 class Qwen3VisionProcessor(QwenVisionProcessor):
-    """Qwen's image processor with Qwen3-VL's patch, budget and normalisation. Videos are
-    refused: Qwen3-VL writes a timestamp between the frames of a video (text tokens the
-    tokenizer must place), which Omni does not write yet."""
+    """Qwen's image processor with Qwen3-VL's patch, budget and normalisation.
 
-    def video(self, clip: Any):
-        raise ValueError("Qwen3-VL videos are not supported yet (the family writes a timestamp before every "
-                         "frame); train Qwen3-VL on images, or use a Qwen2.5-VL tower for video")
+    A video is sampled and resized as Qwen2-VL's (``QwenVisionProcessor.video``), and becomes one
+    item per temporal patch, each of size (1, grid_h, grid_w) with the frame text Qwen3-VL's
+    processor writes before it, ``<{seconds:.1f} seconds>``: the mean time of its two frames
+    (transformers' ``Qwen3VLProcessor.replace_video_token``). The tower attends within each
+    temporal patch and repeats its positions per frame, so the items encode as the clip would;
+    the LLM places each as an image (transformers' ``get_rope_index`` splits the video's grid
+    the same way), with the timestamp's tokens as text between them."""
+
+    def frame_seconds(self, duration: float, n: int) -> np.ndarray:
+        """Each temporal patch's time: the mean of its frames' (``frame_times``)."""
+        return frame_times(duration, n).reshape(-1, self.frames).mean(axis=1)
+
+    def video(self, clip: Any) -> List[MediaItem]:
+        whole = super().video(clip)
+        t, gh, gw = whole.size
+        per = gh * gw
+        seconds = self.frame_seconds(clip.meta["duration"], t * self.frames)
+        rows, cols = gh // self.merge, gw // self.merge
+        return [MediaItem(features=whole.features[i * per:(i + 1) * per], size=(1, gh, gw), num_tokens=rows * cols,
+                          rope_grid=(1, rows, cols, 1.0), frame_text=_stamp(s)) for i, s in enumerate(seconds)]
+
+    def frame_texts_from_meta(self, meta: Dict[str, Any]) -> List[str]:
+        if "duration" not in meta:  # an image
+            return []
+        n = self.video_grid(meta)[0]
+        return [_stamp(s) for s in self.frame_seconds(meta["duration"], n)]
+
+
+def _stamp(seconds: float) -> str:
+    return f"<{seconds:.1f} seconds>"
 
 
 class _Block(nn.Module):
