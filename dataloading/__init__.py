@@ -25,7 +25,7 @@ _EXPORTS = {
     "load_index": "index.source_index",
     "SourceReader": "index.shards", "write_shards": "index.shards",
     "Mixture": "plan.mixture", "SourceSpec": "plan.mixture", "load_mixture": "plan.mixture",
-    "Planner": "plan.planner", "estimate_tokens": "plan.planner",
+    "Planner": "plan.planner", "estimate_tokens": "plan.sample_length",
     "SampleConstructor": "construct.constructor", "dummy_micro_batch": "construct.constructor",
     "EvalSet": "construct.held_out",
     "StepLoader": "serve.loader", "build_loader": "serve.loader", "RayStepLoader": "serve.ray_backend",

@@ -25,10 +25,11 @@ from dataloading.construct.positions import mrope_position_ids, video_with_audio
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.chat import last_answer
 from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
-                                       encoder_modality, processor_for)
+                                       encoder_modality, processor_for, takes_video_track)
 from dataloading.formats.modality import AUDIO, MODALITIES, VIDEO
 from dataloading.formats.sample import DecodedSample, decode_sample, text_segments
 from dataloading.formats.tokenizer import Tokenizer
+from dataloading.formats.video import audio_track
 from dataloading.index.shards import ShardPool, SourceReader
 from dataloading.plan.mixture import SourceOptions
 from dataloading.plan.pieces import PIECE_SEP, split_piece
@@ -93,6 +94,8 @@ class SampleConstructor:
         """One placeholder's media: a single item, or consecutive chunks (e.g. long audio); a
         video is one item made by the image processor's ``video`` method (``Modality.make_item``)."""
         proc = processor_for(self._processors(sample_id), kind, f"sample {sample_id}")
+        if kind == VIDEO.name and takes_video_track(proc) and raw.audio is None:
+            raw = self._track_of(sample_id, raw)
         try:
             item = MODALITIES[kind].make_item(proc, raw)
         except DataError:
@@ -107,6 +110,17 @@ class SampleConstructor:
         if getattr(raw, "audio", None) is not None:  # a video with its own audio track
             items[0] = self._with_track(sample_id, items, raw.audio)
         return items
+
+    def _track_of(self, sample_id: str, clip):
+        """The clip with its own audio track decoded (``Video.audio``); unchanged without one."""
+        try:
+            track = audio_track(clip.data)
+        except DataError:
+            raise  # the decoder is not installed: one line naming the extra
+        except Exception as e:
+            raise DataError(f"sample {sample_id}: the video's audio track does not decode ({type(e).__name__}: {e})",
+                            kind="media_error") from None
+        return clip if track is None else dataclasses.replace(clip, audio=track)
 
     def _with_track(self, sample_id: str, items: list[MediaItem], audio) -> MediaItem:
         """The video's item with its audio track's item (``MediaItem.track``), encoded by the
@@ -237,17 +251,17 @@ class SampleConstructor:
                 raise DataError(f"sample {sid}: piece {piece} starts at token {lo} but the sample has {len(t)} "
                                 "(the index's length estimate was high); the piece is dropped", kind="split_piece_empty")
             cuts = range(budget, len(t), budget)
-            for _, _, p in t.media:  # a cut anywhere inside an item drops every piece (each counted)
-                if any(p[0] < c <= p[-1] for c in cuts):
+            for first, last in _whole_runs(t):  # a cut anywhere inside one drops every piece (each counted)
+                if any(first < c <= last for c in cuts):
                     raise DataError(f"sample {sid}: splitting it at {budget} tokens would cut a media item in two; "
                                     "raise data.micro_batch_tokens or use over_budget: truncate/skip for this source",
                                     kind="split_cuts_media")
             return _slice(t, f"{sid}{PIECE_SEP}{piece}", lo, hi)
         if policy == "truncate":
             cut = budget
-            for _, _, p in t.media:  # never keep part of a media item: cut before it
-                if p[0] < cut <= p[-1]:
-                    cut = int(p[0])
+            for first, last in sorted(_whole_runs(t), reverse=True):  # never keep part of one: cut before it
+                if first < cut <= last:
+                    cut = first
             return _slice(t, sid, 0, cut)
         raise DataError(f"sample {sid} needs {len(t)} tokens but data.micro_batch_tokens={budget}; raise "
                         f"data.micro_batch_tokens, lower the image patch budget, or set data.over_budget "
@@ -355,6 +369,13 @@ def assemble(samples: Sequence[Tokenized]) -> MicroBatch:
         rope_position_ids=rope)
 
 
+def _whole_runs(t: Tokenized) -> list[tuple[int, int]]:
+    """(first, last) token of each run a cut must not go through: a media item's placeholders,
+    an interleaved video's span with its opening and closing tokens."""
+    return ([(int(p[0]), int(p[-1])) for _, _, p in t.media]
+            + [(start, start + rel.shape[1] - 1) for start, rel, _ in t.spans])
+
+
 def _slice(t: Tokenized, unit_id: str, lo: int, hi: int) -> Tokenized:
     """Tokens [lo, hi) of a sample as a document of its own; media fully inside are kept.
 
@@ -363,9 +384,6 @@ def _slice(t: Tokenized, unit_id: str, lo: int, hi: int) -> Tokenized:
     labels = t.labels[lo:hi].copy()
     media = [(m, it, p - lo) for m, it, p in t.media if p[0] >= lo and p[-1] < hi]
     spans = [(start - lo, rel, resume) for start, rel, resume in t.spans if start >= lo and start + rel.shape[1] <= hi]
-    if len(spans) != len(t.spans):
-        raise DataError(f"sample {t.sample_id}: a video interleaved with its audio track cannot be split over "
-                        f"pieces; raise data.micro_batch_tokens", kind="over_budget")
     return Tokenized(unit_id, t.ids[lo:hi], labels, media, spans)
 
 

@@ -87,6 +87,13 @@ class MediaProcessor(Protocol):
         ...
 
 
+def takes_video_track(processor: MediaProcessor) -> bool:
+    """Whether a video's processor was asked for each clip's own audio track (a source's
+    ``video: {audio: true}``): the constructor then decodes the track for the audio tower and the
+    planner counts its tokens."""
+    return bool(getattr(processor, "video_audio", False))
+
+
 def frame_texts_from_meta(processor: MediaProcessor, meta: dict) -> list[str]:
     """The texts a processor writes before the frames of a clip (``MediaItem.frame_text``), from
     index metadata (its optional ``frame_texts_from_meta``); [] for one that writes none."""

@@ -145,10 +145,12 @@ AUDIO = Modality(
 # ``video`` method and packed, encoded and multiplexed as image items; only its placeholder text
 # differs, and it becomes the image placeholder id (``dataloading.formats.media.as_encoder_placeholders``).
 # Its frames stay encoded until the processor samples them (``dataloading.formats.video``).
+# ``audio: true`` gives its own audio track to the audio tower too, where the model interleaves
+# the two (Qwen2.5-Omni's use_audio_in_video: ``dataloading.formats.media.takes_video_track``).
 VIDEO = Modality(
     "video", "<video>", ("mp4", "webm"), "a video (MP4, WebM)",
     read_meta=video_meta, decode=decode_video, sniff=sniff_video,
-    options={"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int},
+    options={"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int, "audio": (True, False)},
     record_keys=("videos", "video"), part_types=("video", "video_url"),
     encoded_as="image", item_method="video",
     item_hint="a video-capable vision encoder (qwen_vl, qwen3_vl, qwen_omni_vision)",

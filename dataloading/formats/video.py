@@ -41,7 +41,8 @@ def _stream(container):
 
 def video_meta(data: bytes) -> dict[str, Any]:
     """Header-only metadata of a video: ``width``, ``height`` (pixels), ``frames`` (count),
-    ``fps`` (average frame rate) and ``duration`` (seconds). No frame is decoded.
+    ``fps`` (average frame rate), ``duration`` (seconds) and ``track``, its audio track's
+    (``_track_meta``; None without one). Nothing is decoded.
 
     Containers that do not store a frame count (WebM) get ``round(duration x fps)``; one without
     a stream duration falls back to the container's."""
@@ -67,9 +68,29 @@ def video_meta(data: bytes) -> dict[str, Any]:
             duration = frames / fps
         if not frames:
             frames = max(1, round(duration * fps))
+        track = _track_meta(container)
     if width < 1 or height < 1 or not duration > 0:
         raise ValueError(f"the header says {width}x{height} pixels and {duration} s")
-    return {"width": width, "height": height, "frames": frames, "fps": fps, "duration": duration}
+    return {"width": width, "height": height, "frames": frames, "fps": fps, "duration": duration, "track": track}
+
+
+def _track_meta(container) -> dict[str, int] | None:
+    """The first audio stream's ``num_samples`` and ``sample_rate`` from the header (an audio
+    file's metadata, what the audio tower's processor counts tokens from), None without one.
+    ``audio_track`` decodes every packet whole, so a codec of fixed frames (AAC: 1024 samples,
+    its priming frame included) gives packets x frame size; others the duration x the rate."""
+    if not container.streams.audio:
+        return None
+    s = container.streams.audio[0]
+    rate = int(s.rate or s.codec_context.sample_rate or 0)
+    frame = int(s.codec_context.frame_size or 0)
+    if s.frames and frame:
+        n = int(s.frames) * frame
+    elif s.duration is not None and s.time_base is not None:
+        n = round(float(s.duration * s.time_base) * rate)
+    else:
+        n = round(container.duration / 1_000_000 * rate) if container.duration else 0
+    return {"num_samples": n, "sample_rate": rate} if rate > 0 and n > 0 else None
 
 
 def sample_count(meta: dict, fps: float, min_frames: int, max_frames: int, multiple: int) -> int:

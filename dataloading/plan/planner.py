@@ -30,60 +30,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataloading.errors import DataError
-from dataloading.formats.media import (MEDIA_PLACEHOLDERS, MediaProcessor, configure_processors, encoder_modality,
-                                       frame_texts_from_meta, processor_for)
-from dataloading.formats.modality import VIDEO
-from dataloading.formats.tokenizer import ByteTokenizer, Tokenizer, estimate_text_tokens
-from dataloading.index.source_index import SampleMeta, SourceIndex
+from dataloading.formats.media import MediaProcessor, configure_processors
+from dataloading.formats.tokenizer import ByteTokenizer, Tokenizer
+from dataloading.index.source_index import SourceIndex
 from dataloading.plan.balance import arrange
 from dataloading.plan.cost import CostModel
 from dataloading.plan.mixture import SourceOptions, WeightSchedule
 from dataloading.plan.packing import Packing
 from dataloading.plan.pieces import PIECE_SEP, split_piece
+from dataloading.plan.sample_length import estimate_tokens, layout_tokens, media_entries
 from dataloading.plan.token_counts import chat_token_counts
 
 log = logging.getLogger("omni.data")
 
 _COUNTS_TAG, _PERM_TAG, _ORDER_TAG = 1, 2, 3  # keep the random streams of a seed apart
-
-
-def media_tokens(meta: SampleMeta, processors: Mapping[str, MediaProcessor], where: str = "") -> list[int]:
-    """Encoder tokens per media item, from index metadata (a video's from the image processor
-    that encodes it)."""
-    out = []
-    for kind, m in meta.media:
-        proc = processor_for(processors, kind, f"{where or 'sample'} {meta.key}:")
-        try:
-            out.append(int(proc.num_tokens_from_meta(m)))
-        except ValueError as e:  # e.g. an audio clip over max_frames without chunking, a video over its budget
-            raise DataError(f"{where or 'sample'} {meta.key}: {e}", kind="media_error") from None
-    return out
-
-
-def frame_text_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
-                      where: str = "") -> int:
-    """Tokens of the text a processor writes between a clip's frames (Qwen3-VL's timestamps:
-    ``MediaItem.frame_text``) beyond the placeholder's own: every frame's text and, where the
-    family frames a video (its opening and closing tokens), one more pair per frame but the first."""
-    frame = getattr(tokenizer, "family_tokens", {}).get(VIDEO.name)
-    pair = 0 if frame is None else bool(frame.before) + bool(frame.after)
-    n = 0
-    for kind, m in meta.media:
-        texts = frame_texts_from_meta(processor_for(processors, kind, f"{where or 'sample'} {meta.key}:"), m)
-        if texts:
-            n += estimate_text_tokens(tokenizer, sum(len(t.encode()) for t in texts)) + pair * (len(texts) - 1)
-    return n
-
-
-def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
-                    where: str = "", template_bytes: int = 0) -> int:
-    """Packed length of a sample from index metadata (exact for ByteTokenizer)."""
-    placeholder_bytes = sum(len(MEDIA_PLACEHOLDERS[m].encode()) for m, _ in meta.media)
-    n = (tokenizer.bos_id is not None) + 1  # BOS (if any) + EOS
-    n += estimate_text_tokens(tokenizer, meta.text_bytes - placeholder_bytes + template_bytes)
-    if meta.response_bytes is not None:
-        n += estimate_text_tokens(tokenizer, meta.response_bytes)
-    return n + sum(media_tokens(meta, processors, where)) + frame_text_tokens(meta, tokenizer, processors, where)
 
 
 def _seed_words(seed: int) -> int:
@@ -119,13 +79,13 @@ class SourceTable:
         chat = (chat_token_counts(name, index, tokenizer, options, progress=progress)
                 if any(m.chat for m in index.samples) else {})
         for i, meta in enumerate(index.samples):
-            items = media_tokens(meta, self.processors, where)
+            entries = media_entries(meta, self.processors, where)
+            modalities, items = [m for m, _ in entries], [k for _, k in entries]
             if meta.key in chat:
-                self.tokens[i] = chat[meta.key] + sum(items) + frame_text_tokens(meta, tokenizer, self.processors, where)
+                self.tokens[i] = chat[meta.key] + sum(items) + layout_tokens(meta, tokenizer, self.processors, where)
             else:
                 self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
             # A video costs what its encoder's item of that many tokens costs (an image item's).
-            modalities = [encoder_modality(m) for m, _ in meta.media]
             self.media_cost[i] = sum(float(cost.media_cost(m, k)) for m, k in zip(modalities, items))
             self.num_media[i] = len(items)
             self.media_start[i] = len(flat_tokens)

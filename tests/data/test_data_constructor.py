@@ -9,7 +9,7 @@ from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.tokenizer import ByteTokenizer
 from dataloading.index.shards import SourceReader, write_shards
 from dataloading.index.source_index import load_index
-from dataloading.plan.planner import estimate_tokens
+from dataloading.plan.sample_length import estimate_tokens
 
 TOK = ByteTokenizer()
 IMG, AUD = TOK.placeholder_ids["image"], TOK.placeholder_ids["audio"]

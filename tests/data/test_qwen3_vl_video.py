@@ -16,7 +16,7 @@ from dataloading.formats.media import frame_texts_from_meta, processor_for
 from dataloading.formats.tokenizer import ByteTokenizer
 from dataloading.formats.video import decode_video, frame_times
 from dataloading.index.source_index import build_index, load_index
-from dataloading.plan.planner import estimate_tokens
+from dataloading.plan.sample_length import estimate_tokens
 from omni.models.encoders.qwen3_omni_vision import Qwen3OmniVisionEncoder
 from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder
 from omni.models.encoders.qwen_vl_processor import QwenVisionProcessor

@@ -22,7 +22,7 @@ from dataloading.index.shards import write_shards
 from dataloading.index.source_index import build_index, load_index
 from dataloading.plan.cost import CostModel
 from dataloading.plan.mixture import load_mixture
-from dataloading.plan.planner import estimate_tokens
+from dataloading.plan.sample_length import estimate_tokens
 from dataloading.serve.loader import build_planner
 from media_helpers import clip_bytes as media_clip_bytes
 from omni.models.encoders.qwen_vl import QwenVisionConfig, QwenVisionEncoder
@@ -60,7 +60,7 @@ def mp4():
 def test_a_clip_decodes_and_its_header_gives_the_metadata(fmt, codec):
     data = clip_bytes(fmt, codec)
     # WebM stores no frame count: it comes from the duration and the rate
-    assert video_meta(data) == {"width": W, "height": H, "frames": FRAMES, "fps": 10.0, "duration": 2.0}
+    assert video_meta(data) == {"width": W, "height": H, "frames": FRAMES, "fps": 10.0, "duration": 2.0, "track": None}
     frames = decode_video(data).frames([0.05, 0.95, 1.0, 1.95, 7.0])
     assert all(f.shape == (H, W, 3) and f.dtype == np.uint8 for f in frames)
     # the frame on screen at each time; past the end, the last one
@@ -175,7 +175,8 @@ def test_a_video_sample_indexes_and_builds_a_row_whose_length_the_plan_predicts(
     folder = write_video_source(tmp_path, data=mp4)
     build_index(folder, workers=1, progress=False)
     (meta,) = load_index(folder).samples
-    assert meta.media == [("video", {"width": W, "height": H, "frames": FRAMES, "fps": 10.0, "duration": 2.0})]
+    assert meta.media == [("video", {"width": W, "height": H, "frames": FRAMES, "fps": 10.0, "duration": 2.0,
+                                     "track": None})]
     tok = ByteTokenizer(["image"])
     procs = {"image": tiny_processor()}
     constructor = SampleConstructor({"clips": load_index(folder).reader("clips")}, tok, procs, 256)

@@ -66,6 +66,7 @@ class QwenVisionProcessor:
         # A video's own audio track interleaves with its frames in chunks of this many rotary
         # positions (Qwen2.5-Omni: seconds_per_chunk 2 at tokens_per_second; 0: no track)
         self.track_chunk_positions = 2.0 * config.tokens_per_second if resume_after_largest else 0.0
+        self.video_audio = False  # a source's ``video: {audio: true}``: each clip's own track beside its frames
         self.patch = config.patch_size
         self.merge = config.spatial_merge
         self.frames = config.temporal_patch_size
@@ -85,10 +86,16 @@ class QwenVisionProcessor:
 
     def with_options(self, max_pixels: Optional[int] = None, min_pixels: Optional[int] = None,
                      fps: Optional[float] = None, min_frames: Optional[int] = None, max_frames: Optional[int] = None,
-                     max_video_pixels: Optional[int] = None) -> "QwenVisionProcessor":
+                     max_video_pixels: Optional[int] = None, audio: Optional[bool] = None) -> "QwenVisionProcessor":
         """A copy with one data source's settings: the pixel budget of an image or a video frame
-        (mixture file ``image:`` options), and video sampling (``video:`` options)."""
+        (mixture file ``image:`` options), video sampling and a clip's own audio track (``video:``
+        options)."""
         other = copy.copy(self)
+        if audio is not None:
+            if audio and not self.track_chunk_positions:
+                raise ValueError("audio: a video's own audio track goes beside its frames only in a model that "
+                                 "interleaves them (Qwen2.5-Omni's thinker)")
+            other.video_audio = bool(audio)
         other.max_pixels = int(max_pixels) if max_pixels is not None else self.max_pixels
         other.min_pixels = int(min_pixels) if min_pixels is not None else min(self.min_pixels, other.max_pixels)
         side = self.patch * self.merge
