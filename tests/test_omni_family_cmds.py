@@ -278,6 +278,62 @@ def test_greedy_with_a_video_and_its_own_audio_equals_transformers_generate(tmp_
     assert got["token_ids"] == want and len(want) >= 3
 
 
+@pytest.mark.parametrize("with_audio", [False, True], ids=["frames", "frames and track"])
+def test_qwen3_omni_greedy_with_a_video_equals_transformers_generate(tmp_path, capsys, with_audio):
+    """Qwen3-Omni: a 3-second clip as one item of 3 temporal patches, 13 positions apart
+    (position_id_per_seconds 13 x 2 frames / 2 fps), no timestamps; with `--video-audio` its AAC
+    track's tokens merged with the frames' token by token by time between <|audio_start|> and
+    <|audio_end|>, laid out here by transformers' own Qwen3OmniMoeProcessor rule."""
+    pytest.importorskip("av")
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    from dataloading.formats.video import audio_track, decode_video
+    from hf_omni_helpers import save_tiny_qwen3_omni
+    from media_helpers import clip_with_audio_bytes
+    from omni.models.encoders.qwen3_omni_vision import Qwen3OmniVisionEncoder
+    from recipes.model_source import load_model
+
+    hf, tok = save_tiny_qwen3_omni(tmp_path / "hf")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_with_audio_bytes(seconds=3.0, height=64, width=96))
+    prompt = "what happens?"
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", prompt,
+                 "--max-new-tokens", "10", "--greedy", "--json"] + ["--video-audio"] * with_audio) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    loaded = load_model(str(tmp_path / "hf"))
+    item = Qwen3OmniVisionEncoder.processor(loaded.model.encoders["image"].config).video(decode_video(clip.read_bytes()))
+    assert item.size[0] == 3 and item.rope_grid[3:] == (13.0, True)
+    inner = "<|video_pad|>" * item.num_tokens
+    extra = {}
+    if with_audio:
+        wave, rate = audio_track(clip.read_bytes())
+        audio = loaded.model.encoders["audio"]
+        n_audio = audio.processor(audio.config)((wave, rate)).num_tokens
+        fake = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), audio_bos_token="<|audio_start|>",
+                               audio_eos_token="<|audio_end|>", video_token="<|video_pad|>", audio_token="<|audio_pad|>")
+        inner = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+            fake, {"video_grid_thw": [torch.tensor(item.size)], "video_second_per_grid": [1.0]}, 0,
+            {"num_audio_tokens": [n_audio]}, 0, position_id_per_seconds=13)
+        assert "<|audio_pad|><|video_pad|>" in inner and "<|video_pad|><|audio_pad|>" in inner  # interleaved
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt}]}],
+                                   tokenize=False, add_generation_prompt=True).replace("<|video_pad|>", inner)
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    if with_audio:
+        audio_in = omni_hf_inputs(tmp_path / "hf", [], [wave], ids.numpy())
+        extra = dict(input_features=audio_in["input_features"], feature_attention_mask=audio_in["feature_attention_mask"],
+                     use_audio_in_video=True)
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None],
+                           pixel_values_videos=item.features, video_grid_thw=torch.tensor([list(item.size)]),
+                           video_second_per_grid=torch.tensor([1.0]), max_new_tokens=10, do_sample=False,
+                           **extra)[0, len(ids):].tolist()
+    if want and want[-1] == tok.eos_token_id:
+        want = want[:-1]
+    assert got["token_ids"] == want and len(want) >= 3
+
+
 def test_video_audio_mistakes_are_one_line(tmp_path, capsys):
     """--video-audio on a clip without an audio track, and on a model without an audio tower."""
     pytest.importorskip("av")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
-from dataloading.construct.positions import mrope_position_ids, video_with_audio
+from dataloading.construct.positions import mrope_position_ids, video_with_audio, video_with_audio_by_time
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.chat import last_answer
 from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
@@ -125,12 +125,14 @@ class SampleConstructor:
     def _with_track(self, sample_id: str, items: list[MediaItem], audio) -> MediaItem:
         """The video's item with its audio track's item (``MediaItem.track``), encoded by the
         audio tower; one line when the model cannot take it."""
-        chunk = float(getattr(processor_for(self._processors(sample_id), VIDEO.name, f"sample {sample_id}"),
-                              "track_chunk_positions", 0.0))
+        proc = processor_for(self._processors(sample_id), VIDEO.name, f"sample {sample_id}")
+        chunk = float(getattr(proc, "track_chunk_positions", 0.0))
         frame = getattr(self.tokenizer, "family_tokens", {}).get(AUDIO.name)
-        if len(items) != 1 or not chunk or items[0].rope_grid is None or frame is None or not frame.before:
+        if (len(items) != 1 or not getattr(proc, "takes_track", False) or items[0].rope_grid is None or frame is None
+                or not frame.before):
             raise DataError(f"sample {sample_id}: a video's audio track goes beside its frames only in a model that "
-                            "interleaves them (Qwen2.5-Omni's thinker, with its own tokenizer)", kind="config")
+                            "interleaves them (the Qwen2.5-Omni and Qwen3-Omni thinkers, with their own tokenizer)",
+                            kind="config")
         track = self._media_items(sample_id, AUDIO.name, audio)
         if len(track) != 1:
             raise DataError(f"sample {sample_id}: the video's audio track became {len(track)} chunks; its clip must be "
@@ -222,7 +224,10 @@ class SampleConstructor:
         chunks (``video_with_audio``), each item's rows at its own positions, the span's M-RoPE
         positions explicit."""
         t, rows, cols, interval = video.rope_grid[:4]
-        runs, rel, resume = video_with_audio(t, rows, cols, interval, video.track.num_tokens, video.track_chunk)
+        if video.track_chunk:  # Qwen2.5-Omni: in chunks of positions
+            runs, rel, resume = video_with_audio(t, rows, cols, interval, video.track.num_tokens, video.track_chunk)
+        else:  # Qwen3-Omni: token by token, by time
+            runs, rel, resume = video_with_audio_by_time(t, rows, cols, interval, video.track.num_tokens)
         frame = self.tokenizer.family_tokens[AUDIO.name]
         opening, closing = (self.tokenizer.token_id(x) for x in (frame.before, frame.after))
         audio_id = self._placeholder_of[AUDIO.name]

@@ -48,6 +48,32 @@ def video_with_audio(t: int, rows: int, cols: int, interval: float, n_audio: int
     return runs, np.concatenate(parts, axis=1), top
 
 
+def video_with_audio_by_time(t: int, rows: int, cols: int, interval: float,
+                             n_audio: int) -> tuple[list[tuple[bool, int]], np.ndarray, int]:
+    """A video and its own audio track as Qwen3-Omni's thinker lays them out (``use_audio_in_video``):
+    between an opening and a closing token, the frames' tokens and the audio's merged by time,
+    token by token (a frame's tokens at ``frame x interval``, audio token ``i`` at ``i``; a frame
+    first on a tie). Returns what ``video_with_audio`` returns. As transformers' get_rope_index:
+    the opening token takes the position after the video's own opening token, the frames (time,
+    row, col) and the audio (i, i, i) count from the next one, and the closing token takes the
+    largest + 1, the video's own closing token the one after."""
+    if not float(interval).is_integer():
+        raise ValueError(f"a temporal step of {interval} positions is not whole")
+    times = np.repeat(np.arange(t, dtype=np.int64) * int(interval), rows * cols)
+    video = np.stack([times, np.tile(np.repeat(np.arange(rows), cols), t), np.tile(np.arange(cols), t * rows)])
+    audio = np.tile(np.arange(n_audio), (3, 1))
+    # by time, frames before audio at a tie; each kind keeps its own order (a stable sort)
+    kinds = np.concatenate([np.zeros(video.shape[1], np.int64), np.ones(n_audio, np.int64)])
+    order = np.lexsort((kinds, np.concatenate([video[0], audio[0]])))
+    merged = np.concatenate([video, audio], axis=1)[:, order]
+    is_video = kinds[order] == 0
+    edges = np.flatnonzero(np.diff(is_video.astype(np.int8))) + 1
+    runs = [(bool(is_video[a]), int(b - a)) for a, b in zip(np.r_[0, edges], np.r_[edges, len(order)])]
+    top = int(merged.max(initial=-1)) + 1
+    rel = np.concatenate([np.zeros((3, 1), np.int64), merged + 1, np.full((3, 1), top + 1)], axis=1)
+    return runs, rel, top + 2
+
+
 def mrope_position_ids(length: int, items: Sequence[tuple], spans: Sequence[tuple] = ()) -> torch.Tensor:
     """M-RoPE positions [3, length] (temporal, height, width) of one document of ``length``
     tokens whose media items are ``(start, t, rows, cols, time_interval[, after_largest])``: the

@@ -56,7 +56,8 @@ class MediaItem:
     rope_grid: tuple | None = None
     # A video's own audio track, encoded by the audio tower, its tokens interleaved with the
     # frames' in chunks of ``track_chunk`` rotary positions (Qwen2.5-Omni's use_audio_in_video:
-    # ``dataloading.construct.positions.video_with_audio``); None: the frames alone.
+    # ``dataloading.construct.positions.video_with_audio``), or token by token by time with
+    # ``track_chunk`` 0 (Qwen3-Omni's: ``video_with_audio_by_time``); None: the frames alone.
     track: "MediaItem | None" = None
     track_chunk: float = 0.0
     # One frame of a clip that a family writes frame by frame (Qwen3-VL: a timestamp before each

@@ -153,7 +153,7 @@ VIDEO = Modality(
     options={"fps": float, "min_frames": int, "max_frames": int, "max_video_pixels": int, "audio": (True, False)},
     record_keys=("videos", "video"), part_types=("video", "video_url"),
     encoded_as="image", item_method="video",
-    item_hint="a video-capable vision encoder (qwen_vl, qwen3_vl, qwen_omni_vision)",
+    item_hint="a video-capable vision encoder (qwen_vl, qwen3_vl, the Omni towers)",
     decodes_lazily=True)
 
 #: The media kinds Omni knows, in the order their maps list them.

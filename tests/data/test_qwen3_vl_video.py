@@ -2,8 +2,8 @@
 it (transformers' Qwen3VLProcessor), the frames sampled as Qwen2-VL's; in a packed row each frame
 is written as the family does (its text, the opening token, the placeholders, the closing token),
 placed as an image for M-RoPE, and the planner's length is the row's. Greedy generation on a
-Qwen3-VL directory equals transformers' (tests/test_generate_cmd.py); Qwen3-Omni's tower refuses
-videos in one line before any sample is read."""
+Qwen3-VL directory equals transformers' (tests/test_generate_cmd.py). Qwen3-Omni's tower takes a
+clip whole, without timestamps (its generation: tests/test_omni_family_cmds.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -90,9 +90,15 @@ def test_a_row_writes_each_frame_after_its_timestamp_and_the_plan_predicts_its_l
     assert (mb.labels[:39] == -100).all()
 
 
-def test_qwen3_omni_tower_refuses_a_video_source_in_one_line():
-    proc = Qwen3OmniVisionEncoder.processor(Qwen3VisionConfig(**TINY))
-    with pytest.raises(DataError, match=r"cannot encode video; use a video-capable vision encoder") as e:
-        processor_for({"image": proc}, "video", "source clips")
+def test_qwen3_omni_takes_a_clip_whole_and_refuses_an_fps_that_makes_its_step_fractional(mp4):
+    from dataloading.formats.media import configure_processors
+
+    proc = Qwen3OmniVisionEncoder.processor(Qwen3VisionConfig(**TINY, tokens_per_second=13))
+    item = proc.video(decode_video(mp4))  # one item, no timestamps; 13 x 2 frames / 2 fps positions apart
+    assert item.size == (2, 4, 6) and item.frame_text is None and item.rope_grid == (2, 2, 3, 13.0, True)
+    assert frame_texts_from_meta(proc, decode_video(mp4).meta) == [] and processor_for({"image": proc}, "video", "s")
+    assert configure_processors({"image": proc}, {"video": {"fps": 1}}, "source clips")["image"].patch_step() == 26
+    with pytest.raises(DataError, match=r"\(13\) x 2 / fps \(3\) = 8.66667 positions, which Omni keeps whole") as e:
+        configure_processors({"image": proc}, {"video": {"fps": 3}}, "source clips")
     assert e.value.kind == "config"
-    np.testing.assert_equal(proc(np.zeros((32, 48, 3), np.uint8)).size, (1, 4, 6))  # images still
+    np.testing.assert_equal(proc(np.zeros((32, 48, 3), np.uint8)).size, (1, 4, 6))  # images as Qwen3-VL's

@@ -19,7 +19,7 @@ from dataloading.index.shards import write_shards
 from dataloading.index.source_index import build_index, load_index
 from dataloading.plan.mixture import SourceOptions, load_mixture
 from dataloading.plan.sample_length import estimate_tokens, media_entries
-from hf_omni_helpers import save_tiny_qwen2_5_omni
+from hf_omni_helpers import save_tiny_qwen2_5_omni, save_tiny_qwen3_omni
 from media_helpers import clip_bytes, clip_with_audio_bytes
 
 av = pytest.importorskip("av")
@@ -34,15 +34,21 @@ def test_the_header_gives_the_tracks_samples_as_decoded(rate):
     assert video_meta(clip_bytes(frames=20, rate=10, height=56, width=84))["track"] is None
 
 
-@pytest.fixture(scope="module")
-def omni(tmp_path_factory):
-    """A tiny Qwen2.5-Omni thinker (its tokenizer and both processors) and a source of two clips
-    with sound (3 s and 1.2 s) and one without."""
+# family -> (its tiny thinker, its encoders preset)
+FAMILIES = {"qwen2_5_omni": (save_tiny_qwen2_5_omni, "omni"), "qwen3_omni": (save_tiny_qwen3_omni, "qwen3_omni")}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def omni(tmp_path_factory, request):
+    """A tiny thinker of each Omni family (its tokenizer and both processors) and a source of
+    two clips with sound (3 s and 1.2 s) and one without: Qwen2.5-Omni interleaves a track in
+    2-second chunks, Qwen3-Omni token by token."""
     from omni.models.build import media_processors
     from recipes.model_source import load_model
 
     root = tmp_path_factory.mktemp("track")
-    save_tiny_qwen2_5_omni(root / "hf")
+    FAMILIES[request.param][0](root / "hf")
+    (root / "encoders").write_text(FAMILIES[request.param][1])
     loaded = load_model(str(root / "hf"))
     clips = [clip_with_audio_bytes(seconds=3.0), clip_with_audio_bytes(seconds=1.2, hz=660.0),
              clip_bytes(frames=20, rate=10, height=56, width=84)]
@@ -109,7 +115,7 @@ def test_track_mistakes_are_one_line_before_training(omni, tmp_path):
     root, loaded, procs = omni
     # a model that does not interleave (Qwen2.5-VL) refuses the option in the mixture
     vl = {"image": QwenVisionEncoder.processor(QwenVisionConfig(variant="qwen2_5_vl", patch_size=14))}
-    with pytest.raises(DataError, match=r"only in a model that interleaves them \(Qwen2.5-Omni's thinker\)"):
+    with pytest.raises(DataError, match=r"only in a model that interleaves them \(the Qwen2.5-Omni and Qwen3-Omni"):
         configure_processors(vl, TRACK, "source clips")
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"sources:\n  - {{name: clips, path: {root / 'clips'}, weight: 1, video: {{audio: maybe}}}}\n")
@@ -136,7 +142,7 @@ def test_a_thinker_fine_tunes_on_a_source_of_clips_with_their_tracks(omni, tmp_p
     hf = root / "hf"
     run = tmp_path / "run"
     train([f"data.mixture={mix}", f"model.pretrained={hf}", f"data.tokenizer={hf}", f"encoders.vision.pretrained={hf}",
-           f"encoders.audio.pretrained={hf}", "encoders=omni", "data.global_batch_size=3", "data.num_workers=0",
+           f"encoders.audio.pretrained={hf}", f"encoders={(root / 'encoders').read_text()}", "data.global_batch_size=3", "data.num_workers=0",
            "data.micro_batch_tokens=1024", f"trainer.run_dir={run}", "trainer.progress=false",
            "trainer.eval_at_end=false", "trainer.max_steps=2", "optim.warmup_steps=1", "checkpoint.every=0"])
     steps = [r for r in read_metrics(run) if "loss" in r]

@@ -11,20 +11,55 @@ differs is where a checkpoint keeps it:
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, Tuple
+import dataclasses
+from typing import Any, ClassVar, Dict, List, Tuple
+
+from dataloading.formats.media import MediaItem
 
 from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder, Qwen3VisionProcessor
 from omni.models.encoders.qwen_omni_vision import thinker_config
+from omni.models.encoders.qwen_vl_processor import QwenVisionProcessor
 
 OMNI3_MODEL_TYPES = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
 
 
 class Qwen3OmniVisionProcessor(Qwen3VisionProcessor):
-    """Qwen3-VL's image processor without its videos: Qwen3-Omni lays a video out by time
-    (unfloored rotary steps, its audio track interleaved token by token), which Omni does not
-    build yet. With no ``video`` method, a video source is refused in one line before loading."""
+    """Qwen3-VL's image processor, with Qwen3-Omni's videos: a clip is one item of ``t``
+    temporal patches (sampled and resized as Qwen2-VL's, within Qwen3-Omni's clip budget of
+    768 merge groups of 32 x 32 pixels) inside the family's ``<|vision_start|>`` and
+    ``<|vision_end|>``, no timestamps; its temporal patches ``position_id_per_seconds x 2 / fps``
+    rotary positions apart (transformers' ``video_second_per_grid`` is 2 frames / the fps
+    asked for), text resuming past its largest position. transformers keeps those positions
+    unfloored; Omni's are integers, so an ``fps`` that makes the step fractional is refused. Its
+    own audio track interleaves token by token by time (``takes_track``, chunk 0)."""
 
-    video = None
+    def __init__(self, config: Qwen3VisionConfig):
+        super().__init__(config, resume_after_largest=True)
+        self.track_chunk_positions = 0.0  # by time, token by token
+        self.max_video_pixels = 768 * (self.patch * self.merge) ** 2  # Qwen3OmniMoeProcessor's videos_kwargs
+        self.positions_per_second = float(config.tokens_per_second)  # the thinker's position_id_per_seconds
+        self.patch_step()
+
+    def patch_step(self) -> float:
+        """Rotary positions between temporal patches: position_id_per_seconds x frames per patch / fps."""
+        step = self.positions_per_second * self.frames / self.fps
+        if not float(step).is_integer():
+            raise ValueError(f"Qwen3-Omni spaces a video's temporal patches by position_id_per_seconds "
+                             f"({self.positions_per_second:g}) x {self.frames} / fps ({self.fps:g}) = {step:g} "
+                             f"positions, which Omni keeps whole; choose an fps that makes it a whole number")
+        return step
+
+    def with_options(self, **options) -> "Qwen3OmniVisionProcessor":
+        other = super().with_options(**options)
+        other.patch_step()
+        return other
+
+    def video(self, clip: Any) -> MediaItem:
+        item = QwenVisionProcessor.video(self, clip)
+        return dataclasses.replace(item, rope_grid=(*item.rope_grid[:3], self.patch_step(), True))
+
+    def frame_texts_from_meta(self, meta: Dict[str, Any]) -> List[str]:
+        return []
 
 
 class Qwen3OmniVisionEncoder(Qwen3VisionEncoder):

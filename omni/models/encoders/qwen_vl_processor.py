@@ -66,6 +66,9 @@ class QwenVisionProcessor:
         # A video's own audio track interleaves with its frames in chunks of this many rotary
         # positions (Qwen2.5-Omni: seconds_per_chunk 2 at tokens_per_second; 0: no track)
         self.track_chunk_positions = 2.0 * config.tokens_per_second if resume_after_largest else 0.0
+        # Whether the family interleaves a video's own audio track with its frames (Qwen2.5-Omni in
+        # chunks of track_chunk_positions; Qwen3-Omni token by token by time: chunk 0)
+        self.takes_track = resume_after_largest
         self.video_audio = False  # a source's ``video: {audio: true}``: each clip's own track beside its frames
         self.patch = config.patch_size
         self.merge = config.spatial_merge
@@ -92,9 +95,9 @@ class QwenVisionProcessor:
         options)."""
         other = copy.copy(self)
         if audio is not None:
-            if audio and not self.track_chunk_positions:
+            if audio and not self.takes_track:
                 raise ValueError("audio: a video's own audio track goes beside its frames only in a model that "
-                                 "interleaves them (Qwen2.5-Omni's thinker)")
+                                 "interleaves them (the Qwen2.5-Omni and Qwen3-Omni thinkers)")
             other.video_audio = bool(audio)
         other.max_pixels = int(max_pixels) if max_pixels is not None else self.max_pixels
         other.min_pixels = int(min_pixels) if min_pixels is not None else min(self.min_pixels, other.max_pixels)
