@@ -9,6 +9,7 @@ under pp=2). And the Qwen2.5-VL tower (``qwen_vl``), whose items are (t, h, w) g
 sharded weights and bubble calls; Qwen3-VL's (``qwen3_vl``), whose DeepStack rows the first LLM
 layers add, under dp_shard=2, pp=2, tp=2 and cp=2, and on a Qwen3-MoE backbone (Qwen3-VL-MoE)
 under ep=2; Qwen2.5-Omni's two towers (``qwen_omni_vision``, ``qwen_omni_audio``) under dp_shard=2, pp=2
+and tp=2; Qwen3-Omni's (``qwen3_omni_vision``, ``qwen3_omni_audio``) into a Qwen3-MoE under pp=2
 and tp=2; and LLaVA-OneVision's (``llava_ov``), whose
 projector lays out whole items from their sizes."""
 from __future__ import annotations
@@ -18,6 +19,7 @@ from layout_harness import check_named_layouts, run_named_layouts
 BOTH = {"moe": False, "num_layers": 4, "media": ("image", "audio")}
 IMAGE = {"moe": False, "num_layers": 4, "media": ("image",)}
 QWEN3_MOE = {"moe": "qwen3_moe", "num_layers": 4, "media": ("image",)}
+QWEN3_OMNI = {"moe": "qwen3_moe", "num_layers": 4, "media": ("image", "audio")}
 MERGED = {"steps": 3, "merge": 2}
 LAYOUTS = [
     ("dp_shard=2, long items split over sp=2", dict(dp_shard=2), BOTH, {**MERGED, "long_items": True},
@@ -57,6 +59,11 @@ LAYOUTS = [
     ("qwen2.5-omni towers, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"), BOTH,
      {**MERGED, "vision": "omni"}, {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
     ("qwen2.5-omni towers, tp=2", dict(tp=2), BOTH, {**MERGED, "vision": "omni"}, {}),
+    # Qwen3-Omni's thinker: the Qwen3-VL tower (DeepStack) and its own audio tower into a Qwen3-MoE
+    ("qwen3-omni towers, Qwen3-MoE, pp=2 1f1b, bubble calls, p2p", dict(dp_shard=1, pp=2, pp_schedule="1f1b"),
+     QWEN3_OMNI, {**MERGED, "vision": "qwen3_omni"},
+     {"fill_bubbles": "true", "exchange": "p2p", "encoder_weights": "replicated"}),
+    ("qwen3-omni towers, Qwen3-MoE, tp=2", dict(tp=2), QWEN3_OMNI, {**MERGED, "vision": "qwen3_omni"}, {}),
     # LLaVA-OneVision's tower: its projector lays out whole items (tiles, unpadding, newlines,
     # pooled video frames) from the sizes the runtime passes with the encoder's rows
     ("llava_ov tower, dp_shard=2, sharded weights", dict(dp_shard=2), BOTH, {"steps": 3, "vision": "llava_ov"},

@@ -8,6 +8,9 @@ import torch
 from dataloading.construct.batch import IGNORE_INDEX, MediaInputs, MicroBatch
 from dataloading.construct.positions import mrope_position_ids
 from omni.models.encoders.llava_ov import LlavaOvEncoder, LlavaOvEncoderConfig
+from omni.models.encoders import qwen3_omni_audio
+from omni.models.encoders.qwen3_omni_audio import Qwen3OmniAudioConfig, Qwen3OmniAudioEncoder
+from omni.models.encoders.qwen3_omni_vision import Qwen3OmniVisionEncoder
 from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder
 from omni.models.encoders.qwen_omni_audio import QwenOmniAudioConfig, QwenOmniAudioEncoder, llm_tokens
 from omni.models.encoders.qwen_omni_vision import QwenOmniVisionEncoder
@@ -49,6 +52,7 @@ PLACEHOLDER = 95  # any id: the media rows overwrite its embedding
 
 
 QWEN_PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x frames x patch x patch
+MROPE_TOWERS = ("qwen", "qwen3", "omni", "qwen3_omni")  # Qwen towers: (t, h, w) sizes, an M-RoPE backbone
 # LLaVA-OneVision's tower: 8-pixel tiles of 4 x 4 patches, tilings up to 2 x 2 (max 1 tile's worth
 # of rows: larger grids are shrunk)
 LLAVA_OV = LlavaOvEncoderConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -64,7 +68,9 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
     tower (learned positions from a 3 x 3 table, DeepStack features of its two layers, which the
     LLM's first two layers add), its projector Qwen3-VL's mergers; ``vision="omni"``: Qwen2.5-Omni's
     thinker towers, the Qwen2.5-VL one and its audio tower (chunks of 4 mel frames, pooled pairs,
-    a linear projector)."""
+    a linear projector); ``vision="qwen3_omni"``: Qwen3-Omni's, the Qwen3-VL one (DeepStack) and
+    its audio tower (a Conv2d stem over chunks of 4 mel frames, one token each, windows of 4
+    chunks; the stem drawn at std 0.5 by ``build``)."""
     enc, proj = {}, {}
     if "image" in media and vision in ("qwen", "omni"):
         tower = QwenOmniVisionEncoder if vision == "omni" else QwenVisionEncoder
@@ -72,8 +78,9 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
                                               num_attention_heads=4, patch_size=2, window_size=8,
                                               fullatt_block_indexes=[1], min_pixels=16))
         proj["image"] = Projector(16, 32, merge=4, norm="rms")
-    elif "image" in media and vision == "qwen3":
-        enc["image"] = Qwen3VisionEncoder(Qwen3VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    elif "image" in media and vision in ("qwen3", "qwen3_omni"):
+        tower = Qwen3OmniVisionEncoder if vision == "qwen3_omni" else Qwen3VisionEncoder
+        enc["image"] = tower(Qwen3VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                                             num_attention_heads=4, patch_size=2, min_pixels=16,
                                                             num_position_embeddings=9, deepstack_visual_indexes=[0, 1]))
         proj["image"] = enc["image"].new_projector(32)
@@ -90,6 +97,11 @@ def encoders(media: tuple, merge: int = 1, vision: str = "siglip") -> tuple[dict
             num_mel_bins=MEL_BINS, d_model=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=32,
             max_source_positions=64, n_window=2, max_frames=64))
         proj["audio"] = enc["audio"].new_projector(32)
+    elif "audio" in media and vision == "qwen3_omni":
+        enc["audio"] = Qwen3OmniAudioEncoder(Qwen3OmniAudioConfig(
+            num_mel_bins=MEL_BINS, d_model=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=32,
+            max_source_positions=64, n_window=2, n_window_infer=16, downsample_hidden_size=8, max_frames=64))
+        proj["audio"] = enc["audio"].new_projector(32)
     elif "audio" in media:
         enc["audio"] = WhisperEncoder(WhisperEncoderConfig(num_mel_bins=MEL_BINS, d_model=16, encoder_layers=2,
                                                            encoder_attention_heads=4, encoder_ffn_dim=32,
@@ -105,13 +117,20 @@ def build(moe: bool | str, num_layers: int, media: tuple = (), frozen: tuple = (
     LoRA adapters of that rank on the LLM's linear layers (its base weights frozen), their B
     initialised non-zero so that the first step's gradients reach every adapter."""
     torch.manual_seed(1234)
-    llm = Decoder(model_config(moe, num_layers, mrope={"qwen": True, "omni": True, "qwen3": "qwen3"}.get(vision, False)))
+    llm = Decoder(model_config(moe, num_layers, mrope={"qwen": True, "omni": True, "qwen3": "qwen3",
+                                                       "qwen3_omni": "qwen3"}.get(vision, False)))
     model = OmniModel(llm, *encoders(media, merge, vision), frozen=set(frozen))
     with torch.no_grad():  # decisive routing and non-trivial norms (see tests/models/model_helpers.py)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.1)
             elif "router" in name:
+                p.normal_(0.0, 0.5)
+            elif name.startswith("encoders.audio.conv2d"):
+                # Qwen3-Omni's stem at its default init gives every token nearly the same state (the
+                # biases outgrow the signal over three convolutions): attention then barely depends
+                # on q and k, whose gradients (1e-5 of the others) are fp32 rounding and differ
+                # between layouts by 1e-3. Drawn larger, the tokens differ and the check is sharp.
                 p.normal_(0.0, 0.5)
     if lora:
         from omni.models import lora as adapters
@@ -149,12 +168,15 @@ def _media_item(gen: torch.Generator, modality: str, size: int, merge: int = 1, 
         a = int(torch.randint(1, 4, (1,), generator=gen)) if size == 0 else size
         b = int(torch.randint(1, 5, (1,), generator=gen))
         a, b = a * merge, b * merge
-        if vision in ("qwen", "qwen3", "omni"):
+        if vision in MROPE_TOWERS:
             return torch.randn(a * b, QWEN_PATCH_FEATURES, generator=gen), [1, a, b], a * b // (merge * merge)
         return torch.randn(a * b, PATCH_FEATURES, generator=gen), [a, b], a * b // (merge * merge)
     if vision == "omni":  # 3 to 12 mel frames (1 to 3 chunks of 4), one row per pooled pair of conv tokens
         frames = int(torch.randint(3, 13, (1,), generator=gen)) if size == 0 else size
         return torch.randn(frames, MEL_BINS, generator=gen), [frames], llm_tokens(frames)
+    if vision == "qwen3_omni":  # 8 to 40 mel frames (2 to 10 chunks of 4, one token each)
+        frames = int(torch.randint(8, 41, (1,), generator=gen)) if size == 0 else size
+        return torch.randn(frames, MEL_BINS, generator=gen), [frames], qwen3_omni_audio.llm_tokens(frames, n_window=2)
     frames = int(torch.randint(1, 9, (1,), generator=gen)) if size == 0 else size
     return torch.randn(frames, MEL_BINS, generator=gen), [frames], output_frames(frames)
 
@@ -177,7 +199,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
                 feats, size, tok = _media_item(gen, m, (6 if m == "image" else 24) if big else 0, merge, vision)
                 start = offset + sum(t.numel() for t in d_ids)
                 items[m].append((feats, size, tok, torch.arange(start, start + tok)))
-                if vision in ("qwen", "qwen3", "omni") and m == "image":  # M-RoPE grid of its placeholders
+                if vision in MROPE_TOWERS and m == "image":  # M-RoPE grid of its placeholders
                     grids.append((start - offset, 1, size[1] // merge, size[2] // merge, 1.0))
                 d_ids.append(torch.full((tok,), PLACEHOLDER))
                 d_lab.append(torch.full((tok,), IGNORE_INDEX))
@@ -199,7 +221,7 @@ def media_micro_batch(gen: torch.Generator, vocab: int, index: int, media: tuple
                                  torch.tensor([t for _, _, t, _ in its]), torch.cat([p for _, _, _, p in its]))
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     return MicroBatch(torch.cat(ids), torch.cat(pos), torch.cat(labels), cu, media=out, sample_ids=[f"mb{index}"],
-                      rope_position_ids=torch.cat(rope, dim=1) if vision in ("qwen", "qwen3", "omni") else None)
+                      rope_position_ids=torch.cat(rope, dim=1) if vision in MROPE_TOWERS else None)
 
 
 def micro_batch(gen: torch.Generator, vocab: int, index: int) -> MicroBatch:
