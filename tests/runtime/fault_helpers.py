@@ -24,12 +24,17 @@ LIVENESS_S = 600
 
 
 def command(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0,
-             shutdown_s: int | None = None, **extra) -> tuple[list[str], dict]:
+             shutdown_s: int | None = None, stop_grace_s: float | None = None, **extra) -> tuple[list[str], dict]:
     """``shutdown_s``: torchrun's --shutdown-timeout (how long it waits for the other ranks to
-    stop after one has failed before it kills them; default 30 s)."""
+    stop after one has failed before it kills them; default 30 s). ``stop_grace_s``: how long a
+    rank that makes no progress after a stop signal holds on before it ends (the trainer's
+    STOP_GRACE_MIN_S, 10 s; tests/runtime/fault_launch.py sets it)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     env.pop("OMNI_FAULT", None)
+    env.pop("OMNI_STOP_GRACE_S", None)
+    if stop_grace_s is not None:
+        env["OMNI_STOP_GRACE_S"] = str(stop_grace_s)
     if fault:
         env["OMNI_FAULT"] = fault
     shutdown = [] if shutdown_s is None else ["--shutdown-timeout", str(shutdown_s)]
@@ -40,8 +45,9 @@ def command(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: 
 
 
 def launch(run_dir: Path, demo_root: Path, fault: str | None = None, restarts: int = 0,
-            timeout: float = LIVENESS_S, shutdown_s: int | None = None, **extra) -> subprocess.CompletedProcess:
-    cmd, env = command(run_dir, demo_root, fault, restarts, shutdown_s, **extra)
+            timeout: float = LIVENESS_S, shutdown_s: int | None = None, stop_grace_s: float | None = None,
+            **extra) -> subprocess.CompletedProcess:
+    cmd, env = command(run_dir, demo_root, fault, restarts, shutdown_s, stop_grace_s, **extra)
     return subprocess.run(cmd, env=env, cwd=run_dir.parent, capture_output=True, text=True, timeout=timeout)
 
 
@@ -65,8 +71,9 @@ def resumed_from(out: subprocess.CompletedProcess) -> list[int]:
 
 def error_line(run_dir: Path, demo_root: Path, fault: str, **extra) -> str:
     """Run a job that must fail on its own (not by the test's timeout): its one-line error."""
-    # A hung rank holds on to its stop handler until torchrun kills it: 5 s, not 30, after the other failed.
-    out = launch(run_dir, demo_root, fault=fault, shutdown_s=5,
+    # A hung rank holds on to its stop handler until torchrun kills it: 5 s, not 30, after the other
+    # failed; or until its own stop grace ends it: 2 s, not 10 (its line is not asserted here).
+    out = launch(run_dir, demo_root, fault=fault, shutdown_s=5, stop_grace_s=2,
                   **{"trainer.max_steps": 3, "checkpoint.every": 0, **extra})
     assert out.returncode != 0, out.returncode
     return next(ln for ln in out.stderr.splitlines() if "omni: error:" in ln)

@@ -2,7 +2,8 @@
 
     torchrun ... tests/runtime/fault_launch.py train OVERRIDES...
 
-$OMNI_FAULT is ``KIND:RANK:STEP``; the fault fires on that rank, in the launcher's first attempt
+$OMNI_STOP_GRACE_S, when set, replaces the trainer's STOP_GRACE_MIN_S (10 s). $OMNI_FAULT is
+``KIND:RANK:STEP``; the fault fires on that rank, in the launcher's first attempt
 only (TORCHELASTIC_RESTART_COUNT 0), so a restarted job runs clean. Kinds:
 
 - ``kill_mid_step``: SIGKILL once the step's forward and backward are done, before the gradient sync;
@@ -91,6 +92,11 @@ def install(kind: str, step: int) -> None:
 
 
 def main() -> None:
+    grace = os.environ.get("OMNI_STOP_GRACE_S")
+    if grace:  # how long a rank stuck after a stop signal holds on (fault_helpers.command's stop_grace_s)
+        import omni.runtime.trainer as trainer
+
+        trainer.STOP_GRACE_MIN_S = float(grace)
     spec = os.environ.get("OMNI_FAULT")
     if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         kind, rank, step = spec.split(":")
