@@ -120,41 +120,51 @@ def test_a_trained_run_answers_and_refuses_media_it_has_no_encoder_for(demo_root
     assert "the model has no audio encoder (it has: image)" in capsys.readouterr().err
 
 
+def _generated_on_a_clip(tmp_path, capsys, saver, height: int, width: int):
+    """A 3-second clip (2 frames a second: 6 frames, 3 temporal patches) given to `omni generate
+    --video` on ``saver``'s tiny directory: (the transformers model, its tokenizer, Omni's tokens,
+    the decoded clip, the vision tower's config, the chat template's text)."""
+    from dataloading.formats.video import decode_video
+    from media_helpers import clip_bytes
+    from recipes.model_source import load_model
+
+    hf, tok = saver(tmp_path / "hf")
+    clip = tmp_path / "c.mp4"
+    clip.write_bytes(clip_bytes(frames=30, rate=10, height=height, width=width, texture_seed=0))
+    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", "what happens?",
+                 "--max-new-tokens", "10", "--json"]) == 0
+    got = _json_out(capsys)["token_ids"]
+    config = load_model(str(tmp_path / "hf")).model.encoders["image"].config
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                 {"type": "text", "text": "what happens?"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    return hf, tok, got, decode_video(clip.read_bytes()), config, text
+
+
+def _transformers_greedy(hf, tok, text: str, **inputs) -> list[int]:
+    """transformers' greedy tokens (10 at most, EOS dropped) after ``text``, its video tokens
+    typed as video (mm_token_type_ids 2)."""
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        want = hf.generate(input_ids=ids[None], mm_token_type_ids=(ids == hf.config.video_token_id).long()[None] * 2,
+                           max_new_tokens=10, do_sample=False, **inputs)[0, len(ids):].tolist()
+    return want[:-1] if want and want[-1] == tok.eos_token_id else want
+
+
 def test_greedy_with_a_video_on_a_qwen_directory_equals_transformers_generate(tmp_path, capsys):
     """A clip through the chat template (<|vision_start|><|video_pad|><|vision_end|>), sampled
     at the default 2 frames per second; transformers gets the same frames as its video inputs,
     the video token once per merged patch and the seconds per temporal patch (its M-RoPE steps)."""
     pytest.importorskip("av")
-    from dataloading.formats.video import decode_video
-    from media_helpers import clip_bytes
     from omni.models.encoders.qwen_vl import QwenVisionEncoder
-    from recipes.model_source import load_model
 
-    hf, tok = save_tiny_qwen2_5_vl(tmp_path / "hf")
-    clip = tmp_path / "c.mp4"
-    clip.write_bytes(clip_bytes(frames=30, rate=10, height=56, width=84, texture_seed=0))  # 3 s
-    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", "what happens?",
-                 "--max-new-tokens", "10", "--json"]) == 0
-    got = _json_out(capsys)
-    enc = load_model(str(tmp_path / "hf")).model.encoders["image"]
-    item = QwenVisionEncoder.processor(enc.config).video(decode_video(clip.read_bytes()))
-    t = item.size[0]
-    assert t == 3  # 3 s at 2 frames per second: 6 frames, 3 temporal patches of 2
-    n = item.num_tokens
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"},
-                                                                 {"type": "text", "text": "what happens?"}]}],
-                                   tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor(tok(text.replace("<|video_pad|>", "<|video_pad|>" * n), add_special_tokens=False)["input_ids"])
-    video = hf.config.video_token_id
-    with torch.no_grad():
-        want = hf.generate(input_ids=ids[None], pixel_values_videos=item.features,
-                           video_grid_thw=torch.tensor([list(item.size)]),
-                           second_per_grid_ts=torch.tensor([2 / (6 / 3.0)]),  # 2 frames per patch at 2 fps
-                           mm_token_type_ids=(ids == video).long()[None] * 2, max_new_tokens=10,
-                           do_sample=False)[0, len(ids):].tolist()
-    if want and want[-1] == tok.eos_token_id:
-        want = want[:-1]
-    assert got["token_ids"] == want and len(want) >= 3
+    hf, tok, got, clip, config, text = _generated_on_a_clip(tmp_path, capsys, save_tiny_qwen2_5_vl, 56, 84)
+    item = QwenVisionEncoder.processor(config).video(clip)
+    assert item.size[0] == 3  # 3 s at 2 frames per second: 6 frames, 3 temporal patches of 2
+    want = _transformers_greedy(hf, tok, text.replace("<|video_pad|>", "<|video_pad|>" * item.num_tokens),
+                                pixel_values_videos=item.features, video_grid_thw=torch.tensor([list(item.size)]),
+                                second_per_grid_ts=torch.tensor([2 / (6 / 3.0)]))  # 2 frames per patch at 2 fps
+    assert got == want and len(want) >= 3
 
 
 def test_greedy_with_a_video_on_a_qwen3_vl_directory_equals_transformers_generate(tmp_path, capsys):
@@ -163,40 +173,20 @@ def test_greedy_with_a_video_on_a_qwen3_vl_directory_equals_transformers_generat
     <|vision_start|>, video tokens and <|vision_end|> (transformers' Qwen3VLProcessor);
     transformers gets the clip's frames as one video of 3 temporal patches."""
     pytest.importorskip("av")
-    from dataloading.formats.video import decode_video
     from hf_family_helpers import save_tiny_qwen3_vl
-    from media_helpers import clip_bytes
     from omni.models.encoders.qwen3_vl import Qwen3VisionEncoder
-    from recipes.model_source import load_model
 
-    hf, tok = save_tiny_qwen3_vl(tmp_path / "hf")
-    clip = tmp_path / "c.mp4"
-    clip.write_bytes(clip_bytes(frames=30, rate=10, height=64, width=96, texture_seed=0))  # 3 s
-    assert main(["generate", "--model", str(tmp_path / "hf"), "--video", str(clip), "--prompt", "what happens?",
-                 "--max-new-tokens", "10", "--json"]) == 0
-    got = _json_out(capsys)
-    enc = load_model(str(tmp_path / "hf")).model.encoders["image"]
-    items = Qwen3VisionEncoder.processor(enc.config).video(decode_video(clip.read_bytes()))
+    hf, tok, got, clip, config, text = _generated_on_a_clip(tmp_path, capsys, save_tiny_qwen3_vl, 64, 96)
+    items = Qwen3VisionEncoder.processor(config).video(clip)
     assert len(items) == 3 and len({it.size for it in items}) == 1  # 6 frames at 2 a second, patches of 2
     _, gh, gw = items[0].size
-    n = items[0].num_tokens
-    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"},
-                                                                 {"type": "text", "text": "what happens?"}]}],
-                                   tokenize=False, add_generation_prompt=True)
     # frames at 0.25, 0.75, ..., 2.75 s; each patch's time is its two frames' mean
-    frames = "".join(f"<{s} seconds><|vision_start|>" + "<|video_pad|>" * n + "<|vision_end|>"
+    frames = "".join(f"<{s} seconds><|vision_start|>" + "<|video_pad|>" * items[0].num_tokens + "<|vision_end|>"
                      for s in ("0.5", "1.5", "2.5"))
-    text = text.replace("<|vision_start|><|video_pad|><|vision_end|>", frames)
-    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
-    video = hf.config.video_token_id
-    with torch.no_grad():
-        want = hf.generate(input_ids=ids[None], pixel_values_videos=torch.cat([it.features for it in items]),
-                           video_grid_thw=torch.tensor([[3, gh, gw]]),
-                           mm_token_type_ids=(ids == video).long()[None] * 2, max_new_tokens=10,
-                           do_sample=False)[0, len(ids):].tolist()
-    if want and want[-1] == tok.eos_token_id:
-        want = want[:-1]
-    assert got["token_ids"] == want and len(want) >= 3
+    want = _transformers_greedy(hf, tok, text.replace("<|vision_start|><|video_pad|><|vision_end|>", frames),
+                                pixel_values_videos=torch.cat([it.features for it in items]),
+                                video_grid_thw=torch.tensor([[3, gh, gw]]))
+    assert got == want and len(want) >= 3
 
 
 def test_media_that_cannot_be_used_is_one_line(tmp_path, capsys, monkeypatch):
