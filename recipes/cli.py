@@ -239,7 +239,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--video", action="append", default=[], metavar="FILE", help="a video (mp4, webm)")
     p.add_argument("--audio", action="append", default=[], metavar="FILE", help="an audio file (wav, flac)")
     p.add_argument("--video-audio", action="store_true",
-                   help="also take each video's own audio track, interleaved with its frames (Qwen2.5-Omni's thinker)")
+                   help="also take each video's own audio track, interleaved with its frames (the Omni thinkers)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--greedy", action="store_true", help="the most likely token each step (the default)")
     p.add_argument("--temperature", type=float, default=None, help="sample with this temperature")

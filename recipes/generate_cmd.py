@@ -101,7 +101,7 @@ def generate_main(model: str, prompt: str, images: Sequence[str] = (), videos: S
                   seed: int = 0, as_json: bool = False, step: Optional[int] = None, device: str = "cpu",
                   video_audio: bool = False) -> int:
     """``video_audio``: each video's own audio track goes to the audio tower beside its frames
-    (interleaved, as Qwen2.5-Omni's thinker takes them)."""
+    (interleaved, as the Qwen2.5-Omni and Qwen3-Omni thinkers take them)."""
     import torch
 
     from dataloading.construct.constructor import SampleConstructor

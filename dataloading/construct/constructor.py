@@ -25,7 +25,8 @@ from dataloading.construct.positions import mrope_position_ids, video_with_audio
 from dataloading.errors import DataError, ProblemCounter
 from dataloading.formats.chat import last_answer
 from dataloading.formats.media import (MediaItem, MediaProcessor, as_encoder_placeholders, configure_processors,
-                                       encoder_modality, processor_for, takes_video_track)
+                                       encoder_modality, family_frame, processor_for, takes_video_track,
+                                       track_framing)
 from dataloading.formats.modality import AUDIO, MODALITIES, VIDEO
 from dataloading.formats.sample import DecodedSample, decode_sample, text_segments
 from dataloading.formats.tokenizer import Tokenizer
@@ -127,9 +128,8 @@ class SampleConstructor:
         audio tower; one line when the model cannot take it."""
         proc = processor_for(self._processors(sample_id), VIDEO.name, f"sample {sample_id}")
         chunk = float(getattr(proc, "track_chunk_positions", 0.0))
-        frame = getattr(self.tokenizer, "family_tokens", {}).get(AUDIO.name)
-        if (len(items) != 1 or not getattr(proc, "takes_track", False) or items[0].rope_grid is None or frame is None
-                or not frame.before):
+        if (len(items) != 1 or not getattr(proc, "takes_track", False) or items[0].rope_grid is None
+                or track_framing(self.tokenizer) is None):
             raise DataError(f"sample {sample_id}: a video's audio track goes beside its frames only in a model that "
                             "interleaves them (the Qwen2.5-Omni and Qwen3-Omni thinkers, with their own tokenizer)",
                             kind="config")
@@ -193,7 +193,7 @@ class SampleConstructor:
     def _frame_ids(self) -> tuple[int | None, int | None]:
         """The ids of the opening and closing tokens the family frames a video's item with (None
         without a family's tokens: a byte tokenizer writes the frames bare)."""
-        frame = getattr(self.tokenizer, "family_tokens", {}).get(VIDEO.name)
+        frame = family_frame(self.tokenizer, VIDEO.name)
         if frame is None:
             return None, None
         return tuple(self.tokenizer.token_id(x) if x else None for x in (frame.before, frame.after))
@@ -228,8 +228,7 @@ class SampleConstructor:
             runs, rel, resume = video_with_audio(t, rows, cols, interval, video.track.num_tokens, video.track_chunk)
         else:  # Qwen3-Omni: token by token, by time
             runs, rel, resume = video_with_audio_by_time(t, rows, cols, interval, video.track.num_tokens)
-        frame = self.tokenizer.family_tokens[AUDIO.name]
-        opening, closing = (self.tokenizer.token_id(x) for x in (frame.before, frame.after))
+        opening, closing = (self.tokenizer.token_id(x) for x in track_framing(self.tokenizer))
         audio_id = self._placeholder_of[AUDIO.name]
         start = len(ids)
         ids.append(opening)

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from dataloading.formats.modality import MODALITIES
+from dataloading.formats.modality import AUDIO, MODALITIES
 
 #: The maps of the media kinds, derived from their declarations (``dataloading.formats.modality``).
 #: Field extensions per kind.
@@ -93,6 +93,19 @@ def takes_video_track(processor: MediaProcessor) -> bool:
     ``video: {audio: true}``): the constructor then decodes the track for the audio tower and the
     planner counts its tokens."""
     return bool(getattr(processor, "video_audio", False))
+
+
+def family_frame(tokenizer: Any, kind: str) -> Any:
+    """The model family's placeholder tokens of a media kind (``PlaceholderTokens``: its token,
+    opening and closing ones), None for a tokenizer without a family's (the byte tokenizer)."""
+    return getattr(tokenizer, "family_tokens", {}).get(kind)
+
+
+def track_framing(tokenizer: Any) -> tuple[str, str] | None:
+    """The opening and closing tokens a video's own audio track goes between with its frames
+    (the family's audio framing), None for a tokenizer that lacks them."""
+    frame = family_frame(tokenizer, AUDIO.name)
+    return (frame.before, frame.after) if frame is not None and frame.before and frame.after else None
 
 
 def frame_texts_from_meta(processor: MediaProcessor, meta: dict) -> list[str]:

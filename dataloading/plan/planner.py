@@ -84,7 +84,7 @@ class SourceTable:
             if meta.key in chat:
                 self.tokens[i] = chat[meta.key] + sum(items) + layout_tokens(meta, tokenizer, self.processors, where)
             else:
-                self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template)
+                self.tokens[i] = estimate_tokens(meta, tokenizer, self.processors, where, template, entries)
             # A video costs what its encoder's item of that many tokens costs (an image item's).
             self.media_cost[i] = sum(float(cost.media_cost(m, k)) for m, k in zip(modalities, items))
             self.num_media[i] = len(items)

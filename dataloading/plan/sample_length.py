@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from dataloading.errors import DataError
-from dataloading.formats.media import (MEDIA_PLACEHOLDERS, MediaProcessor, encoder_modality, frame_texts_from_meta,
-                                       processor_for, takes_video_track)
+from dataloading.formats.media import (MEDIA_PLACEHOLDERS, MediaProcessor, encoder_modality, family_frame,
+                                       frame_texts_from_meta, processor_for, takes_video_track, track_framing)
 from dataloading.formats.modality import AUDIO, VIDEO
 from dataloading.formats.tokenizer import Tokenizer, estimate_text_tokens
 from dataloading.index.source_index import SampleMeta
@@ -45,7 +45,7 @@ def layout_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[st
     frame of a clip written frame by frame (Qwen3-VL's timestamps, ``MediaItem.frame_text``)
     and, where the family frames a video, one more opening and closing pair per frame but the
     first; an interleaved audio track's opening and closing tokens."""
-    frame = getattr(tokenizer, "family_tokens", {}).get(VIDEO.name)
+    frame = family_frame(tokenizer, VIDEO.name)
     pair = 0 if frame is None else bool(frame.before) + bool(frame.after)
     n = 0
     for kind, m in meta.media:
@@ -61,8 +61,7 @@ def layout_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[st
 def _track_frame(tokenizer: Tokenizer, meta: SampleMeta, where: str) -> int:
     """The interleaved span's opening and closing tokens: the family's audio framing, which a
     tokenizer without the family's tokens (the byte tokenizer) lacks."""
-    frame = getattr(tokenizer, "family_tokens", {}).get(AUDIO.name)
-    if frame is None or not frame.before or not frame.after:
+    if track_framing(tokenizer) is None:
         raise DataError(f"{where or 'sample'} {meta.key}: video: {{audio: true}} interleaves a clip's own track "
                         "with its frames between the family's audio tokens, which this tokenizer lacks; train "
                         "with the model's own tokenizer (data.tokenizer=DIR) or drop the option", kind="config")
@@ -70,12 +69,13 @@ def _track_frame(tokenizer: Tokenizer, meta: SampleMeta, where: str) -> int:
 
 
 def estimate_tokens(meta: SampleMeta, tokenizer: Tokenizer, processors: Mapping[str, MediaProcessor],
-                    where: str = "", template_bytes: int = 0) -> int:
-    """Packed length of a sample from index metadata (exact for ByteTokenizer)."""
+                    where: str = "", template_bytes: int = 0, entries: list[tuple[str, int]] | None = None) -> int:
+    """Packed length of a sample from index metadata (exact for ByteTokenizer); ``entries``: its
+    ``media_entries`` when the caller has them already."""
     placeholder_bytes = sum(len(MEDIA_PLACEHOLDERS[m].encode()) for m, _ in meta.media)
     n = (tokenizer.bos_id is not None) + 1  # BOS (if any) + EOS
     n += estimate_text_tokens(tokenizer, meta.text_bytes - placeholder_bytes + template_bytes)
     if meta.response_bytes is not None:
         n += estimate_text_tokens(tokenizer, meta.response_bytes)
-    items = media_entries(meta, processors, where)
+    items = media_entries(meta, processors, where) if entries is None else entries
     return n + sum(k for _, k in items) + layout_tokens(meta, tokenizer, processors, where)

@@ -12,19 +12,19 @@ differs is where a checkpoint keeps it:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Dict, List, Tuple
+from typing import Any, ClassVar, Dict, Tuple
 
 from dataloading.formats.media import MediaItem
-
-from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder, Qwen3VisionProcessor
+from omni.models.encoders.qwen3_vl import Qwen3VisionConfig, Qwen3VisionEncoder
 from omni.models.encoders.qwen_omni_vision import thinker_config
 from omni.models.encoders.qwen_vl_processor import QwenVisionProcessor
 
 OMNI3_MODEL_TYPES = ("qwen3_omni_moe", "qwen3_omni_moe_thinker")
 
 
-class Qwen3OmniVisionProcessor(Qwen3VisionProcessor):
-    """Qwen3-VL's image processor, with Qwen3-Omni's videos: a clip is one item of ``t``
+class Qwen3OmniVisionProcessor(QwenVisionProcessor):
+    """Qwen's image processor with Qwen3-VL's patch, budget and normalisation (the tower's
+    config), and Qwen3-Omni's videos, not Qwen3-VL's timestamped ones: a clip is one item of ``t``
     temporal patches (sampled and resized as Qwen2-VL's, within Qwen3-Omni's clip budget of
     768 merge groups of 32 x 32 pixels) inside the family's ``<|vision_start|>`` and
     ``<|vision_end|>``, no timestamps; its temporal patches ``position_id_per_seconds x 2 / fps``
@@ -55,11 +55,8 @@ class Qwen3OmniVisionProcessor(Qwen3VisionProcessor):
         return other
 
     def video(self, clip: Any) -> MediaItem:
-        item = QwenVisionProcessor.video(self, clip)
+        item = super().video(clip)
         return dataclasses.replace(item, rope_grid=(*item.rope_grid[:3], self.patch_step(), True))
-
-    def frame_texts_from_meta(self, meta: Dict[str, Any]) -> List[str]:
-        return []
 
 
 class Qwen3OmniVisionEncoder(Qwen3VisionEncoder):

@@ -63,12 +63,11 @@ class QwenVisionProcessor:
         # Qwen2.5-VL), or past its largest position (Qwen2.5-Omni's TMRoPE, whose timed frames
         # can outrun the grid): dataloading.construct.positions.mrope_position_ids
         self.resume_after_largest = resume_after_largest
-        # A video's own audio track interleaves with its frames in chunks of this many rotary
-        # positions (Qwen2.5-Omni: seconds_per_chunk 2 at tokens_per_second; 0: no track)
-        self.track_chunk_positions = 2.0 * config.tokens_per_second if resume_after_largest else 0.0
-        # Whether the family interleaves a video's own audio track with its frames (Qwen2.5-Omni in
-        # chunks of track_chunk_positions; Qwen3-Omni token by token by time: chunk 0)
+        # Whether the family interleaves a video's own audio track with its frames, and how: in
+        # chunks of track_chunk_positions rotary positions (Qwen2.5-Omni: seconds_per_chunk 2 at
+        # tokens_per_second), or token by token by time with 0 (Qwen3-Omni's processor sets it)
         self.takes_track = resume_after_largest
+        self.track_chunk_positions = 2.0 * config.tokens_per_second if resume_after_largest else 0.0
         self.video_audio = False  # a source's ``video: {audio: true}``: each clip's own track beside its frames
         self.patch = config.patch_size
         self.merge = config.spatial_merge
